@@ -1,0 +1,136 @@
+"""Per-token policy losses and their aggregation with DPPO weights (DPPO.md sections 1 and 4).
+
+Every tensor here is flat over the LOSS tokens of a batch (completion tokens only, any number
+of sequences, any order): `seq_index[t]` says which sequence token t belongs to. That layout
+serves a padded batch (flatten with the mask) and a packed THD micro-batch alike.
+
+The aggregated loss is always sum_t coef_t * loss_t with coef_t fixed before any parameter
+changes (the DPPO weight of t's sequence over a full-batch denominator). Summing that over
+micro-batches, pipeline stages and data-parallel ranks gives the same number whatever the
+split, and its expectation over the pruning masks is the full-batch loss.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+RATIO_TYPES = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_index, values)
+    counts = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
+        0, seq_index, torch.ones_like(values))
+    return sums / counts.clamp(min=1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate from samples of pi_theta.
+    k1 = log(pi/pi_ref) (unbiased, high variance); k3 = r - log r - 1 with r = pi_ref/pi
+    (unbiased, non-negative, lower variance: Schulman's estimator, GRPO's choice)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = ref_logp - logp
+    if estimator == "k1":
+        return -log_ratio
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+                clip_low: float = 0.2, clip_high: float = 0.2, ratio_type: str = "token",
+                seq_index: torch.Tensor | None = None, num_seqs: int | None = None,
+                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                kl_estimator: str = "k3"):
+    """Per-token clipped surrogate loss (+ beta * KL): returns (loss [T], stats dict).
+
+    ratio_type "token": rho_t = pi/pi_old per token (GRPO; DAPO = clip_high 0.28).
+    ratio_type "sequence": GSPO, rho_s = exp(mean_t log rho_t) per sequence, one clip per
+    sequence; each of the sequence's tokens carries the sequence's loss.
+    """
+    if ratio_type not in RATIO_TYPES:
+        raise ValueError(f"ratio_type must be one of {RATIO_TYPES}, got {ratio_type!r}")
+    if not (logp.shape == old_logp.shape == advantages.shape) or logp.dim() != 1:
+        raise ValueError(f"logp, old_logp and advantages must be equal 1-D shapes, got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}")
+    log_ratio = logp - old_logp
+    if ratio_type == "sequence":
+        if seq_index is None or num_seqs is None:
+            raise ValueError("ratio_type='sequence' (GSPO) needs seq_index and num_seqs")
+        seq_log_ratio = _segment_mean(log_ratio, seq_index, num_seqs)
+        log_ratio = seq_log_ratio[seq_index]
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    loss = -surrogate
+    with torch.no_grad():
+        clip_frac = ((ratio * advantages) > (clipped * advantages)).float()
+        stats = {"clip_frac": clip_frac, "ratio": ratio.detach()}
+    if kl_coef:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp")
+        kl = kl_penalty(logp, ref_logp, kl_estimator)
+        loss = loss + kl_coef * kl
+        stats["kl"] = kl.detach()
+    return loss, stats
+
+
+def token_coefficients(seq_index: torch.Tensor, seq_weight: torch.Tensor, seq_length: torch.Tensor,
+                       loss_agg: str, denominator: float) -> torch.Tensor:
+    """coef [T] with loss = sum_t coef_t * loss_t.
+
+    seq_weight [S]: the DPPO weight w_q * w_o of each sequence (1 without pruning).
+    seq_length [S]: completion tokens of each sequence (|o|).
+    denominator: the FULL-batch one from `full_batch_denominator`, never what survived.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if not denominator > 0:
+        raise ValueError(f"denominator must be > 0, got {denominator!r}")
+    per_seq = seq_weight.double() / float(denominator)
+    if loss_agg == "seq-mean-token-mean":
+        per_seq = per_seq / seq_length.double().clamp(min=1)
+    return per_seq[seq_index].float()
+
+
+def aggregate(token_loss: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The weighted-sum reduction every layout shares: sum_t coef_t * loss_t."""
+    return (token_loss * coef).sum()
+
+
+def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
+                           completion_lengths: torch.Tensor | None = None,
+                           prompt_weight: torch.Tensor | None = None,
+                           max_response_length: int | None = None) -> float:
+    """The denominator the unpruned batch of num_prompts x group_size would have had.
+
+    seq-mean-token-mean:     B * G                                (exact)
+    seq-mean-token-sum-norm: B * G * max_response_length         (exact, Dr.GRPO's constant)
+    token-mean:              total completion tokens of the full batch. completion_lengths
+        [P_rolled, G] are the lengths of every GENERATED completion (before completion pruning,
+        so that part is exact); prompts skipped before rollout are estimated Horvitz-Thompson
+        style by weighting each rolled-out prompt's tokens with its prompt weight w_q
+        (consistent, not exact; exact when no prompt was skipped).
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if num_prompts < 1 or group_size < 1:
+        raise ValueError(f"num_prompts and group_size must be >= 1, got {num_prompts}, {group_size}")
+    if loss_agg == "seq-mean-token-mean":
+        return float(num_prompts * group_size)
+    if loss_agg == "seq-mean-token-sum-norm":
+        if not max_response_length or max_response_length < 1:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs max_response_length >= 1")
+        return float(num_prompts * group_size * max_response_length)
+    if completion_lengths is None or completion_lengths.dim() != 2:
+        raise ValueError("loss_agg 'token-mean' needs completion_lengths [num_rolled_prompts, G]")
+    per_prompt = completion_lengths.double().sum(dim=1)
+    if prompt_weight is not None:
+        if prompt_weight.shape != per_prompt.shape:
+            raise ValueError(f"prompt_weight must have shape {tuple(per_prompt.shape)}, "
+                             f"got {tuple(prompt_weight.shape)}")
+        per_prompt = per_prompt * prompt_weight.double()
+    total = float(per_prompt.sum())
+    if total <= 0:
+        raise ValueError("token-mean denominator is 0: no completion tokens were generated")
+    return total

