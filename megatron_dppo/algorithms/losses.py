@@ -77,7 +77,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def token_coefficients(seq_index: torch.Tensor, seq_weight: torch.Tensor, seq_length: torch.Tensor,
                        loss_agg: str, denominator: float) -> torch.Tensor:
-    """coef [T] with loss = sum_t coef_t * loss_t.
+    """coef [T] float64 with loss = sum_t coef_t * loss_t (cast it to the loss dtype at use).
 
     seq_weight [S]: the DPPO weight w_q * w_o of each sequence (1 without pruning).
     seq_length [S]: completion tokens of each sequence (|o|).
@@ -90,12 +90,12 @@ def token_coefficients(seq_index: torch.Tensor, seq_weight: torch.Tensor, seq_le
     per_seq = seq_weight.double() / float(denominator)
     if loss_agg == "seq-mean-token-mean":
         per_seq = per_seq / seq_length.double().clamp(min=1)
-    return per_seq[seq_index].float()
+    return per_seq[seq_index]
 
 
 def aggregate(token_loss: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """The weighted-sum reduction every layout shares: sum_t coef_t * loss_t."""
-    return (token_loss * coef).sum()
+    return (token_loss * coef.to(token_loss.dtype)).sum()
 
 
 def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
