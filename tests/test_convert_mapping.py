@@ -1,0 +1,74 @@
+"""The in-memory HF <-> Megatron mapping (no Megatron needed): round trips and sharding."""
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from megatron_dppo.convert import qwen3
+
+
+def _hf(tied, vocab=50, seed=0):
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=tied,
+                      architectures=["Qwen3ForCausalLM"])
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    sd = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    return cfg, sd
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("te_names", [False, True])
+def test_hf_megatron_hf_is_bitwise(tied, te_names):
+    cfg, sd = _hf(tied)
+    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=qwen3.padded_vocab_size(50, 128, 2), te_names=te_names)
+    assert layout.padded_vocab == 256
+    mg = qwen3.hf_to_megatron(sd, layout)
+    assert mg["embedding.word_embeddings.weight"].shape == (256, 64)
+    back = qwen3.megatron_to_hf(mg, layout)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+
+
+def test_fused_qkv_is_grouped_per_kv_head():
+    cfg, sd = _hf(True)
+    layout = qwen3.layout_from_hf_config(cfg)
+    q, k, v = (sd[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    fused = qwen3.fuse_qkv(q, k, v, layout)
+    d = 32
+    # group 0: q heads 0,1 then k head 0 then v head 0; group 1 likewise
+    expect = torch.cat([q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    assert torch.equal(fused, expect)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_shard_then_merge_recovers_full(tp, pp):
+    cfg, sd = _hf(False)
+    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=qwen3.padded_vocab_size(50, 8, tp))
+    full = qwen3.hf_to_megatron(sd, layout)
+    shards = {(t, p): qwen3.shard_for_rank(full, layout, t, tp, p, pp) for t in range(tp) for p in range(pp)}
+    rebuilt = {}
+    for p in range(pp):
+        for local in shards[(0, p)]:
+            name = qwen3.to_global_name(local, p, pp, layout.num_layers)
+            rebuilt[name] = qwen3.tp_merge(name, [shards[(t, p)][local] for t in range(tp)])
+    assert rebuilt.keys() == full.keys()
+    for k in full:
+        assert torch.equal(rebuilt[k], full[k]), k
+    if tp == 2:  # fc1: each rank holds [gate_r; up_r]
+        fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+        r1 = shards[(1, 0)]["decoder.layers.0.mlp.linear_fc1.weight"]
+        assert torch.equal(r1[:48], fc1[48:96]) and torch.equal(r1[48:], fc1[144:])
+
+
+def test_unsupported_architecture_and_missing_tensor_are_named():
+    cfg, sd = _hf(True)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with pytest.raises(ValueError, match="architectures=\\['LlamaForCausalLM'\\]"):
+        qwen3.layout_from_hf_config(cfg)
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    del sd["model.layers.2.mlp.up_proj.weight"]
+    with pytest.raises(KeyError, match="model.layers.2.mlp.up_proj.weight"):
+        qwen3.hf_to_megatron(sd, qwen3.layout_from_hf_config(cfg))
+    with pytest.raises(ValueError, match="num_layers=4 is not divisible by pipeline parallel size 3"):
+        qwen3.stage_layers(4, 0, 3)
