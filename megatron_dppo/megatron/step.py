@@ -1,0 +1,264 @@
+"""The policy on Megatron-Core: packed micro-batches through forward_backward with the DPPO loss.
+
+How the DPPO loss enters Megatron's distributed reduction (DPPO.md section 4): each
+micro-batch's loss is sum_t coef_t * loss_t, coef_t = (w_q * w_o of t's sequence) / (the
+FULL mini-batch denominator) [/ |o| for seq-mean-token-mean], fixed before the step. The
+gradient we want is the gradient of the sum of those over every micro-batch of every rank. So:
+  * calculate_per_token_loss=True: the schedule neither divides a micro-batch's loss by its
+    token count nor by the number of micro-batches;
+  * the DDP sums gradients over data-parallel ranks (gradient_scaling_factor 1, no averaging);
+  * finalize_model_grads runs WITHOUT its 1/num_tokens scaling (we pass num_tokens=None).
+The result is independent of the micro-batch split, PP, TP and DP by construction, and a test
+compares it with a single-process reference for each layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dppo.algorithms import losses
+from megatron_dppo.convert import qwen3 as mapping
+from megatron_dppo.megatron.logprobs import token_logprobs
+from megatron_dppo.megatron.model import build_gpt_model, resolve_attention_backend
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    decay_steps: int = 1000
+    decay_style: str = "constant"      # constant | linear | cosine
+    distributed_optimizer: bool | None = None  # None: on with CUDA, off on CPU
+
+
+@dataclass
+class LossConfig:
+    loss_agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    ratio_type: str = "token"          # token (GRPO/DAPO) | sequence (GSPO)
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0           # log-probs at the sampling temperature
+
+
+def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
+    """finalize_model_grads without the 1/num_tokens scaling: our coefficients already carry
+    the full-batch denominator, so any further normalisation would make the result depend on
+    how the batch was split."""
+    return finalize_model_grads(model, None, *args, **kwargs)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class MegatronPolicy:
+    """One rank's share of the policy (and optional frozen reference) model."""
+
+    def __init__(self, hf_config, optim: OptimConfig, loss: LossConfig, *, params_dtype=torch.float32,
+                 attention: str = "auto", with_reference: bool = False):
+        self.hf_config, self.optim_cfg, self.loss_cfg = hf_config, optim, loss
+        backend = resolve_attention_backend(attention)
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        overrides = dict(calculate_per_token_loss=True)
+        if self.pp_size > 1:
+            # Packs differ in length: let the pipeline send each activation's shape first.
+            # (TransformerConfig insists on the alltoall MoE dispatcher for that, even for a
+            # dense model, where it is unused.)
+            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        model = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+        self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size,
+                                                    te_names=backend == "te")
+        self.vocab_size = hf_config.vocab_size
+        model.config.finalize_model_grads_func = _finalize_grads_unscaled
+        dist_opt = torch.cuda.is_available() if optim.distributed_optimizer is None else optim.distributed_optimizer
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=dist_opt)
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                            clip_grad=optim.clip_grad, bf16=params_dtype == torch.bfloat16,
+                            params_dtype=params_dtype, use_distributed_optimizer=dist_opt),
+            [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(optim.decay_steps, optim.warmup_steps + 1), lr_decay_style=optim.decay_style,
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        self.reference = None
+        if with_reference:
+            self.reference = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def load_hf_state_dict(self, hf_sd: dict, into_reference: bool = True) -> None:
+        """Load HF-named full tensors (every rank passes the same dict) into this rank's shard."""
+        full = mapping.hf_to_megatron(hf_sd, self.layout)
+        local = mapping.shard_for_rank(full, self.layout, parallel_state.get_tensor_model_parallel_rank(),
+                                       self.tp_size, parallel_state.get_pipeline_model_parallel_rank(),
+                                       self.pp_size)
+        targets = [self.model.module] + ([self.reference] if self.reference is not None and into_reference else [])
+        for module in targets:
+            own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
+            missing, unexpected = own - local.keys(), local.keys() - own
+            if missing or unexpected:
+                raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, "
+                                 f"unexpected {sorted(unexpected)[:5]}")
+            with torch.no_grad():
+                params = dict(module.named_parameters())
+                for name, tensor in local.items():
+                    params[name].copy_(tensor)
+        self.optimizer.reload_model_params()  # the fp32 main copy of a bf16 model, if any
+
+    def _gather_full_megatron(self, tensors: dict) -> dict:
+        """Local megatron-named tensors -> full (TP-merged, all PP stages) on every rank."""
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        merged = {}
+        for local, t in sorted(tensors.items()):
+            name = mapping.to_global_name(local, pp_rank, self.pp_size, self.layout.num_layers)
+            if self.layout.tied and self.pp_size > 1 and name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            if self.tp_size > 1 and mapping.tp_split_kind(name) != "replicated":
+                shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                dist.all_gather(shards, t.contiguous(), group=tp_group)
+                t = mapping.tp_merge(name, shards)
+            merged[name] = t
+        if self.pp_size == 1:
+            return merged
+        full = {}
+        ranks = dist.get_process_group_ranks(pp_group)
+        for stage, src in enumerate(ranks):
+            meta = [[(k, tuple(v.shape), v.dtype) for k, v in merged.items()] if stage == pp_rank else None]
+            dist.broadcast_object_list(meta, src=src, group=pp_group)
+            for k, shape, dtype in meta[0]:
+                buf = merged[k].contiguous() if stage == pp_rank else torch.empty(shape, dtype=dtype, device=_device())
+                dist.broadcast(buf, src=src, group=pp_group)
+                full[k] = buf
+        return full
+
+    def hf_state_dict(self) -> dict:
+        """The current weights under HF names, on every rank (small models; weight sync)."""
+        local = {k: v.detach() for k, v in self.model.module.named_parameters()}
+        return mapping.megatron_to_hf(self._gather_full_megatron(local), self.layout)
+
+    def hf_grads(self) -> dict:
+        """Gradients after forward_backward (DP-reduced), under HF names, on every rank."""
+        local = {k: p.main_grad.detach().clone() for k, p in self.model.module.named_parameters()}
+        if self.layout.tied and self.pp_size > 1:
+            # The embedding gradient was all-reduced between first and last stage; count it once.
+            local.pop("output_layer.weight", None)
+        return mapping.megatron_to_hf(self._gather_full_megatron(local), self.layout)
+
+    # ---- forward / backward ----------------------------------------------------------------
+    def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
+        batch = next(data_iterator)
+        dev = _device()
+        psp = batch.packed_seq_params() if batch.cu_seqlens is not None else None
+        if psp is not None and dev.type == "cuda":
+            for f in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+                if getattr(psp, f, None) is not None:
+                    setattr(psp, f, getattr(psp, f).to(dev))
+        output = model(input_ids=batch.tokens.to(dev), position_ids=batch.position_ids.to(dev),
+                       attention_mask=None, packed_seq_params=psp)
+        return output, partial(self._loss, batch, mode, denominator)
+
+    def _loss(self, batch, mode, denominator, logits):
+        """Last stage: logits [b, s, V/tp] -> the micro-batch's share of the DPPO loss.
+        Works for a packed row (b = 1) and for the padded baseline (b = rows) alike."""
+        dev = logits.device
+        cfg = self.loss_cfg
+        logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=self.vocab_size,
+                              temperature=cfg.temperature).flatten()
+        mask = batch.loss_mask.to(dev).flatten() > 0
+        n_tokens = mask.sum().to(torch.int)
+        if mode == "logprob":
+            return logp.sum() * 0.0, n_tokens, {"logp": logp.detach().view(batch.labels.shape)}
+
+        def picked(t):
+            return t.to(dev).flatten()[mask]
+
+        seq_index = picked(batch.seq_index)
+        token_loss, stats = losses.policy_loss(
+            logp[mask], picked(batch.old_logp), picked(batch.advantages),
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_type=cfg.ratio_type, seq_index=seq_index,
+            num_seqs=batch.num_seqs, ref_logp=picked(batch.ref_logp) if cfg.kl_coef else None,
+            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
+        coef = losses.token_coefficients(seq_index, batch.seq_weight.to(dev), batch.seq_len.to(dev),
+                                         cfg.loss_agg, denominator)
+        loss = losses.aggregate(token_loss, coef)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        report = {"loss": loss.detach().double(), "tokens": n_tokens.double(),
+                  "clip_frac_sum": stats["clip_frac"].sum().double(),
+                  "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero}
+        return loss, n_tokens, report
+
+    def _run(self, model, microbatches, mode, denominator=None, forward_only=False):
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=partial(self._forward_step, mode=mode, denominator=denominator),
+                  data_iterator=iter(microbatches), model=[model], num_microbatches=len(microbatches),
+                  seq_length=max(int(mb.tokens.shape[1]) for mb in microbatches),
+                  micro_batch_size=int(microbatches[0].tokens.shape[0]),
+                  forward_only=forward_only)
+
+    @torch.no_grad()
+    def compute_logprobs(self, microbatches, reference: bool = False):
+        """Per-position log-probs of the labels for each micro-batch (shaped like its labels) on the last
+        pipeline stage; None elsewhere. Reuses the packed micro-batches of the train step."""
+        model = self.reference if reference else self.model
+        if reference and model is None:
+            raise ValueError("compute_logprobs(reference=True) needs MegatronPolicy(with_reference=True)")
+        model.eval()
+        out = self._run(model, microbatches, "logprob", forward_only=True)
+        model.train()
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return [o["logp"] for o in out]
+
+    def forward_backward(self, microbatches, denominator: float) -> dict:
+        """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        out = self._run(self.model, microbatches, "train", denominator=denominator)
+        return self._reduce_metrics(out)
+
+    def optimizer_step(self) -> dict:
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "lr": self.optimizer.param_groups[0]["lr"], "update_ok": bool(ok)}
+
+    def train_step(self, microbatches, denominator: float) -> dict:
+        metrics = self.forward_backward(microbatches, denominator)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def _reduce_metrics(self, out) -> dict:
+        """Sum the last stages' reports over DP (TP rank 0 only: TP ranks repeat them)."""
+        keys = ("loss", "tokens", "clip_frac_sum", "kl_sum")
+        vec = torch.zeros(len(keys), dtype=torch.float64, device=_device())
+        if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+            for o in out:
+                vec += torch.stack([o[k].to(vec.device) for k in keys])
+        dist.all_reduce(vec)
+        loss, tokens, clip, kl = vec.tolist()
+        return {"loss": loss, "tokens": tokens, "clip_frac": clip / max(tokens, 1), "kl": kl / max(tokens, 1)}
