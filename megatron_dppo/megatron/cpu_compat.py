@@ -1,8 +1,13 @@
 """Run Megatron-Core on a CPU-only PyTorch (gloo), for tests and the tiny CPU job.
 
-Megatron-Core assumes CUDA everywhere: `torch.cuda.current_device()` as a device, `device="cuda"`
-literals, `.cuda()`, the CUDA RNG, and `tensor.type() == 'torch.cuda.FloatTensor'` checks.
-`enable_cpu_compat()` redirects all of that to the CPU. It does nothing when CUDA is available.
+Megatron-Core assumes CUDA everywhere. Each patch below was found necessary on CPU (removing
+it breaks a forward, a PP step or a DDP + optimizer step with gradient clipping):
+  - torch.cuda.current_device() is used as a device  -> returns the CPU device
+  - device="cuda" literals, .cuda(), .to("cuda")      -> a TorchFunctionMode rewrites to CPU
+  - tensor.type() == 'torch.cuda.FloatTensor' checks   -> the same mode reports CUDA type names
+  - the CUDA RNG (seeding, RNG tracker)               -> the CPU generator
+  - torch.cuda.synchronize / current_stream           -> no-ops
+`enable_cpu_compat()` applies them once per process. It does nothing when CUDA is available.
 
 What the model config must do on CPU lives in model.py (all fusions off,
 use_cpu_initialization=True). Scripts that save a dist checkpoint need an
@@ -14,7 +19,7 @@ import contextlib
 import torch
 from torch.overrides import TorchFunctionMode
 
-_MODE = None  # the global _CudaToCpu mode once enabled
+_MODE = None  # the _CudaToCpu mode once enabled (entered per thread)
 
 
 def _is_cuda(device) -> bool:
@@ -63,38 +68,47 @@ def _set_cpu_rng_state(new_state, *args, **kwargs):
 
 
 def enable_cpu_compat() -> None:
-    """Patch torch.cuda / Megatron-Core so they run on the CPU. Idempotent; no-op with CUDA."""
+    """Patch torch.cuda / Megatron-Core so they run on the CPU. Idempotent; no-op with CUDA.
+    The device-rewriting mode is per thread (torch keeps the mode stack in thread-local
+    state): call this again in any other thread that runs Megatron code."""
     global _MODE
-    if torch.cuda.is_available() or _MODE is not None:
+    if torch.cuda.is_available():
         return
+    if _MODE is None:
+        _patch_torch_cuda()
+        _MODE = _CudaToCpu()
+    from torch.overrides import _get_current_function_mode_stack
+
+    if _MODE not in _get_current_function_mode_stack():
+        _MODE.__enter__()
+
+
+def _patch_torch_cuda() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    # 1. Megatron passes torch.cuda.current_device() as a device (rotary, buffers, p2p).
+    # Megatron passes torch.cuda.current_device() as a device (rotary, buffers, p2p).
     torch.cuda.current_device = lambda: torch.device("cpu")
-    # 3. The CUDA RNG (model_parallel_cuda_manual_seed, the RNG tracker that forks dropout and
+    # The CUDA RNG (model_parallel_cuda_manual_seed, the RNG tracker that forks dropout and
     # initialisation streams) maps onto the CPU generator.
-    torch.cuda.manual_seed = torch.manual_seed
-    torch.cuda.manual_seed_all = torch.manual_seed
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.get_rng_state = _cpu_rng_state
     torch.cuda.set_rng_state = _set_cpu_rng_state
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    # 5. Newer Megatron-Core (0.19) DDP synchronises with torch.cuda.current_stream().
-    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
+    # Pipeline p2p calls torch.cuda.synchronize() after its sends/receives; Megatron-Core
+    # 0.19's DDP waits on torch.cuda.current_stream().
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    # 2 + 4. Device literals and type strings, globally (see _CudaToCpu).
-    _MODE = _CudaToCpu()
-    _MODE.__enter__()
+    torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
 
 
 @contextlib.contextmanager
 def suspend_cpu_compat():
-    """Temporarily leave the global device-rewriting mode (it slows vLLM generation ~20-30%).
-    The torch.cuda patches stay; only the per-call TorchFunctionMode is lifted."""
-    if _MODE is None:
-        yield
-        return
-    from torch.overrides import _pop_mode_temporarily
+    """Temporarily leave the device-rewriting mode in this thread (it slows vLLM generation
+    ~20-30%). The torch.cuda patches stay; only the per-call TorchFunctionMode is lifted."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
 
+    if _MODE is None or _get_current_function_mode() is not _MODE:
+        yield  # not enabled (or another mode sits above ours): nothing to lift safely
+        return
     with _pop_mode_temporarily():
         yield

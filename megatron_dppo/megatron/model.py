@@ -1,0 +1,157 @@
+"""Qwen3 dense models as Megatron-Core GPTModels, built from a transformers Qwen3Config.
+
+Two attention paths behind one switch:
+  "te"    Transformer Engine layer spec (fused kernels, THD varlen attention); needs CUDA + TE.
+  "local" Megatron-Core's local spec with core_attention replaced by PackedDotProductAttention
+          (torch SDPA per packed sequence); works on CPU and on a GPU without TE.
+  "auto"  "te" when transformer_engine imports and CUDA is available, else "local".
+
+Parameter names follow the spec (PLATFORM.md has the HF <-> Megatron table): the local spec
+has decoder.layers.L.{input,pre_mlp}_layernorm.weight, the TE spec folds them into
+linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight.
+"""
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from megatron_dppo.megatron.attention import PackedDotProductAttention
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # without a GPU it fails with OSError (cudnn), not ImportError
+        return False
+    return True
+
+
+def resolve_attention_backend(attention: str = "auto") -> str:
+    if attention == "auto":
+        return "te" if te_available() else "local"
+    if attention == "te" and not te_available():
+        raise RuntimeError("attention='te' needs CUDA and transformer_engine; use 'local'")
+    if attention not in ("te", "local"):
+        raise ValueError(f"attention must be 'auto', 'te' or 'local', not {attention!r}")
+    return attention
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: each TP rank holds an equal slice whose size is a multiple of
+    `divisible_by`. Rows >= vocab_size are padding (mask them in log-probs: logprobs.py)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"rope_type {rope['rope_type']!r} is not supported")
+    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+
+
+def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto", **overrides):
+    """TransformerConfig for a Qwen3 dense model at the current TP/PP sizes."""
+    if getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention is not supported")
+    backend = resolve_attention_backend(attention)
+    on_cpu = not torch.cuda.is_available()
+    fuse = backend == "te"  # jit/TE fusions; the CPU and the plain-GPU path run unfused
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        # Qwen3's head_dim is not always hidden / heads.
+        kv_channels=getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,  # SwiGLU: fc1 = [gate; up] per TP rank
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=hf_config.initializer_range,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # With use_cpu_initialization every rank builds the full master weight from the same
+        # seed and keeps its slice: the initial model does not depend on TP.
+        use_cpu_initialization=on_cpu,
+        bias_activation_fusion=fuse,
+        bias_dropout_fusion=fuse,
+        apply_rope_fusion=fuse,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(backend: str):
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return spec
+
+
+def build_gpt_model(
+    hf_config,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    params_dtype=torch.float32,
+    attention: str = "auto",
+    make_vocab_size_divisible_by: int = 128,
+    **config_overrides,
+) -> GPTModel:
+    """This rank's stage of a Qwen3 GPTModel (parallel state must be initialised).
+
+    pre_process / post_process default to whether this rank is the first / last PP stage.
+    model.vocab_size is the padded vocabulary (see padded_vocab_size); the forward with
+    labels=None returns this rank's vocab slice of the logits, [b, s, vocab_size / tp].
+    """
+    backend = resolve_attention_backend(attention)
+    config = transformer_config(
+        hf_config, params_dtype=params_dtype, attention=backend, **config_overrides
+    )
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(vp_stage is None, vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(vp_stage is None, vp_stage)
+    tp = config.tensor_model_parallel_size
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(backend),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=_rope_theta(hf_config),
+        vp_stage=vp_stage,
+    )
+    # Norm weights are created in fp32 whatever params_dtype says (Megatron-LM casts the whole
+    # model with Float16Module); cast here so one model has one dtype.
+    return model.to(params_dtype)

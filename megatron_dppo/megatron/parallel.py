@@ -1,0 +1,81 @@
+"""Process groups: torch.distributed + Megatron-Core parallel state, and layout validation."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_dppo.megatron.cpu_compat import enable_cpu_compat
+
+
+def validate_layout(
+    world_size: int,
+    tp: int,
+    pp: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    num_layers: int,
+) -> int:
+    """Check that a TP x PP layout fits the world and the model; returns the DP size.
+    Raises ValueError naming what to change."""
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append(f"tensor and pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
+    elif world_size % (tp * pp):
+        problems.append(
+            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}: "
+            f"change the number of processes or choose tp/pp whose product divides {world_size}"
+        )
+    if tp >= 1 and num_attention_heads % tp:
+        problems.append(
+            f"num_attention_heads {num_attention_heads} is not divisible by tp={tp}: "
+            f"choose tp among the divisors of {num_attention_heads}"
+        )
+    if tp >= 1 and num_query_groups % tp:
+        problems.append(
+            f"num_key_value_heads (query groups) {num_query_groups} is not divisible by tp={tp}: "
+            f"choose tp among the divisors of {num_query_groups}"
+        )
+    if pp >= 1 and num_layers % pp:
+        problems.append(
+            f"num_layers {num_layers} is not divisible by pp={pp}: "
+            f"choose pp among the divisors of {num_layers}"
+        )
+    if problems:
+        raise ValueError("invalid parallel layout: " + "; ".join(problems))
+    return world_size // (tp * pp)
+
+
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+    """Start torch.distributed if needed (nccl on GPU, gloo on CPU; env:// under torchrun, a
+    1-process world otherwise), then Megatron's TP/PP/DP groups and its RNG streams (every
+    rank seeded alike). On CPU the CUDA shim is enabled first."""
+    enable_cpu_compat()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if "RANK" in os.environ:  # launched by torchrun (env://)
+            dist.init_process_group(backend)
+        else:  # a plain process: a 1-rank world with an in-memory store (no port to clash)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() % (tp * pp):
+        raise ValueError(
+            f"world size {dist.get_world_size()} is not a multiple of tp*pp = {tp * pp}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    torch.manual_seed(seed)
+    # Default/TP/expert RNG streams; on CPU (shim) this also seeds the CPU generator, which
+    # use_cpu_initialization draws the master weights from: identical on every rank.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel(world: bool = True) -> None:
+    """Tear down Megatron's groups, and the torch.distributed world unless world=False
+    (keep it to re-initialise another layout, or when vLLM shares the world)."""
+    parallel_state.destroy_model_parallel()
+    if world and dist.is_initialized():
+        dist.destroy_process_group()

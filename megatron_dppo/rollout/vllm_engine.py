@@ -1,0 +1,337 @@
+"""The rollout engine: vLLM in the trainer's own process, with in-place weight sync.
+
+`RolloutEngine` wraps one `vllm.LLM` per process (colocated with Megatron): it generates n
+completions per prompt with the sampled tokens' log-probs, and takes the policy's new weights
+under their Hugging Face names after each optimizer step, without a restart.
+
+In-process on purpose (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, forced below, before vLLM reads it):
+- weights reach the model as tensors, by reference: in multi-process mode `collective_rpc`
+  cannot pickle tensors (one would have to go through files or bytes);
+- start-up is ~2-3 s instead of ~20 s on CPU (7-12 s when other jobs share the cores; the first
+  generate adds 2-5 s of warm-up), and there is no second copy of the model.
+`VLLM_CPU_OMP_THREADS_BIND=nobind` (a default the caller may override) stops vLLM from pinning
+every process's OpenMP threads to the same cores, which starves the trainer next to it.
+
+Things vLLM does to the calling process that the caller must know about:
+- `LLM(seed=...)` reseeds the global torch / numpy / random generators. This class does not
+  save or restore them: reseed the trainer after constructing the engine.
+- On CPU vLLM replaces `torch.set_num_threads` by a no-op that only warns; the constructor puts
+  the original back, so the trainer can still set its thread count. Generation runs with the
+  process's torch thread count: with other processes on the same cores, 2 threads ran at
+  0.5-4.7k tokens/s where 1 thread ran at 4-6k (OpenMP spin-waits); `context` can set it.
+
+Distributed (torchrun): initialise `torch.distributed` BEFORE constructing the engine. With a
+world larger than one, construction uses `distributed_executor_backend="external_launcher"`
+and is collective; vLLM reuses the world and builds its own subgroups. Otherwise vLLM would make
+a private one-rank world in each process and the ranks would silently diverge, so that case is
+refused. With `tensor_parallel_size > 1` every rank of a TP group must call `generate` and
+`load_weights` with the same arguments (full, unsharded HF tensors: vLLM shards them itself);
+with `tensor_parallel_size == 1` (one engine per DP rank) each rank calls them on its own data.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable, Iterator, Literal, Sequence
+
+import torch
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+# Without an explicit KV-cache size vLLM on CPU reserves ~90% of the host's RAM.
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+NamedTensor = tuple[str, torch.Tensor]
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # ends with the eos token when finish_reason == "stop"
+    logprobs: list[float]  # log-prob of each sampled token (see `logprobs_mode`)
+    finish_reason: str  # "stop" (eos) or "length" (max_new_tokens reached)
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """The sampling seed of prompt `prompt_index` in a `generate(seed=seed)` call.
+
+    vLLM gives the k-th of n completions the seed `request_seed + k`, so consecutive integers
+    (seed + index) would give completion 1 of prompt i the noise of completion 0 of prompt
+    i + 1; a hash keeps every (seed, prompt, k) stream apart. Depends on nothing but its
+    arguments, so every TP rank derives the same seeds and samples the same tokens.
+    """
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+class RolloutEngine:
+    """vLLM for rollouts, colocated with the trainer. See the module docstring.
+
+    Args:
+        model_dir: a Hugging Face model directory (config, safetensors, tokenizer: generation
+            stops at the tokenizer's eos).
+        dtype: "float32", "bfloat16", ...
+        max_model_len: prompt + completion tokens per sequence.
+        seed: vLLM's own seed; generation uses per-request seeds (see `generate`).
+        kv_cache_memory_bytes: the KV cache size. None: DEFAULT_CPU_KV_CACHE_BYTES on CPU,
+            `gpu_memory_utilization` on GPU.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (weights + KV cache)
+            when `kv_cache_memory_bytes` is None. Leave room for Megatron.
+        tensor_parallel_size: vLLM TP degree; the world size must be a multiple of it.
+        logprobs_mode: "raw_logprobs" (vLLM's default): log_softmax of the model's logits,
+            before temperature / top-p, i.e. log pi(token) at temperature 1.
+            "processed_logprobs": log-probs under the distribution actually sampled from
+            (after temperature and top-p). The trainer's old/new log-probs must use the same
+            convention as the one chosen here.
+        enforce_eager: None: True on CPU (no CUDA graphs there), False on GPU.
+        enable_sleep_mode: None: on GPU only (lets `sleep` free memory while Megatron trains).
+        context: a callable returning a context manager that wraps every call into vLLM
+            (construction, generate, load_weights), e.g. one that suspends the Megatron CPU
+            shim's TorchFunctionMode, which slows generation by 20-30%, or sets the thread count.
+        **llm_kwargs: passed on to `vllm.LLM` (e.g. block_size, enable_prefix_caching).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int = 2048,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+        enforce_eager: bool | None = None,
+        enable_sleep_mode: bool | None = None,
+        context: Callable[[], ContextManager] | None = None,
+        **llm_kwargs,
+    ):
+        on_gpu = torch.cuda.is_available()
+        self.context = context or contextlib.nullcontext
+        self.tensor_parallel_size = tensor_parallel_size
+        self.logprobs_mode = logprobs_mode
+        if kv_cache_memory_bytes is None and not on_gpu:
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        self._sleeping = False
+        self._sleep_enabled = on_gpu if enable_sleep_mode is None else enable_sleep_mode
+        self._caller_owns_world = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+        t0 = time.perf_counter()
+        set_num_threads = torch.set_num_threads
+        with self.context():
+            from vllm import LLM
+
+            if not on_gpu and tensor_parallel_size > 1:
+                _unique_cpu_shm_names()
+
+            self.llm = LLM(
+                model=model_dir,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend=_executor_backend(tensor_parallel_size),
+                enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                enable_sleep_mode=self._sleep_enabled,
+                logprobs_mode=logprobs_mode,
+                **llm_kwargs,
+            )
+        torch.set_num_threads = set_num_threads
+        self.init_seconds = time.perf_counter() - t0
+        self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        **sampling_kwargs,
+    ) -> list[list[Completion]]:
+        """n completions for each prompt, in prompt order: result[i][k] is completion k of prompt i.
+
+        Completions stop at the tokenizer's eos (kept as the last token) or after
+        `max_new_tokens`. Prompt i samples with `request_seed(seed, i)`: the same call gives
+        the same tokens, whatever else is in the batch and on every TP rank. Pass a new seed
+        each step. `temperature=0` is greedy (vLLM then requires n=1). A completion that would
+        run past max_model_len is cut there ("length"). Extra keyword arguments go to
+        SamplingParams (top_k, min_tokens, stop_token_ids, ...).
+        """
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=request_seed(seed, i),
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,  # the trainer decodes what it needs itself
+                **sampling_kwargs,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        with self.context():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out in outputs
+        ]
+
+    def load_weights(self, weights: Iterable[NamedTensor] | Iterable[list[NamedTensor]]) -> dict:
+        """Replace the model's weights in place with HF-named tensors; returns timing stats.
+
+        `weights` yields (hf_name, tensor) pairs or lists of them (buckets): a generator of
+        buckets bounds the memory held at once to about a bucket, as vLLM copies each layer's
+        weights into place as soon as all of them have arrived. Everything goes through ONE
+        `reload_weights` call: vLLM finalises the reload at the end of each call, and a layer
+        whose parts (q/k/v, gate/up) were split over two calls would get uninitialised memory
+        for the missing parts. Names are Hugging Face's; vLLM fuses q/k/v and gate/up itself.
+        Weights left out keep their old values (vLLM logs a warning).
+        """
+        stats = {"num_tensors": 0, "num_bytes": 0}
+
+        def flat() -> Iterator[NamedTensor]:
+            for item in weights:
+                pairs = [item] if _is_named_tensor(item) else item
+                for name, tensor in pairs:
+                    stats["num_tensors"] += 1
+                    stats["num_bytes"] += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+
+        t0 = time.perf_counter()
+        with self.context():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
+            # Cached prefix KV blocks were computed with the old weights; reusing them gave
+            # log-prob errors of several nats.
+            self.llm.reset_prefix_cache()
+        stats["seconds"] = time.perf_counter() - t0
+        return stats
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1 also offloads weights, level 2 drops them) while Megatron
+        trains. GPU only (needs enable_sleep_mode); a no-op on CPU, where there is no device
+        memory to give back."""
+        if self._sleep_enabled and not self._sleeping:
+            with self.context():
+                self.llm.sleep(level=level)
+            self._sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep`. To keep peak memory down during a weight sync on GPU:
+        wake_up(["weights"]), load_weights(...), wake_up(["kv_cache"])."""
+        if self._sleeping:
+            with self.context():
+                self.llm.wake_up(tags)
+            self._sleeping = tags is not None and "kv_cache" not in tags
+
+    def close(self) -> None:
+        """Shut the engine down. vLLM's shutdown ends with
+        torch.distributed.destroy_process_group() on the default group: when the caller made
+        that group (torchrun), it is the trainer's world, so it is kept and vLLM destroys only
+        its own subgroups. The same shutdown runs when the engine is garbage collected, so keep
+        the engine referenced until close(). vLLM keeps process-wide state: one engine per
+        process."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def destroy_subgroups_only(group=None):
+            if group is not None or not self._caller_owns_world:
+                destroy(group)
+
+        dist.destroy_process_group = destroy_subgroups_only
+        try:
+            with self.context():
+                llm.llm_engine.engine_core.shutdown()  # also disarms vLLM's GC finalizer
+        finally:
+            dist.destroy_process_group = destroy
+
+
+def hf_completion_logprobs(
+    model,
+    prompt_token_ids: Sequence[Sequence[int]],
+    completion_token_ids: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """log p(completion token | prefix) under a transformers causal LM, one float32 tensor per
+    (prompt, completion) pair: the reference for the engine's `raw_logprobs` (temperature 1)
+    or `processed_logprobs` (the sampling temperature, top_p=1)."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompt_token_ids, completion_token_ids):
+            ids = torch.tensor([list(prompt) + list(completion)], device=device)
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            out.append(logp.gather(1, ids[0, len(prompt) :, None])[:, 0].cpu())
+    return out
+
+
+def _executor_backend(tensor_parallel_size: int) -> str:
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1:
+        if world % tensor_parallel_size:
+            raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size {tensor_parallel_size}")
+        return "external_launcher"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError(
+            "WORLD_SIZE > 1 but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() before creating the RolloutEngine, otherwise "
+            "vLLM gives each process a private one-rank world and the ranks silently diverge"
+        )
+    if tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size > 1 needs torchrun and an initialised torch.distributed")
+    return "uni"
+
+
+def _unique_cpu_shm_names() -> None:
+    """Give this job's CPU TP shared-memory segments names no other job uses.
+
+    With external_launcher vLLM names them from the init method "env://" alone, identical in
+    every run: a crashed run's leftover segment makes the next one fail ("create shm in
+    SHMManager failed. errno: 17") and two jobs on one host collide. A token drawn by rank 0 and
+    broadcast (construction is collective anyway) is prefixed to every name.
+    """
+    import uuid
+
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    token = [uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(token, src=0)
+    make = getattr(_CPUSHMDistributed, "_dppo_original_make_group_name", _CPUSHMDistributed.make_group_name)
+    _CPUSHMDistributed._dppo_original_make_group_name = staticmethod(make)
+    # The original name starts with "//" (from "env://"); a "/" anywhere but first is EINVAL.
+    _CPUSHMDistributed.make_group_name = staticmethod(
+        lambda communicator: f"/dppo{token[0]}" + make(communicator).replace("/", "")
+    )
+
+
+def _is_named_tensor(item) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
+def _completion(c) -> Completion:
+    token_ids = list(c.token_ids)
+    return Completion(
+        token_ids=token_ids,
+        logprobs=[lp[t].logprob for t, lp in zip(token_ids, c.logprobs)],
+        finish_reason=c.finish_reason,
+    )

@@ -1,0 +1,78 @@
+"""Worker: checkpoints resume exactly, survive a kill, and load at another TP/PP layout.
+
+  --phase full      train steps 1..N, write losses to --out
+  --phase killed    train steps 1..K, save at K, then SIGKILL itself (no clean exit)
+  --phase resume    load the latest checkpoint, train K+1..N, write losses to --out
+  --phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
+"""
+import argparse
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from grad_check import B, G, MAX_NEW, hf_model, make_problem, my_microbatches
+from megatron_dppo.algorithms import losses
+from megatron_dppo.megatron import destroy_parallel, initialize_parallel
+from megatron_dppo.megatron.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+
+
+def batch_for_step(model, step, dp_rank, dp_size):
+    samples, lengths, w_q = make_problem(model, 0.5, 0.5, seed=1000 + step)
+    denom = losses.full_batch_denominator("token-mean", num_prompts=B, group_size=G, completion_lengths=lengths,
+                                          prompt_weight=w_q, max_response_length=MAX_NEW)
+    return my_microbatches(samples, 24, dp_rank, dp_size), denom
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", required=True, choices=["full", "killed", "resume", "logprobs"])
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--save-at", type=int, default=3)
+    args = ap.parse_args()
+    initialize_parallel(args.tp, args.pp, seed=0)
+    from megatron.core import parallel_state as ps
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    cfg, model = hf_model()
+    policy = MegatronPolicy(cfg, OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10, decay_style="cosine"),
+                            LossConfig(loss_agg="token-mean", clip_high=0.28))
+    policy.load_hf_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
+
+    if args.phase == "logprobs":
+        load_checkpoint(latest_checkpoint(args.ckpt), policy, load_optimizer=False)
+        mbs, _ = batch_for_step(model, 99, 0, 1)
+        out = policy.compute_logprobs(mbs)
+        if out is not None and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
+            torch.save([o.cpu() for o in out], args.out)
+        destroy_parallel()
+        return
+
+    first = 1
+    if args.phase == "resume":
+        state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
+        first = state["step"] + 1
+    last = args.save_at if args.phase == "killed" else args.steps
+    record = {}
+    for step in range(first, last + 1):
+        mbs, denom = batch_for_step(model, step, dp_rank, dp_size)
+        m = policy.train_step(mbs, denom)
+        record[step] = [m["loss"], m["grad_norm"], m["lr"]]
+        if step == args.save_at and args.phase != "resume":
+            save_checkpoint(args.ckpt, step, policy, {"note": "test"})
+    if args.phase == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if dist.get_rank() == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f)
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()
