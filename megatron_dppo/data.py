@@ -1,0 +1,243 @@
+"""Prompt datasets (JSONL / Parquet), prompt rendering, and a resumable seeded sampler.
+
+Record layouts accepted (detected per record, first match wins):
+  native   {id?, prompt | messages, answer, ...}      messages = [{"role", "content"}, ...]
+  GSM8K    {question, answer: "...reasoning... #### 42"}  -> answer "42" (commas dropped)
+  MATH     {problem, solution: "... \\boxed{...} ..."}     -> answer = content of the last \\boxed{}
+                                                          (or the record's 'answer' field, if set)
+Other fields are kept in PromptRecord.extra (a user reward function sees them).
+
+Prompt ids are stable across runs, which prompt history (pruning) depends on: the record's `id`
+if it has one, else "p-" + a hash of the prompt text (or of the messages).
+
+Rendering (PromptRenderer): "raw" feeds the prompt text as is (the tokenizer adds its special
+tokens, e.g. the tiny tokenizer's <bos>); "chat" applies the tokenizer's chat template with a
+generation prompt. The tiny model (examples/tiny/model) was trained on raw text, and its chat
+template only prepends <bos> to the concatenated contents, so both modes give the same ids there.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+from dataclasses import asdict, dataclass, field
+
+from megatron_dppo.rewards import gsm8k_final, last_boxed
+
+_LAYOUTS = ("expected {id?, prompt or messages, answer}, or GSM8K {question, answer with '#### N'}, "
+            "or MATH {problem, solution with \\boxed{...}}")
+
+
+@dataclass
+class PromptRecord:
+    id: str
+    prompt: str | None  # exactly one of prompt / messages is set
+    messages: list[dict] | None
+    answer: str
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prompt_id(prompt: str | None, messages: list[dict] | None = None) -> str:
+    """Stable id of a prompt without one: a hash of its text (messages: their canonical JSON)."""
+    text = prompt if messages is None else json.dumps(messages, sort_keys=True, ensure_ascii=False)
+    return "p-" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _check_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError("'messages' must be a non-empty list of {role: str, content: str}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_record(raw: dict) -> PromptRecord:
+    """One raw record -> PromptRecord; ValueError saying what is missing or wrong."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"record must be a JSON object, got {type(raw).__name__}")
+    raw = dict(raw)
+    rid = raw.pop("id", None)
+    if "prompt" in raw or "messages" in raw:  # native
+        prompt, messages = raw.pop("prompt", None), raw.pop("messages", None)
+        if (prompt is None) == (messages is None):
+            raise ValueError("record must have exactly one of 'prompt' or 'messages'")
+        if messages is not None:
+            messages = _check_messages(messages)
+        if raw.get("answer") is None:
+            raise ValueError(f"missing field 'answer' ({_LAYOUTS})")
+        answer = str(raw.pop("answer"))
+    elif "question" in raw:  # GSM8K
+        prompt, messages = raw.pop("question"), None
+        if raw.get("answer") is None:
+            raise ValueError("GSM8K record is missing field 'answer'")
+        full = str(raw.pop("answer"))
+        final = gsm8k_final(full)
+        if final is None:
+            raise ValueError("GSM8K 'answer' has no '#### N' final answer")
+        answer = re.sub(r"(?<=\d),(?=\d{3})", "", final)  # "1,000" -> "1000"
+        raw["solution"] = full
+    elif "problem" in raw:  # MATH
+        prompt, messages = raw.pop("problem"), None
+        given = raw.pop("answer", None)
+        if given is not None:  # some MATH variants (MATH-500) carry the answer
+            answer = str(given)
+        elif raw.get("solution") is None:
+            raise ValueError("MATH record is missing field 'solution' (or 'answer')")
+        else:
+            answer = last_boxed(str(raw["solution"]))
+            if answer is None:
+                raise ValueError("MATH 'solution' has no \\boxed{...} answer")
+    else:
+        raise ValueError(f"missing field 'prompt' ({_LAYOUTS}); got fields {sorted(raw)}")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise ValueError("prompt text must be a non-empty string")
+    rid = prompt_id(prompt, messages) if rid is None or rid == "" else str(rid)
+    return PromptRecord(rid, prompt, messages, answer, raw)
+
+
+def _raw_records(path: str):
+    """Yield (location, raw record or JSON error) in file order; location is 'line N' / 'row N'."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+            yield f"row {i}", row
+    elif ext == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue  # blank lines (a trailing newline) are not records
+                try:
+                    yield f"line {i}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield f"line {i}", e
+    else:
+        raise ValueError(f"{path}: unsupported prompt file type {ext!r} (use .jsonl or .parquet)")
+
+
+def load_records(path: str) -> list[PromptRecord]:
+    """All records of a .jsonl or .parquet file. A malformed record is a ValueError naming the
+    file and line (or row); two records with the same explicit id are too (history would mix them)."""
+    records, where_by_id = [], {}
+    for where, raw in _raw_records(path):
+        if isinstance(raw, Exception):
+            raise ValueError(f"{path}:{where}: invalid JSON: {raw}") from None
+        try:
+            rec = parse_record(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}:{where}: {e}") from None
+        if isinstance(raw, dict) and raw.get("id") not in (None, ""):
+            if rec.id in where_by_id:
+                raise ValueError(f"{path}:{where}: duplicate id {rec.id!r} (first at {where_by_id[rec.id]})")
+            where_by_id[rec.id] = where
+        records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+class PromptRenderer:
+    """PromptRecord -> prompt token ids (and text), the same way for training and generation.
+
+    mode "raw": record.prompt as is, tokenized with the tokenizer's special tokens (a messages
+    record is an error: it needs a chat template). mode "chat": apply_chat_template(messages, or
+    [{"role": "user", "content": prompt}], with an optional system prompt first,
+    add_generation_prompt=True), tokenized without adding special tokens again.
+    """
+
+    def __init__(self, tokenizer, mode: str = "raw", system_prompt: str | None = None):
+        if mode not in ("raw", "chat"):
+            raise ValueError(f"prompt mode must be 'raw' or 'chat', got {mode!r}")
+        if mode == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("prompt mode 'chat' needs a tokenizer with a chat template")
+        self.tokenizer, self.mode, self.system_prompt = tokenizer, mode, system_prompt
+
+    def text(self, rec: PromptRecord) -> str:
+        if self.mode == "raw":
+            if rec.prompt is None:
+                raise ValueError(f"record {rec.id!r} has messages; use prompt mode 'chat'")
+            return rec.prompt
+        messages = rec.messages or [{"role": "user", "content": rec.prompt}]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def token_ids(self, rec: PromptRecord) -> list[int]:
+        # Chat templates write their own special tokens (bos etc.); adding them again would double them.
+        return list(self.tokenizer(self.text(rec), add_special_tokens=self.mode == "raw")["input_ids"])
+
+
+class PromptSampler:
+    """Batches of record indices in a seeded shuffled order, epoch after epoch.
+
+    Epoch e's order is a permutation determined by (seed, e) alone, so the order never depends on
+    how far a run got; state_dict() is just (epoch, position), and a resumed run continues with
+    exactly the batches the uninterrupted run would have drawn. The last partial batch of an epoch
+    is dropped (the next epoch reshuffles, so no prompt is systematically left out) so that every
+    batch has exactly batch_size distinct prompts.
+    """
+
+    def __init__(self, num_records: int, batch_size: int, seed: int = 0, shuffle: bool = True):
+        if not 1 <= batch_size <= num_records:
+            raise ValueError(f"batch_size must be in [1, {num_records}] (the dataset size), got {batch_size}")
+        self.n, self.batch_size, self.seed, self.shuffle = num_records, batch_size, seed, shuffle
+        self.epoch, self.pos = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_indices(self) -> list[int]:
+        if self.pos + self.batch_size > self.n:
+            self.epoch, self.pos = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        batch = self._order[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_indices()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "num_records": self.n,
+                "batch_size": self.batch_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "num_records", "batch_size", "shuffle"):
+            mine = self.state_dict()[key]
+            if state.get(key) != mine:
+                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this run has {mine!r}: "
+                                 f"the data order would not continue; keep the data and batch settings")
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._order = self._epoch_order(self.epoch)
+
+
+class PromptDataset:
+    """Records of one file plus a sampler over them: `next_batch()` -> list[PromptRecord]."""
+
+    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.path = path
+        self.records = load_records(path)
+        self.sampler = PromptSampler(len(self.records), batch_size, seed, shuffle)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def next_batch(self) -> list[PromptRecord]:
+        return [self.records[i] for i in self.sampler.next_indices()]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)

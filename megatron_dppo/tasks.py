@@ -1,0 +1,117 @@
+"""Bundled synthetic verifiable tasks: arithmetic prompts with exact answers.
+
+They make the tiny CPU main job possible (DESIGN.md): a task that a 0.74M-parameter model can
+partly solve after a short warm-up, with a verifier that is a plain string comparison.
+
+A problem is a record {id, prompt, answer}: "123+456=" -> "579". Every character of a prompt and
+an answer is in the tiny model's character vocabulary (tools/make_tiny_model.py).
+Pure Python on purpose: no torch, so reward workers and data tools import it cheaply.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Two operands drawn uniformly from [lo, hi], joined by `op`; the answer is the exact result."""
+
+    name: str
+    op: str
+    lo: int
+    hi: int
+
+    def answer(self, a: int, b: int) -> str:
+        if self.op == "+":
+            return str(a + b)
+        if self.op == "-":
+            return str(a - b)
+        if self.op == "*":
+            return str(a * b)
+        raise ValueError(f"task {self.name!r}: unsupported operator {self.op!r}")
+
+    def prompt(self, a: int, b: int) -> str:
+        return f"{a}{self.op}{b}="
+
+    @property
+    def num_problems(self) -> int:
+        return (self.hi - self.lo + 1) ** 2
+
+
+# "add3" is the one DESIGN.md measured (the tiny main job); the others are there for variety.
+# add2 is too easy to show a difference between methods (60% -> 90% in seconds).
+TASKS = {
+    "add3": ArithmeticTask("add3", "+", 100, 999),
+    "add2": ArithmeticTask("add2", "+", 10, 99),
+    "sub3": ArithmeticTask("sub3", "-", 100, 999),
+    "mul2": ArithmeticTask("mul2", "*", 10, 99),
+}
+
+
+def get_task(name: str) -> ArithmeticTask:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; bundled tasks: {sorted(TASKS)}") from None
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """The synthetic tasks' verifier: 1.0 iff the completion is exactly the answer.
+
+    Only surrounding whitespace is forgiven; "0579", "579 " + junk, or "579=579" are wrong, so the
+    reward cannot be gamed by emitting several candidates.
+    """
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def make_splits(task: str, seed: int = 0, **sizes: int) -> dict[str, list[dict]]:
+    """Disjoint problem lists, deterministic in `seed` and in the order of `sizes`.
+
+    make_splits("add3", seed=0, train=20000, test=500) -> {"train": [...], "test": [...]}.
+    Ids are stable and split-prefixed ("add3-000123" for train, "add3-test-000007" otherwise), so
+    prompt-history entries and evaluations refer to the same problem in every run with this seed.
+    """
+    t = get_task(task)
+    total = sum(sizes.values())
+    if any(n < 0 for n in sizes.values()):
+        raise ValueError(f"split sizes must be >= 0, got {sizes}")
+    if total > t.num_problems // 2:  # rejection sampling below would crawl near exhaustion
+        raise ValueError(f"task {task!r} has {t.num_problems} problems; {total} requested is too many")
+    rng = random.Random(seed)
+    seen: set[tuple[int, int]] = set()
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < total:
+        p = (rng.randint(t.lo, t.hi), rng.randint(t.lo, t.hi))
+        if p not in seen:
+            seen.add(p)
+            pairs.append(p)
+    out, start = {}, 0
+    for split, n in sizes.items():
+        prefix = f"{task}-" if split == "train" else f"{task}-{split}-"
+        out[split] = [{"id": f"{prefix}{i:06d}", "prompt": t.prompt(a, b), "answer": t.answer(a, b)}
+                      for i, (a, b) in enumerate(pairs[start:start + n])]
+        start += n
+    return out
+
+
+def write_jsonl(records, path: str) -> None:
+    """Write records one JSON object per line, atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def write_task_data(task: str, out_dir: str, n_train: int = 20000, n_test: int = 500, seed: int = 0):
+    """Write {out_dir}/train.jsonl and {out_dir}/test.jsonl; returns {split: path}."""
+    splits = make_splits(task, seed, train=n_train, test=n_test)
+    paths = {}
+    for name, records in splits.items():
+        paths[name] = os.path.join(out_dir, f"{name}.jsonl")
+        write_jsonl(records, paths[name])
+    return paths

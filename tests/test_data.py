@@ -1,0 +1,156 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_dppo.data import (PromptDataset, PromptRecord, PromptRenderer, PromptSampler, load_records,
+                                parse_record, prompt_id)
+from megatron_dppo.tasks import exact_match, make_splits, write_task_data
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_native_records_and_stable_ids(tmp_path):
+    rows = [
+        {"id": "q1", "prompt": "1+1=", "answer": "2"},
+        {"prompt": "2+2=", "answer": 4, "level": 3},
+        {"messages": [{"role": "user", "content": "3+3="}], "answer": "6"},
+    ]
+    recs = load_records(_write_jsonl(tmp_path / "p.jsonl", rows))
+    assert [r.id for r in recs][0] == "q1"
+    assert recs[1].answer == "4" and recs[1].extra == {"level": 3}
+    assert recs[1].id == prompt_id("2+2=") and recs[1].id.startswith("p-")
+    assert recs[2].prompt is None and recs[2].messages[0]["content"] == "3+3="
+    # Ids are a function of the text alone: the same file gives the same ids in every run.
+    assert [r.id for r in load_records(str(tmp_path / "p.jsonl"))] == [r.id for r in recs]
+    assert prompt_id("2+2=") != prompt_id("2+3=")
+
+
+def test_parquet_matches_jsonl(tmp_path):
+    rows = [{"id": f"a{i}", "prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "p.parquet")
+    from_parquet = load_records(str(tmp_path / "p.parquet"))
+    from_jsonl = load_records(_write_jsonl(tmp_path / "p.jsonl", rows))
+    assert from_parquet == from_jsonl
+
+
+def test_gsm8k_and_math_layouts(tmp_path):
+    gsm = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+            "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn total 48+24 = <<48+24=72>>72.\n#### 72"},
+           {"question": "Big?", "answer": "so\n#### 1,250"}]
+    # A Parquet table has every column in every row: absent values read back as None.
+    math = [{"problem": "Simplify 2/4.", "solution": r"We get $\boxed{\frac{1}{2}}$.", "answer": None},
+            {"problem": "x?", "solution": r"First \boxed{3}, then really \boxed{\sqrt{x^{2}}}.", "answer": None},
+            {"problem": "MATH-500 style", "solution": "...", "answer": "7"}]
+    for i, r in enumerate(math):
+        r["level"] = f"Level {i + 1}"
+    g = load_records(_write_jsonl(tmp_path / "gsm.jsonl", gsm))
+    assert [r.answer for r in g] == ["72", "1250"]
+    assert g[0].prompt.startswith("Natalia") and g[0].extra["solution"].endswith("#### 72")
+    pq.write_table(pa.Table.from_pylist(math), tmp_path / "math.parquet")
+    m = load_records(str(tmp_path / "math.parquet"))
+    assert [r.answer for r in m] == [r"\frac{1}{2}", r"\sqrt{x^{2}}", "7"]
+    assert m[0].extra["level"] == "Level 1"
+
+
+@pytest.mark.parametrize("bad_line, needle", [
+    ('{"prompt": "1+1=", "answer": "2"', "invalid JSON"),
+    ('{"prompt": "1+1="}', "'answer'"),
+    ('{"text": "1+1=", "answer": "2"}', "'prompt'"),
+    ('{"problem": "x", "solution": "no box here"}', "boxed"),
+    ('{"question": "x", "answer": "no marker"}', "####"),
+    ('{"prompt": "", "answer": "1"}', "non-empty"),
+    ('["not", "an", "object"]', "JSON object"),
+    ('{"id": "a", "prompt": "2+2=", "answer": "4"}', "duplicate id"),
+])
+def test_malformed_record_names_file_and_line(tmp_path, bad_line, needle):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "prompt": "1+1=", "answer": "2"}, "", bad_line])
+    with pytest.raises(ValueError) as e:
+        load_records(path)
+    msg = str(e.value)
+    assert f"{path}:line 3" in msg and needle in msg, msg
+
+
+def test_malformed_parquet_row_is_named(tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
+                   tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet:row 2: missing field 'answer'"):
+        load_records(str(tmp_path / "bad.parquet"))
+
+
+def test_sampler_is_seeded_and_covers_each_epoch():
+    a = PromptSampler(10, 3, seed=5)
+    b = PromptSampler(10, 3, seed=5)
+    batches = [a.next_indices() for _ in range(9)]
+    assert batches == [b.next_indices() for _ in range(9)]
+    assert batches != [PromptSampler(10, 3, seed=6).next_indices() for _ in range(9)]
+    for epoch in range(3):  # 3 full batches per epoch (the partial 4th is dropped), no repeats
+        flat = sum(batches[3 * epoch:3 * epoch + 3], [])
+        assert len(set(flat)) == 9
+    assert sum(batches[:3], []) != sum(batches[3:6], [])  # reshuffled each epoch
+
+
+def test_sampler_resume_continues_same_order():
+    full = PromptSampler(7, 2, seed=1)
+    reference = [full.next_indices() for _ in range(10)]
+    first = PromptSampler(7, 2, seed=1)
+    head = [first.next_indices() for _ in range(4)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    resumed = PromptSampler(7, 2, seed=1)
+    resumed.load_state_dict(state)
+    assert head + [resumed.next_indices() for _ in range(6)] == reference
+    with pytest.raises(ValueError, match="batch_size"):
+        PromptSampler(7, 3, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError):
+        PromptSampler(3, 4)
+
+
+def test_dataset_batches_and_resume(tmp_path):
+    paths = write_task_data("add3", str(tmp_path), n_train=50, n_test=10, seed=3)
+    ds = PromptDataset(paths["train"], batch_size=8, seed=2)
+    assert len(ds) == 50 and all(isinstance(r, PromptRecord) for r in ds.next_batch())
+    state = ds.state_dict()
+    nxt = [r.id for r in ds.next_batch()]
+    ds2 = PromptDataset(paths["train"], batch_size=8, seed=2)
+    ds2.load_state_dict(state)
+    assert [r.id for r in ds2.next_batch()] == nxt
+
+
+def test_task_splits_are_deterministic_disjoint_and_correct():
+    s1 = make_splits("add3", seed=0, train=300, test=50)
+    assert s1 == make_splits("add3", seed=0, train=300, test=50)
+    assert s1 != make_splits("add3", seed=1, train=300, test=50)
+    assert s1["train"][7]["id"] == "add3-000007" and s1["test"][0]["id"] == "add3-test-000000"
+    assert not {r["prompt"] for r in s1["train"]} & {r["prompt"] for r in s1["test"]}
+    for r in s1["train"]:
+        a, b = map(int, r["prompt"][:-1].split("+"))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and r["answer"] == str(a + b)
+    assert exact_match(" 579\n", "579") == 1.0 and exact_match("5790", "579") == 0.0
+
+
+class _FakeChatTokenizer:
+    chat_template = "x"
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens):
+        return {"input_ids": [len(text), int(add_special_tokens)]}
+
+
+def test_renderer_raw_and_chat():
+    rec = parse_record({"prompt": "1+1=", "answer": "2"})
+    msg = parse_record({"messages": [{"role": "user", "content": "hi"}], "answer": "2"})
+    tok = _FakeChatTokenizer()
+    raw = PromptRenderer(tok, "raw")
+    assert raw.text(rec) == "1+1=" and raw.token_ids(rec) == [4, 1]
+    with pytest.raises(ValueError, match="chat"):
+        raw.text(msg)
+    chat = PromptRenderer(tok, "chat", system_prompt="Be brief.")
+    assert chat.text(rec) == "<system>Be brief.<user>1+1=<assistant>"
+    assert chat.text(msg) == "<system>Be brief.<user>hi<assistant>"
+    assert chat.token_ids(msg)[1] == 0  # the template wrote the special tokens; none added again
