@@ -25,9 +25,28 @@ def _verify_unbiased(args) -> int:
     return 0 if all_ok else 1
 
 
+def _train(args) -> int:
+    from megatron_dppo.config import load_config
+    from megatron_dppo.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    trainer = Trainer(cfg, resume=args.resume)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-dppo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="DPPO/GRPO training (the main job); under torchrun for several processes")
+    t.add_argument("--config", required=True, help="YAML config (see examples/)")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=5 pruning.r_q=0.5")
+    t.set_defaults(func=_train)
 
     v = sub.add_parser("verify-unbiased", help="Monte Carlo check: pruned+reweighted gradient vs full batch")
     v.add_argument("--strategy", action="append", choices=["none", "dppo", "reverse", "cppo", "greso"],

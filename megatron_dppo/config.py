@@ -42,6 +42,7 @@ class ParallelConfig:
 class DataConfig:
     train: str = ""                  # JSONL or Parquet
     eval: str = ""
+    train_size: int = 0              # use the first N training prompts (0 = all)
     prompt_mode: str = "raw"         # raw | chat (the tokenizer's chat template)
     system_prompt: str = ""
 

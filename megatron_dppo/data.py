@@ -225,9 +225,14 @@ class PromptSampler:
 class PromptDataset:
     """Records of one file plus a sampler over them: `next_batch()` -> list[PromptRecord]."""
 
-    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, limit: int = 0):
         self.path = path
         self.records = load_records(path)
+        if limit:  # the first `limit` records: a smaller set is revisited more often (prompt history)
+            self.records = self.records[:limit]
+        if len(self.records) < batch_size:
+            raise ValueError(f"{path}: {len(self.records)} prompts, fewer than one batch of {batch_size} "
+                             "(trainer.prompts_per_step)")
         self.sampler = PromptSampler(len(self.records), batch_size, seed, shuffle)
 
     def __len__(self) -> int:

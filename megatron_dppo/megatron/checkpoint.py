@@ -109,8 +109,11 @@ def _sharded_state(policy, is_loading: bool) -> dict:
 
 
 # ---- save / load ----------------------------------------------------------------------------
-def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2) -> str:
-    """Collective. Writes <root>/step_<step> atomically and points `latest` at it."""
+def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2,
+                    extra_files: dict | None = None) -> str:
+    """Collective. Writes <root>/step_<step> atomically and points `latest` at it.
+    extra_files {name in the checkpoint: source path} are copied in by rank 0 (e.g. the HF
+    config, so that the checkpoint converts back to HF on its own)."""
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     if _rank() == 0:
@@ -130,6 +133,8 @@ def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=N
             json.dump(state, f, indent=1)
         if history is not None:
             history.save(os.path.join(tmp, "history.json"))
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, os.path.join(tmp, name))
     _barrier()
     if _rank() == 0:
         if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it

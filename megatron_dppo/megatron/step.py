@@ -198,8 +198,12 @@ class MegatronPolicy:
             return t.to(dev).flatten()[mask]
 
         seq_index = picked(batch.seq_index)
+        # No old log-probs: the batch is trained right after it was generated, in one optimizer
+        # step, so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
+        # old-log-prob pass would recompute the same numbers.
+        old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
         token_loss, stats = losses.policy_loss(
-            logp[mask], picked(batch.old_logp), picked(batch.advantages),
+            logp[mask], old_logp, picked(batch.advantages),
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_type=cfg.ratio_type, seq_index=seq_index,
             num_seqs=batch.num_seqs, ref_logp=picked(batch.ref_logp) if cfg.kl_coef else None,
             kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)

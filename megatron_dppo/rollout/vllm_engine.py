@@ -41,6 +41,8 @@ import torch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# vLLM logs every weight reload and cache reset at INFO: one line per training step.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # Without an explicit KV-cache size vLLM on CPU reserves ~90% of the host's RAM.
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
@@ -146,6 +148,7 @@ class RolloutEngine:
         torch.set_num_threads = set_num_threads
         self.init_seconds = time.perf_counter() - t0
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+        self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
     def generate(
         self,
@@ -209,6 +212,10 @@ class RolloutEngine:
                     stats["num_tensors"] += 1
                     stats["num_bytes"] += tensor.numel() * tensor.element_size()
                     yield name, tensor
+                    if self.tied_embeddings and name == "model.embed_tokens.weight":
+                        # A reload breaks vLLM's embedding/lm_head tie: the output layer kept
+                        # its old weights (log-prob errors of 0.5 nats after a few updates).
+                        yield "lm_head.weight", tensor
 
         t0 = time.perf_counter()
         with self.context():

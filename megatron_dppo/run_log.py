@@ -1,0 +1,110 @@
+"""Run output: runs/<name>/{config.yaml, metrics.jsonl, tb/, wandb/, curves.png}, a progress bar.
+
+Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step); TensorBoard
+and wandb (offline unless configured) get the same scalars.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class RunLogger:
+    def __init__(self, run_dir: str, cfg, total_steps: int, first_step: int = 1, enabled: bool = True):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.tb = self.wandb = self.bar = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._truncate_after(first_step - 1)  # a resumed run rewrites the steps it repeats
+        lc = cfg.logging
+        if lc.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step)
+        if lc.wandb != "disabled":
+            import wandb
+            from megatron_dppo.config import to_dict
+            self.wandb = wandb.init(project=lc.wandb_project, name=cfg.trainer.run_name, dir=run_dir,
+                                    mode=lc.wandb, config=to_dict(cfg), resume="allow",
+                                    settings=wandb.Settings(console="off", x_disable_stats=True))
+        if lc.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=first_step - 1, desc=cfg.trainer.run_name,
+                            dynamic_ncols=True, mininterval=1.0)
+
+    def _truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.metrics_path, "w") as f:
+            f.writelines(rows)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        metrics = dict(metrics, wall_time=time.time())
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        step = metrics["step"]
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+        if self.bar is not None and "time/step" in metrics:  # an evaluation before step 1 is no step
+            post = {"reward": f"{metrics.get('reward/mean', 0):.3f}",
+                    "step_s": f"{metrics.get('time/step', 0):.2f}"}
+            if "eval/accuracy" in metrics:
+                post["eval"] = f"{metrics['eval/accuracy']:.3f}"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(1)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        plot_curves(self.metrics_path, os.path.join(self.run_dir, "curves.png"))
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_curves(metrics_path: str, png_path: str) -> None:
+    """Reward and held-out accuracy against step and wall-clock time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    if not rows:
+        return
+    t0 = rows[0]["wall_time"] - rows[0].get("time/step", 0)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, x_key in zip(axes, ("step", "elapsed")):
+        xs = [r["step"] if x_key == "step" else r["wall_time"] - t0 for r in rows]
+        ax.plot(xs, [r.get("reward/mean", float("nan")) for r in rows], label="train reward (mean)", alpha=0.6)
+        ev = [(x, r["eval/accuracy"]) for x, r in zip(xs, rows) if "eval/accuracy" in r]
+        if ev:
+            ax.plot(*zip(*ev), "o-", label="held-out accuracy (greedy)")
+        ax.set_xlabel("step" if x_key == "step" else "seconds")
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

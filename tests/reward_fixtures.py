@@ -1,0 +1,9 @@
+"""Reward functions for trainer tests, named by import path ("reward_fixtures:...")."""
+import time
+
+
+def hang_on_leading_one(completion: str, answer: str, record=None) -> float:
+    """Exact match, except that completions starting with '1' hang forever."""
+    if completion.startswith("1"):
+        time.sleep(10_000)
+    return float(completion.strip() == answer.strip())
