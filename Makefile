@@ -5,9 +5,9 @@ PY := .venv/bin/python
 env:
 	@bash tools/setup_env.sh
 
-# The main job. Until the training loop lands it is the unbiasedness self-check.
+# The main job: a tiny Qwen3 learns 3-digit addition with DPPO on the CPU (~8 minutes).
 main: env
-	.venv/bin/megatron-dppo verify-unbiased --all-aggs
+	.venv/bin/megatron-dppo train --config examples/tiny/addition.yaml
 
 test: env
 	$(PY) -m pytest -q tests
