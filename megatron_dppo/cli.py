@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=5 pruning.r_q=0.5")
     t.set_defaults(func=_train)
 
+    sub.add_parser("plan", help="per-GPU memory plan of a config; refuses layouts that cannot fit "
+                                "(megatron-dppo plan --config FILE [overrides] [--json])")
+
     v = sub.add_parser("verify-unbiased", help="Monte Carlo check: pruned+reweighted gradient vs full batch")
     v.add_argument("--strategy", action="append", choices=["none", "dppo", "reverse", "cppo", "greso"],
                    help="pruning strategy (repeatable; default dppo)")
@@ -70,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the planner owns its arguments (config + dotted overrides)
+        from megatron_dppo.plan import plan_main
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -118,7 +118,8 @@ class Trainer:
             LossConfig(loss_agg=ac.loss_agg, clip_low=ac.clip_low, clip_high=ac.clip_high,
                        ratio_type=ac.ratio_type, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator,
                        temperature=rc.temperature),
-            params_dtype=dtype, attention=cfg.model.attention, with_reference=ac.kl_coef > 0)
+            params_dtype=dtype, attention=cfg.model.attention, with_reference=ac.kl_coef > 0,
+            sequence_parallel=pc.sequence_parallel, recompute=pc.recompute)
         self.policy.load_hf_state_dict(_load_hf_weights(cfg.model.hf_dir))
         if cfg.model.init_checkpoint:
             from megatron_dppo.megatron.checkpoint import load_checkpoint

@@ -71,12 +71,25 @@ class MegatronPolicy:
     """One rank's share of the policy (and optional frozen reference) model."""
 
     def __init__(self, hf_config, optim: OptimConfig, loss: LossConfig, *, params_dtype=torch.float32,
-                 attention: str = "auto", with_reference: bool = False):
+                 attention: str = "auto", with_reference: bool = False, sequence_parallel: bool = False,
+                 recompute: str = "none"):
         self.hf_config, self.optim_cfg, self.loss_cfg = hf_config, optim, loss
         backend = resolve_attention_backend(attention)
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         overrides = dict(calculate_per_token_loss=True)
+        if sequence_parallel and self.tp_size > 1:
+            if backend != "te":
+                raise ValueError("parallel.sequence_parallel needs the Transformer Engine path (model.attention=te "
+                                 "on a GPU with transformer_engine): megatron-core's local spec has no "
+                                 "sequence-parallel norm")
+            overrides["sequence_parallel"] = True
+        if recompute == "selective":  # recompute attention and MLP internals in backward
+            overrides.update(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+        elif recompute == "full":  # keep only each layer's input
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif recompute != "none":
+            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
         if self.pp_size > 1:
             # Packs differ in length: let the pipeline send each activation's shape first.
             # (TransformerConfig insists on the alltoall MoE dispatcher for that, even for a

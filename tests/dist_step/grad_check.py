@@ -41,7 +41,8 @@ def seq_logp(model, tokens, prompt_len):
     return logp[prompt_len - 1:]
 
 
-def make_problem(model, r_q, r_o, seed):
+def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
+    """A fixed random batch (from `seed`) pruned with masks drawn from `mask_seed`."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)
                for _ in range(B)]
@@ -52,8 +53,13 @@ def make_problem(model, r_q, r_o, seed):
     adv = group_advantages(rewards)
     scores = torch.rand(B, generator=gen)
     scores[1] = math.nan
-    keep_q, w_q = prune_prompts(scores, r_q, gen)
-    keep_o, w_o = prune_completions(adv, r_o, gen)
+    mask_gen = gen if mask_seed is None else torch.Generator().manual_seed(mask_seed)
+    keep_q, w_q = prune_prompts(scores, r_q, mask_gen)
+    keep_o, w_o = prune_completions(adv, r_o, mask_gen)
+    if not reweight:  # negative control: prune without the Horvitz-Thompson correction
+        w_q, w_o = keep_q.float(), keep_o.float()
+    # Fixed per (prompt, completion, token), whichever sequences the masks keep.
+    noise = 0.3 * torch.randn(2, B, G, MAX_NEW, generator=torch.Generator().manual_seed(seed + 1))
     samples = []
     with torch.no_grad():
         for q in range(B):
@@ -66,8 +72,8 @@ def make_problem(model, r_q, r_o, seed):
                 lp = seq_logp(model, tokens, len(prompts[q]))
                 samples.append(Sample(tokens=tokens, prompt_len=len(prompts[q]), advantage=float(adv[q, i]),
                                       weight=float(w_q[q] * w_o[q, i]), seq_id=q * G + i,
-                                      old_logp=lp + 0.3 * torch.randn(len(lp), generator=gen),
-                                      ref_logp=lp + 0.3 * torch.randn(len(lp), generator=gen)))
+                                      old_logp=lp + noise[0, q, i, :len(lp)],
+                                      ref_logp=lp + noise[1, q, i, :len(lp)]))
     rolled = keep_q.nonzero().flatten()
     lengths = torch.tensor([[len(c) for c in comps[q]] for q in rolled.tolist()])
     return samples, lengths, w_q[rolled]
@@ -95,7 +101,34 @@ def my_microbatches(samples, capacity, dp_rank, dp_size):
     lengths = [len(s.tokens) for s in samples]
     packs = pack(lengths, capacity, window=4)
     per_rank = balance_packs(packs, lengths, dp_size)
-    return [build_thd_batch([samples[i] for i in p], pad_multiple=4) for p in per_rank[dp_rank]]
+    return [build_thd_batch([samples[i] for i in p], pad_multiple=4) for p in per_rank[dp_rank]]  # 4: TP*2
+
+
+def monte_carlo(policy, model, draws):
+    """Mean of the Megatron DPPO gradient over mask draws vs the unpruned gradient."""
+    import megatron.core.parallel_state as ps
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def grad(r, mask_seed, reweight=True):
+        samples, lengths, w_q = make_problem(model, r, r, seed=11, mask_seed=mask_seed, reweight=reweight)
+        denom = losses.full_batch_denominator(policy.loss_cfg.loss_agg, num_prompts=B, group_size=G,
+                                              completion_lengths=lengths, prompt_weight=w_q,
+                                              max_response_length=MAX_NEW)
+        policy.forward_backward(my_microbatches(samples, 24, dp_rank, dp_size), denom)
+        g = policy.hf_grads()
+        return torch.cat([g[k].flatten().double() for k in sorted(g)])
+
+    full = grad(0.0, 0)
+    results = {}
+    for name, reweight in (("dppo", True), ("unweighted", False)):
+        gs = torch.stack([grad(0.5, 1000 + d, reweight) for d in range(draws)])
+        mean, var = gs.mean(0), gs.var(0)
+        rel = float((mean - full).norm() / full.norm())
+        se = float((var.sum() / draws).sqrt() / full.norm())
+        results[name] = (rel, se)
+        if dist.get_rank() == 0:
+            print(f"monte carlo {name}: draws={draws} rel.err={rel:.4f} mc.s.e.={se:.4f}")
+    return results
 
 
 def main():
@@ -104,18 +137,35 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--negative-control", action="store_true",
                     help="normalise per token count the way Megatron does by default: must FAIL the check")
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    ap.add_argument("--monte-carlo", type=int, default=0, help="mask draws for the unbiasedness check")
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     cfg, model = hf_model()
     hf_sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if args.monte_carlo:
+        policy = MegatronPolicy(cfg, OptimConfig(), LossConfig(loss_agg="seq-mean-token-mean", clip_high=0.28))
+        policy.load_hf_state_dict(hf_sd)
+        res = monte_carlo(policy, model, args.monte_carlo)
+        rel, se = res["dppo"]
+        assert se < 0.2, f"too few draws for a meaningful check (s.e. {se})"
+        assert rel < 4 * se, f"DPPO mean gradient off by {rel} (Monte Carlo s.e. {se})"
+        rel_u, se_u = res["unweighted"]
+        assert rel_u > 4 * se_u, f"negative control not detected: {rel_u} vs s.e. {se_u}"
+        if dist.get_rank() == 0:
+            print("MONTE CARLO PASSED")
+        destroy_parallel()
+        return
     cases = [("seq-mean-token-mean", "token", 0.0), ("token-mean", "token", 0.1),
              ("seq-mean-token-sum-norm", "token", 0.0), ("seq-mean-token-mean", "sequence", 0.0)]
     worst = 0.0
     for agg, ratio_type, kl in cases:
         loss_cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, ratio_type=ratio_type, kl_coef=kl)
-        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-3), loss_cfg, with_reference=False)
+        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-3), loss_cfg, with_reference=False,
+                                sequence_parallel=args.sequence_parallel, recompute=args.recompute)
         policy.load_hf_state_dict(hf_sd)
         if args.negative_control:
             from megatron.core.distributed import finalize_model_grads

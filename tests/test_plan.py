@@ -1,0 +1,186 @@
+"""`megatron-dppo plan`: byte counts against real models, the presets fit, bad layouts are refused."""
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dppo.config import load_config
+from megatron_dppo.plan import Arch, format_plan, layer_activation_elems, memory_plan, padded_vocab, plan_main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny" / "model"
+QWEN3_32B = REPO / "examples" / "qwen3_32b" / "config.yaml"
+PRESETS = sorted((REPO / "examples" / "presets").glob("*.yaml"))
+SIZES = ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]
+
+
+def _cfg(path=QWEN3_32B, *overrides):
+    return load_config(str(path) if path else None, list(overrides), check=False)
+
+
+def _tiny_cfg(tmp_path, tied=True, dtype="float32"):
+    d = json.loads((TINY / "config.json").read_text())
+    d["tie_word_embeddings"] = tied
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    cfg = _cfg(None, f"model.hf_dir={tmp_path}", f"model.dtype={dtype}", "parallel.nodes=1",
+               "parallel.gpus_per_node=1", "rollout.max_model_len=64", "trainer.max_tokens_per_microbatch=1024")
+    return cfg, d
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("dtype, nbytes", [("float32", 4), ("bfloat16", 2)])
+def test_weight_bytes_equal_the_real_model_plus_vocab_padding(tmp_path, tied, dtype, nbytes):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg, d = _tiny_cfg(tmp_path, tied, dtype)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**d)).to(getattr(torch, dtype))
+    hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # ties counted once
+    plan = memory_plan(cfg)
+    pad_rows = padded_vocab(d["vocab_size"], 1) - d["vocab_size"]  # 21 -> 128
+    assert pad_rows == 107
+    extra = pad_rows * d["hidden_size"] * (1 if tied else 2) * nbytes
+    assert plan["stages"]["only"]["train"]["weights"] == hf_bytes + extra
+    assert plan["stages"]["only"]["train"]["gradients"] == (hf_bytes + extra) // nbytes * 4  # fp32 main_grad
+    per_param = 8 if dtype == "float32" else 12  # Adam m, v (+ fp32 master copy for bf16)
+    assert plan["stages"]["only"]["train"]["optimizer"] == (hf_bytes + extra) // nbytes * per_param
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_qwen3_configs_have_the_published_sizes(size):
+    """Parameter counts of the shipped config.json files, exact against transformers (meta
+    device: nothing is allocated); non-embedding counts as the Qwen3 report lists them."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    d = json.loads((REPO / "examples" / "qwen3_configs" / size / "config.json").read_text())
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(**d))
+    arch = Arch.from_hf(d)
+    assert arch.hf_params() == sum(p.numel() for p in model.parameters())
+    non_embedding = arch.hf_params() - arch.vocab * arch.hidden * (1 if arch.tied else 2)
+    published = {"0.6B": 0.44, "1.7B": 1.4, "4B": 3.6, "8B": 6.95, "14B": 13.2, "32B": 31.2}[size]
+    assert abs(non_embedding / 1e9 / published - 1) < 0.015  # published to 2-3 digits
+    assert arch.tied == (size in ("0.6B", "1.7B", "4B"))
+
+
+def test_tp_pp_shards_add_up():
+    arch = Arch.from_hf(json.loads((REPO / "examples/qwen3_configs/32B/config.json").read_text()))
+    from megatron_dppo.plan import stage_params
+
+    one = stage_params(arch, 1, 1)["only"]
+    split = stage_params(arch, 4, 2)
+    replicated = arch.layers * (2 * arch.hidden + 2 * arch.head_dim) + arch.hidden  # norms on every TP rank
+    vocab_pad = (padded_vocab(arch.vocab, 4) - padded_vocab(arch.vocab, 1)) * arch.hidden * 2
+    assert 4 * (split["first"] + split["last"]) == one + 3 * replicated + vocab_pad
+
+
+def test_activation_formula():
+    arch = Arch(vocab=1000, hidden=1024, layers=4, heads=16, kv_heads=16, head_dim=64, ffn=4096, tied=True)
+    none = layer_activation_elems(arch, 1, False, "none")["kept"]
+    # MHA with f = 4h: 4h (norm and linear inputs) + 6h (QKV out, q and k, attention out)
+    # + 12h (SwiGLU in, fc2 in) = 22h elements. (Korthikanti et al.'s GPT layer, GeLU MLP with
+    # dropout masks, keeps 34h bytes: its MLP keeps 8h elements inside where SwiGLU keeps 3f.)
+    assert none == 4 * 1024 + 6 * 1024 + 12 * 1024
+    assert layer_activation_elems(arch, 4, False, "none")["kept"] == 4 * 1024 + 18 * 1024 / 4
+    assert layer_activation_elems(arch, 4, True, "none")["kept"] == none / 4  # SP splits the rest
+    assert layer_activation_elems(arch, 4, True, "full")["kept"] == 1024 / 4
+    assert layer_activation_elems(arch, 1, False, "selective")["kept"] == none - 12 * 1024
+
+
+def test_qwen3_32b_config_fits_and_prints_its_plan(capsys):
+    plan = memory_plan(_cfg())
+    assert plan["fits"], format_plan(plan)
+    assert plan["layout"]["gpus"] == 32 and plan["layout"]["dp"] == 4
+    assert set(plan["stages"]) == {"first", "last"}
+    assert plan["stages"]["first"]["in_flight"] == 2  # 1F1B on 2 stages
+    assert plan_main(["--config", str(QWEN3_32B)]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "first pipeline stage" in out
+
+
+def test_too_small_layout_is_refused_naming_a_knob(capsys):
+    cfg = _cfg(QWEN3_32B, "parallel.tp=1", "parallel.pp=1", "parallel.nodes=1",
+               "parallel.distributed_optimizer=false", "parallel.sequence_parallel=false")
+    plan = memory_plan(cfg)
+    assert not plan["fits"]
+    assert any("training needs" in p for p in plan["problems"])
+    assert plan["fixes"] and any(k in plan["fixes"][0] for k in ("parallel.tp", "parallel.distributed_optimizer"))
+    assert plan_main(["--config", str(QWEN3_32B), "parallel.tp=1", "parallel.pp=1", "parallel.nodes=1",
+                      "parallel.distributed_optimizer=false"]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "try" in out
+
+
+@pytest.mark.parametrize("override, single_fix", [
+    ("trainer.max_tokens_per_microbatch=65536", "trainer.max_tokens_per_microbatch="),  # activations
+    ("rollout.gpu_memory_utilization=0.2", "parallel.rollout_tp=8"),  # KV cache cannot hold a sequence
+    ("rollout.gpu_memory_utilization=0.7", "rollout.gpu_memory_utilization="),  # vLLM + Megatron > GPU
+])
+def test_refusals_point_at_the_knob_that_fixes_them(override, single_fix):
+    plan = memory_plan(_cfg(QWEN3_32B, override))
+    assert not plan["fits"]
+    assert any(f.startswith(single_fix) for f in plan["fixes"]), plan["fixes"]
+    # and the suggested change does fit
+    fixed = memory_plan(_cfg(QWEN3_32B, override, plan["fixes"][0].split(" (")[0]))
+    assert fixed["fits"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["parallel.tp=3"], "parallel.tp"),
+    (["parallel.tp=16", "parallel.gpus_per_node=16"], "parallel.tp"),  # 16 does not divide 8 KV heads
+    (["parallel.pp=3"], "parallel.pp"),
+    (["parallel.nodes=1", "parallel.gpus_per_node=6"], "parallel.nodes x parallel.gpus_per_node"),
+    (["parallel.rollout_tp=3"], "parallel.rollout_tp"),
+    (["trainer.max_tokens_per_microbatch=1024"], "trainer.max_tokens_per_microbatch"),
+])
+def test_layouts_that_do_not_divide_name_the_field(overrides, field, capsys):
+    with pytest.raises(ValueError) as err:
+        memory_plan(_cfg(QWEN3_32B, *overrides))
+    assert field in str(err.value)
+    assert plan_main(["--config", str(QWEN3_32B), *overrides]) == 2
+    assert field in capsys.readouterr().out
+
+
+def test_missing_model_config_is_a_named_error():
+    with pytest.raises(ValueError, match="model.hf_dir"):
+        memory_plan(_cfg(QWEN3_32B, "model.hf_dir=/nonexistent"))
+
+
+def test_kl_reference_adds_a_weight_copy():
+    base, kl = memory_plan(_cfg()), memory_plan(_cfg(QWEN3_32B, "algorithm.kl_coef=0.01"))
+    s, k = base["stages"]["last"]["train"], kl["stages"]["last"]["train"]
+    assert s["reference"] == 0 and k["reference"] == s["weights"]
+
+
+def test_presets_cover_every_size_and_fit():
+    names = {p.stem for p in PRESETS}
+    assert names == {f"qwen3_{s.lower()}" for s in SIZES}
+    for path in PRESETS + [QWEN3_32B]:
+        cfg = load_config(str(path), check=False)
+        plan = memory_plan(cfg)
+        assert plan["fits"], f"{path.name}:\n{format_plan(plan)}"
+        peak = max(max(s["train_total"], s["generate_total"]) for s in plan["stages"].values())
+        assert peak < 0.95 * plan["gpu_bytes"]
+        assert plan["vllm"]["seqs_fit"] >= 16, path.name  # enough KV for real batching
+    # the 32B preset is the example's layout
+    assert dataclasses.asdict(load_config(str(REPO / "examples/presets/qwen3_32b.yaml"), check=False).parallel) == \
+        dataclasses.asdict(load_config(str(QWEN3_32B), check=False).parallel)
+
+
+def test_launch_scripts_parse():
+    for script in ("launch_torchrun.sh", "slurm.sbatch"):
+        subprocess.run(["bash", "-n", str(REPO / "examples" / "qwen3_32b" / script)], check=True)
+
+
+def test_states_equal_megatron_tensor_bytes():
+    """The weights / fp32 grad buffer / optimizer rows equal a real MegatronPolicy's tensor bytes
+    (bf16 + fp32 master, untied). tools/plan_measure.py runs the fuller comparison."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "plan_measure.py"), "--states", "--quick"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(" ok") == 3
