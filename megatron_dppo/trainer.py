@@ -317,7 +317,7 @@ class Trainer:
                 setattr(mb, attr, (lp.float().cpu() * mb.loss_mask).view_as(mb.loss_mask))
 
     def _sync_weights(self) -> None:
-        self.engine.load_weights(list(self.policy.hf_state_dict().items()))
+        self.engine.load_weights(self.policy.hf_weight_buckets())
 
     def evaluate(self) -> float:
         """Greedy pass@1 on the held-out prompts."""

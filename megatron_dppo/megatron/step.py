@@ -63,6 +63,25 @@ def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
+def _merged_shape(name: str, shape, tp_size: int) -> tuple:
+    kind = mapping.tp_split_kind(name)
+    shape = list(shape)
+    if tp_size > 1 and kind != "replicated":
+        shape[1 if kind == "row" else 0] *= tp_size
+    return tuple(shape)
+
+
+def _unit_of(name: str):
+    """A decoder layer's index, or 'embedding' / 'head' for the rest."""
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2])
+    return "embedding" if name.startswith("embedding.") else "head"
+
+
+def _unit_order(unit):
+    return -1 if unit == "embedding" else (10**9 if unit == "head" else unit)
+
+
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -141,46 +160,90 @@ class MegatronPolicy:
                     params[name].copy_(tensor)
         self.optimizer.reload_model_params()  # the fp32 main copy of a bf16 model, if any
 
-    def _gather_full_megatron(self, tensors: dict) -> dict:
-        """Local megatron-named tensors -> full (TP-merged, all PP stages) on every rank."""
+    def _full_units(self, tensors: dict):
+        """Local megatron-named tensors -> full (TP-merged) tensors of every PP stage, on every
+        rank, one unit (the embedding, one decoder layer, the head) at a time, so a caller can
+        stream a large model without holding it whole.
+
+        Yields (unit, {global megatron name: full tensor}). Collective over the world.
+        """
         tp_group = parallel_state.get_tensor_model_parallel_group()
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        merged = {}
-        for local, t in sorted(tensors.items()):
+        mine = {}
+        for local, t in tensors.items():
             name = mapping.to_global_name(local, pp_rank, self.pp_size, self.layout.num_layers)
             if self.layout.tied and self.pp_size > 1 and name == "output_layer.weight":
                 continue  # the last stage's copy of the tied embedding
-            if self.tp_size > 1 and mapping.tp_split_kind(name) != "replicated":
-                shards = [torch.empty_like(t) for _ in range(self.tp_size)]
-                dist.all_gather(shards, t.contiguous(), group=tp_group)
-                t = mapping.tp_merge(name, shards)
-            merged[name] = t
-        if self.pp_size == 1:
-            return merged
-        full = {}
-        ranks = dist.get_process_group_ranks(pp_group)
-        for stage, src in enumerate(ranks):
-            meta = [[(k, tuple(v.shape), v.dtype) for k, v in merged.items()] if stage == pp_rank else None]
-            dist.broadcast_object_list(meta, src=src, group=pp_group)
-            for k, shape, dtype in meta[0]:
-                buf = merged[k].contiguous() if stage == pp_rank else torch.empty(shape, dtype=dtype, device=_device())
-                dist.broadcast(buf, src=src, group=pp_group)
-                full[k] = buf
-        return full
+            mine[name] = t
+        # Which stage holds which tensor, with its full (TP-merged) shape: small metadata.
+        meta = {}
+        for stage, src in enumerate(dist.get_process_group_ranks(pp_group)):
+            info = [[(k, _merged_shape(k, v.shape, self.tp_size), v.dtype) for k, v in mine.items()]
+                    if stage == pp_rank else None]
+            if self.pp_size > 1:
+                dist.broadcast_object_list(info, src=src, group=pp_group)
+            for k, shape, dtype in info[0]:
+                meta[k] = (stage, src, shape, dtype)
+        units = {}
+        for k in meta:
+            units.setdefault(_unit_of(k), []).append(k)
+        for unit in sorted(units, key=_unit_order):
+            out = {}
+            for k in sorted(units[unit]):
+                stage, src, shape, dtype = meta[k]
+                if stage == pp_rank:
+                    t = mine[k]
+                    if self.tp_size > 1 and mapping.tp_split_kind(k) != "replicated":
+                        shards = [torch.empty_like(t) for _ in range(self.tp_size)]
+                        dist.all_gather(shards, t.contiguous(), group=tp_group)
+                        t = mapping.tp_merge(k, shards)
+                    buf = t.contiguous()
+                else:
+                    buf = torch.empty(shape, dtype=dtype, device=_device())
+                if self.pp_size > 1:
+                    dist.broadcast(buf, src=src, group=pp_group)
+                out[k] = buf
+            yield unit, out
+
+    def _units_to_hf(self, unit, full: dict) -> dict:
+        if isinstance(unit, int):
+            return mapping.megatron_layer_to_hf(unit, full.__getitem__, self.layout)
+        out = {}
+        if "embedding.word_embeddings.weight" in full:
+            out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"][:self.layout.vocab]
+        if "decoder.final_layernorm.weight" in full:
+            out["model.norm.weight"] = full["decoder.final_layernorm.weight"]
+        if "output_layer.weight" in full:
+            out["lm_head.weight"] = full["output_layer.weight"][:self.layout.vocab]
+        return out
+
+    def hf_weight_buckets(self, bucket_bytes: int = 1 << 30):
+        """The current weights under HF names, in buckets of about bucket_bytes, on every rank.
+        A generator: weight sync streams a large model instead of gathering it whole."""
+        local = {k: v.detach() for k, v in self.model.module.named_parameters()}
+        bucket, size = [], 0
+        for unit, full in self._full_units(local):
+            for name, t in self._units_to_hf(unit, full).items():
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
 
     def hf_state_dict(self) -> dict:
-        """The current weights under HF names, on every rank (small models; weight sync)."""
-        local = {k: v.detach() for k, v in self.model.module.named_parameters()}
-        return mapping.megatron_to_hf(self._gather_full_megatron(local), self.layout)
+        """The current weights under HF names, on every rank (small models, tests)."""
+        return {k: v for bucket in self.hf_weight_buckets() for k, v in bucket}
 
     def hf_grads(self) -> dict:
         """Gradients after forward_backward (DP-reduced), under HF names, on every rank."""
         local = {k: p.main_grad.detach().clone() for k, p in self.model.module.named_parameters()}
-        if self.layout.tied and self.pp_size > 1:
-            # The embedding gradient was all-reduced between first and last stage; count it once.
-            local.pop("output_layer.weight", None)
-        return mapping.megatron_to_hf(self._gather_full_megatron(local), self.layout)
+        out = {}
+        for unit, full in self._full_units(local):
+            out.update(self._units_to_hf(unit, full))
+        return out
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
