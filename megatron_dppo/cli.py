@@ -27,9 +27,9 @@ def _verify_unbiased(args) -> int:
 
 def _train(args) -> int:
     from megatron_dppo.config import load_config
-    from megatron_dppo.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # fails fast, before the heavy imports
+    from megatron_dppo.trainer import Trainer
     trainer = Trainer(cfg, resume=args.resume)
     try:
         trainer.train()

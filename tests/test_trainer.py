@@ -48,10 +48,14 @@ def test_vllm_logprobs_equal_megatron_after_weight_sync():
 
 
 def test_killed_run_resumes_and_prompt_pruning_removes_generation(tmp_path):
-    base = ["trainer.max_steps=6", "trainer.save_every=2", "pruning.r_q=0.5", "pruning.r_o=0.5"]
+    # Two mini-batches (optimizer steps) per rollout batch: exercises the old-log-prob pass too.
+    base = ["trainer.max_steps=6", "trainer.save_every=2", "pruning.r_q=0.5", "pruning.r_o=0.5",
+            "trainer.minibatches_per_step=2"]
     run(train_cmd(tmp_path, "full", *base))
     full = metrics(tmp_path, "full")
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    assert max(full[s]["train/optimizer_steps"] for s in full) == 2
+    assert any(full[s]["time/logprob"] > 0 for s in full)
     for key in ("step", "reward/mean", "reward/accuracy", "prune/prompts_kept_frac",
                 "prune/completions_kept_frac", "pack/density", "time/rollout", "time/logprob", "time/train",
                 "time/sync", "time/step", "tokens/generated", "tokens/trained"):
@@ -104,3 +108,17 @@ def test_tiny_run_accuracy_rises(tmp_path):
     m = metrics(tmp_path, "rise")
     before, after = m[0]["eval/accuracy"], m[80]["eval/accuracy"]
     assert after > before + 0.03, (before, after)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.tp=3", "world size 1 is not a multiple of tp\\*pp"),
+    ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch \\(16\\) is below rollout.max_model_len"),
+    ("pruning.r_o=1.0", "pruning.r_o"),
+    ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
+])
+def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path, override, message):
+    res = subprocess.run(train_cmd(tmp_path, "bad", override), cwd=REPO, env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode != 0
+    import re
+    assert re.search(message, res.stderr), res.stderr[-2000:]
