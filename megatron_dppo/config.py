@@ -57,6 +57,7 @@ class RolloutConfig:
     kv_cache_gb: float = 0.25        # CPU KV cache (vLLM reserves ~90% of RAM otherwise)
     gpu_memory_utilization: float = 0.5
     dtype: str = ""                  # vLLM dtype; "" = the model's dtype
+    sleep_level: int = 1             # GPU: free vLLM memory while training (1 offloads weights, 2 drops them)
 
 
 @dataclass

@@ -164,6 +164,7 @@ class Trainer:
         gen = _step_generator(tc.seed, step)
 
         rollout = self._collect_rollouts(step, gen, timer)                      # prune prompts, generate, reward
+        self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         P, G = rollout.rewards.shape
         adv = group_advantages(rollout.rewards, cfg.algorithm.advantage)        # on the FULL group
         keep_o, w_o = self.strategy.prune_completions(adv, cfg.pruning.r_o, gen)  # prune completions
@@ -317,7 +318,13 @@ class Trainer:
                 setattr(mb, attr, (lp.float().cpu() * mb.loss_mask).view_as(mb.loss_mask))
 
     def _sync_weights(self) -> None:
+        """Stream the policy's weights into vLLM. On GPU the engine wakes its weights first and
+        its KV cache only after the load, so the peak stays near training's (no-ops on CPU)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand training's cached activations back before vLLM wakes
+        self.engine.wake_up(["weights"])
         self.engine.load_weights(self.policy.hf_weight_buckets())
+        self.engine.wake_up(["kv_cache"])
 
     def evaluate(self) -> float:
         """Greedy pass@1 on the held-out prompts."""

@@ -100,6 +100,15 @@ def test_hanging_verifier_times_out_without_stalling(tmp_path):
     assert time.time() - t0 < 240
 
 
+def test_dapo_dynamic_sampling_refills_with_informative_groups(tmp_path):
+    run(train_cmd(tmp_path, "dapo", "trainer.max_steps=2", "algorithm.dynamic_sampling=true",
+                  "algorithm.clip_high=0.28", "data.train_size=64"))
+    m = metrics(tmp_path, "dapo")
+    for s in (1, 2):
+        assert m[s]["groups/zero_variance_frac"] == 0.0  # every kept group is informative
+        assert m[s]["prune/prompts_kept_frac"] == 1.0
+
+
 def test_tiny_run_accuracy_rises(tmp_path):
     """The main job's config with a small budget: held-out greedy accuracy clearly rises."""
     run(train_cmd(tmp_path, "rise", "trainer.max_steps=80", "trainer.eval_every=80", "trainer.eval_size=300",
