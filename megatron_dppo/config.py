@@ -90,13 +90,18 @@ class RewardConfig:
 
 
 @dataclass
-class OptimSection:
+class OptimConfig:
+    """Adam + LR schedule of the policy (megatron_dppo.megatron.step uses it as is)."""
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    decay_style: str = "constant"
+    decay_steps: int = 0             # 0: the run's optimizer steps (max_steps x minibatches_per_step)
+    decay_style: str = "constant"    # constant | linear | cosine
 
 
 @dataclass
@@ -135,7 +140,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -11,6 +11,7 @@ on its own share of the packs. Megatron details live in megatron_dppo/megatron/.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -84,7 +85,7 @@ class Trainer:
         from transformers import AutoConfig, AutoTokenizer
 
         from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat, validate_layout
-        from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+        from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
         from megatron_dppo.rollout import RolloutEngine
 
         self.cfg = cfg
@@ -111,15 +112,13 @@ class Trainer:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         self.policy = MegatronPolicy(
             self.hf_config,
-            OptimConfig(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, weight_decay=cfg.optim.weight_decay,
-                        clip_grad=cfg.optim.clip_grad, warmup_steps=cfg.optim.warmup_steps,
-                        decay_steps=tc.max_steps * tc.minibatches_per_step, decay_style=cfg.optim.decay_style,
-                        distributed_optimizer=pc.distributed_optimizer),
+            dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or tc.max_steps * tc.minibatches_per_step),
             LossConfig(loss_agg=ac.loss_agg, clip_low=ac.clip_low, clip_high=ac.clip_high,
                        ratio_type=ac.ratio_type, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator,
                        temperature=rc.temperature),
             params_dtype=dtype, attention=cfg.model.attention, with_reference=ac.kl_coef > 0,
-            sequence_parallel=pc.sequence_parallel, recompute=pc.recompute)
+            sequence_parallel=pc.sequence_parallel, recompute=pc.recompute,
+            distributed_optimizer=pc.distributed_optimizer)
         self.policy.load_hf_state_dict(_load_hf_weights(cfg.model.hf_dir))
         if cfg.model.init_checkpoint:
             from megatron_dppo.megatron.checkpoint import load_checkpoint

@@ -107,7 +107,7 @@ def check_states(tmp: Path, dist_opt=False, quick=False) -> bool:
         [(n, t, tied) for n, t in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) for tied in (True, False)]
     for dtype, tdtype, tied in cases:
         hf, d = tiny_hf(tied=tied)
-        pol = MegatronPolicy(hf, OptimConfig(lr=1e-4, distributed_optimizer=dist_opt), LossConfig(),
+        pol = MegatronPolicy(hf, OptimConfig(lr=1e-4), LossConfig(), distributed_optimizer=dist_opt,
                              params_dtype=tdtype)
         pol.train_step([make_batch(hf, 256)], denominator=256.0)  # Adam creates m, v at its first step
         params = list(pol.model.module.parameters())

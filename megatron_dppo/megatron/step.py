@@ -25,24 +25,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dppo.algorithms import losses
+from megatron_dppo.config import OptimConfig  # noqa: F401  (re-exported: the policy's optimizer settings)
 from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron.logprobs import token_logprobs
 from megatron_dppo.megatron.model import build_gpt_model, resolve_attention_backend
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    decay_steps: int = 1000
-    decay_style: str = "constant"      # constant | linear | cosine
-    distributed_optimizer: bool | None = None  # None: on with CUDA, off on CPU
 
 
 @dataclass
@@ -91,7 +77,7 @@ class MegatronPolicy:
 
     def __init__(self, hf_config, optim: OptimConfig, loss: LossConfig, *, params_dtype=torch.float32,
                  attention: str = "auto", with_reference: bool = False, sequence_parallel: bool = False,
-                 recompute: str = "none"):
+                 recompute: str = "none", distributed_optimizer: bool | None = None):
         self.hf_config, self.optim_cfg, self.loss_cfg = hf_config, optim, loss
         backend = resolve_attention_backend(attention)
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -119,7 +105,8 @@ class MegatronPolicy:
                                                     te_names=backend == "te")
         self.vocab_size = hf_config.vocab_size
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
-        dist_opt = torch.cuda.is_available() if optim.distributed_optimizer is None else optim.distributed_optimizer
+        # None: on with CUDA (optimizer state sharded over DP), off on CPU
+        dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=dist_opt)
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
@@ -132,7 +119,7 @@ class MegatronPolicy:
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
             min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(optim.decay_steps, optim.warmup_steps + 1), lr_decay_style=optim.decay_style,
+            lr_decay_steps=max(optim.decay_steps or 1000, optim.warmup_steps + 1), lr_decay_style=optim.decay_style,
             start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
         self.reference = None
         if with_reference:
