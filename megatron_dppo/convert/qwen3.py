@@ -55,11 +55,23 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: bool = False) -> Qwen3Layout:
+    """The layout of a supported model; a ValueError naming the config.json field otherwise."""
     archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__.replace("Config", "ForCausalLM")]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} is supported "
-                         "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm: not yet mapped)")
+                         "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm and uses "
+                         "llama3 RoPE scaling: neither is mapped nor built by megatron_dppo.megatron.model)")
+    # Fields a Qwen3 checkpoint may set that this mapping (or the GPTModel built from the same
+    # config) does not carry: refuse rather than convert into a different model.
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError("config.json attention_bias=true: q/k/v/o biases are not mapped")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if hf_config.num_attention_heads % hf_config.num_key_value_heads:
+        raise ValueError(f"config.json num_attention_heads={hf_config.num_attention_heads} is not a multiple of "
+                         f"num_key_value_heads={hf_config.num_key_value_heads}")
     return Qwen3Layout(
         num_layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size,
         num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads,
@@ -102,22 +114,58 @@ def _pad_vocab(w: torch.Tensor, layout: Qwen3Layout) -> torch.Tensor:
     return torch.cat([w, pad], dim=0)
 
 
-def hf_layer_to_megatron(i: int, get, layout: Qwen3Layout) -> dict:
-    """One decoder layer. get(hf_name) -> tensor. Returns megatron names (global index i)."""
+def _layer_rules(i: int, layout: Qwen3Layout) -> dict:
+    """megatron name -> (the HF names it is built from, how to build it), for layer i. One table
+    serves the whole-layer conversion and the tensor-at-a-time streaming converter."""
     h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
     ln1, ln2 = _mg_norm_names(layout, i)
     a = h + "self_attn."
+    same = lambda t: t  # noqa: E731
     return {
-        ln1: get(h + "input_layernorm.weight"),
-        p + "self_attention.linear_qkv.weight": fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-                                                          get(a + "v_proj.weight"), layout),
-        p + "self_attention.q_layernorm.weight": get(a + "q_norm.weight"),
-        p + "self_attention.k_layernorm.weight": get(a + "k_norm.weight"),
-        p + "self_attention.linear_proj.weight": get(a + "o_proj.weight"),
-        ln2: get(h + "post_attention_layernorm.weight"),
-        p + "mlp.linear_fc1.weight": torch.cat([get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")], 0),
-        p + "mlp.linear_fc2.weight": get(h + "mlp.down_proj.weight"),
+        ln1: ((h + "input_layernorm.weight",), same),
+        p + "self_attention.linear_qkv.weight": ((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                                                 lambda q, k, v: fuse_qkv(q, k, v, layout)),
+        p + "self_attention.q_layernorm.weight": ((a + "q_norm.weight",), same),
+        p + "self_attention.k_layernorm.weight": ((a + "k_norm.weight",), same),
+        p + "self_attention.linear_proj.weight": ((a + "o_proj.weight",), same),
+        ln2: ((h + "post_attention_layernorm.weight",), same),
+        p + "mlp.linear_fc1.weight": ((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                                      lambda gate, up: torch.cat([gate, up], 0)),
+        p + "mlp.linear_fc2.weight": ((h + "mlp.down_proj.weight",), same),
     }
+
+
+def _global_rules(layout: Qwen3Layout) -> dict:
+    pad = lambda w: _pad_vocab(w, layout)  # noqa: E731
+    rules = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), pad),
+             "decoder.final_layernorm.weight": (("model.norm.weight",), lambda t: t)}
+    if not layout.tied:
+        rules["output_layer.weight"] = (("lm_head.weight",), pad)
+    return rules
+
+
+def hf_layer_to_megatron(i: int, get, layout: Qwen3Layout) -> dict:
+    """One decoder layer. get(hf_name) -> tensor. Returns megatron names (global index i)."""
+    return {name: build(*map(get, srcs)) for name, (srcs, build) in _layer_rules(i, layout).items()}
+
+
+def megatron_tensor_from_hf(name: str, get, layout: Qwen3Layout) -> torch.Tensor:
+    """One megatron tensor (global name, TP=1 layout, vocab padded) from the HF tensors it needs:
+    the streaming converter reads only those."""
+    m = _LAYER.match(name)
+    rules = _layer_rules(int(m.group(1)), layout) if m else _global_rules(layout)
+    if name not in rules:
+        raise KeyError(f"no HF source for megatron tensor {name!r}")
+    srcs, build = rules[name]
+    return build(*map(get, srcs))
+
+
+def hf_tensor_names(layout: Qwen3Layout) -> list:
+    """Every HF tensor the mapping reads (to check a checkpoint before converting it)."""
+    names = [n for srcs, _ in _global_rules(layout).values() for n in srcs]
+    for i in range(layout.num_layers):
+        names += [n for srcs, _ in _layer_rules(i, layout).values() for n in srcs]
+    return names
 
 
 def megatron_layer_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
@@ -148,21 +196,36 @@ def _getter(sd: dict, what: str):
 
 def hf_to_megatron(hf_sd: dict, layout: Qwen3Layout) -> dict:
     get = _getter(hf_sd, "HF")
-    out = {"embedding.word_embeddings.weight": _pad_vocab(get("model.embed_tokens.weight"), layout),
-           "decoder.final_layernorm.weight": get("model.norm.weight")}
-    if not layout.tied:
-        out["output_layer.weight"] = _pad_vocab(get("lm_head.weight"), layout)
+    out = {name: build(*map(get, srcs)) for name, (srcs, build) in _global_rules(layout).items()}
     for i in range(layout.num_layers):
         out.update(hf_layer_to_megatron(i, get, layout))
     return out
 
 
+def _global_to_hf(layout: Qwen3Layout) -> dict:
+    """HF name -> (megatron name, how): the tensors outside the decoder layers (vocab padding cut)."""
+    trim = lambda w: w[:layout.vocab].contiguous()  # noqa: E731
+    rules = {"model.embed_tokens.weight": ("embedding.word_embeddings.weight", trim),
+             "model.norm.weight": ("decoder.final_layernorm.weight", lambda t: t)}
+    if not layout.tied:
+        rules["lm_head.weight"] = ("output_layer.weight", trim)
+    return rules
+
+
+def global_hf_sources(layout: Qwen3Layout) -> dict:
+    """HF name -> the megatron name it comes from, for the tensors outside the decoder layers."""
+    return {hf: mg for hf, (mg, _) in _global_to_hf(layout).items()}
+
+
+def megatron_globals_to_hf(get, layout: Qwen3Layout, hf_names=None) -> dict:
+    """The non-layer HF tensors (or only hf_names of them) from megatron tensors via get."""
+    rules = _global_to_hf(layout)
+    return {hf: fn(get(mg)) for hf, (mg, fn) in rules.items() if hf_names is None or hf in hf_names}
+
+
 def megatron_to_hf(mg_sd: dict, layout: Qwen3Layout) -> dict:
     get = _getter(mg_sd, "Megatron")
-    out = {"model.embed_tokens.weight": get("embedding.word_embeddings.weight")[:layout.vocab].contiguous(),
-           "model.norm.weight": get("decoder.final_layernorm.weight")}
-    if not layout.tied:
-        out["lm_head.weight"] = get("output_layer.weight")[:layout.vocab].contiguous()
+    out = megatron_globals_to_hf(get, layout)
     for i in range(layout.num_layers):
         out.update(megatron_layer_to_hf(i, get, layout))
     return out
@@ -172,6 +235,12 @@ def megatron_to_hf(mg_sd: dict, layout: Qwen3Layout) -> dict:
 # Tensor- and pipeline-parallel sharding of megatron names.
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def layer_index(name: str):
+    """The layer number of a global megatron name (decoder.layers.L.*), or None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
 
 
 def tp_split_kind(name: str) -> str:

@@ -160,9 +160,15 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         raise FileNotFoundError(f"{path} is not a complete checkpoint: {state_path} is missing")
     with open(state_path) as f:
         state = json.load(f)
-    sharded = _sharded_state(policy, is_loading=True)
-    if not load_optimizer:
-        sharded.pop("optimizer")
+    # A converted checkpoint (tools/convert_hf_to_megatron.py) holds only the model: start the
+    # optimizer and scheduler fresh.
+    load_optimizer = load_optimizer and not state.get("model_only", False)
+    if load_optimizer:
+        sharded = _sharded_state(policy, is_loading=True)
+    else:
+        # Not even built: the optimizer's sharded_state_dict(is_loading=True) initialises Adam
+        # state (exp_avg, exp_avg_sq without 'step'), and the next optimizer step then fails.
+        sharded = {"model": policy.model.module.sharded_state_dict()}
     loaded = dist_checkpointing.load(sharded, os.path.join(path, "model_optim"))
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:

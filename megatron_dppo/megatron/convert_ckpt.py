@@ -1,0 +1,478 @@
+"""HF safetensors <-> Megatron-Core dist checkpoints (torch_dist), streamed; no GPTModel weights.
+
+What a checkpoint must contain is taken from Megatron itself: the TP=1, PP=1 GPTModel is built on
+the meta device (no memory) and its sharded_state_dict() gives every key, global shape, chunk
+and ShardedObject the trainer's model will ask for. torch_dist stores global tensors in chunks,
+so one checkpoint loads at any TP/PP (dist_checkpointing reshards on load). Megatron keys stack
+the decoder layers on a leading axis: decoder.layers.mlp.linear_fc2.weight is [L, H, I] with one
+chunk per layer, and the local spec's norms are saved under the TE names
+(decoder.layers.self_attention.linear_qkv.layer_norm_weight, ...).
+
+HF -> Megatron: write items are planned from that spec, cut into the chunks a TP=tp run would
+save, and handed to torch.distributed.checkpoint's FileSystemWriter with a planner whose
+resolve_data() builds each chunk only when the writer reaches it (qwen3.megatron_tensor_from_hf
+reads just the HF tensors it needs). With one writer thread the writer resolves items one at a
+time, in plan order, one .distcp file per decoder layer (or global tensor): memory is about one
+megatron tensor plus its HF sources plus the layer being written.
+
+Megatron -> HF: dist_checkpointing.load() with a partial sharded state dict (one decoder layer,
+or one global tensor, at a time; the optimizer keys of a trainer checkpoint are never asked for),
+qwen3.megatron_layer_to_hf, and hf_io.SafetensorsShardWriter, which writes each tensor straight
+to its planned offset.
+
+On-disk layout of a converted checkpoint (the trainer's step_* dirs have the same first three):
+    model_optim/          dist checkpoint (model keys only here; model + optimizer from the trainer)
+    trainer_state.json    {"step": 0, "model_only": true, "source": {...}}
+    hf_config.json        the HF config.json, verbatim (Megatron -> HF needs it)
+    hf_assets/            tokenizer / generation config files of the HF dir, verbatim (optional)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import queue
+import shutil
+import time
+
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from megatron_dppo.convert import qwen3
+from megatron_dppo.convert.hf_io import HFCheckpoint, SafetensorsShardWriter, copy_assets
+from megatron_dppo.megatron.checkpoint import latest_checkpoint  # also installs the safe metadata unpickler
+from megatron_dppo.megatron.model import build_gpt_model, padded_vocab_size
+from megatron_dppo.megatron.parallel import validate_layout
+
+MODEL_DIR = "model_optim"
+HF_CONFIG = "hf_config.json"
+HF_ASSETS = "hf_assets"
+TRAINER_STATE = "trainer_state.json"
+EMBEDDING = "embedding.word_embeddings.weight"
+_LAYER_KEY = "decoder.layers.self_attention.linear_qkv.weight"  # [L, ...]: tells the layer count
+
+
+def _status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_mib() -> float:
+    return _status_mib("VmRSS")
+
+
+def peak_rss_mib() -> float:
+    """This process image's peak RSS (VmHWM). Not ru_maxrss: Linux carries that across fork +
+    exec, so a converter started by a big parent would report the parent's peak."""
+    return _status_mib("VmHWM")
+
+
+def load_hf_config(path: str):
+    """A transformers config from a config.json file (hf_config.json in our checkpoints)."""
+    from transformers import CONFIG_MAPPING
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: the HF config.json of the model (the trainer copies it into "
+                                f"each checkpoint as {HF_CONFIG}; converted checkpoints carry it too)")
+    with open(path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: unknown model_type={model_type!r}")
+    return CONFIG_MAPPING[model_type].from_json_file(path)
+
+
+# ---- the spec: what Megatron's GPTModel saves and loads ---------------------------------------
+@contextlib.contextmanager
+def spec_parallel_state():
+    """Megatron's parallel state at TP=1, PP=1 for building the meta spec: set up (a 1-process
+    world unless one exists) and torn down again, or reused when already at TP=1, PP=1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_dppo.megatron.parallel import destroy_parallel, initialize_parallel
+
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+            raise RuntimeError("checkpoint conversion needs TP=1, PP=1 parallel state: run it in its own process")
+        yield
+        return
+    owns_world = not dist.is_initialized()
+    initialize_parallel(1, 1)
+    try:
+        yield
+    finally:
+        destroy_parallel(world=owns_world)
+
+
+def model_spec(hf_config, padded_vocab: int, dtype: torch.dtype):
+    """[(megatron name, ShardedTensor)] and [ShardedObject] of the TP=1, PP=1 model, on the meta
+    device, plus the meta model itself. Needs spec_parallel_state()."""
+    with torch.device("meta"):
+        # divisible_by=padded_vocab makes Megatron pad the vocab to exactly padded_vocab.
+        model = build_gpt_model(hf_config, params_dtype=dtype, attention="local",
+                                make_vocab_size_divisible_by=padded_vocab)
+    tensors, objects = [], []
+    for name, item in model.sharded_state_dict().items():
+        if isinstance(item, ShardedTensorFactory):  # SwiGLU fc1: a gate chunk and an up chunk
+            built = item.build()
+            tensors += [(name, t) for t in (built if isinstance(built, list) else [built])]
+        elif isinstance(item, ShardedTensor):
+            tensors.append((name, item))
+        elif isinstance(item, ShardedObject):
+            objects.append(item)
+        else:
+            raise TypeError(f"unexpected {type(item).__name__} at {name} in GPTModel.sharded_state_dict()")
+    return model, tensors, objects
+
+
+def _tp_chunks(name: str, st: ShardedTensor, tp: int):
+    """(offsets, sizes) of the chunks a TP=tp run saves for this TP=1 ShardedTensor: Megatron
+    splits a tensor-parallel weight along its partition axis; fc1's gate and up halves (separate
+    ShardedTensors here) are each split the same way, so chunk layout = a real TP=tp save."""
+    p = st.prepend_axis_num
+    off, size = list(st.global_offset), [1] * p + list(st.local_shape)
+    axis = {"vocab": 0, "column": 0, "fc1": 0, "row": 1}.get(qwen3.tp_split_kind(name))
+    if axis is None or tp == 1:
+        return [(off, size)]
+    axis += p
+    if size[axis] % tp:
+        raise ValueError(f"{name}: dimension {size[axis]} does not split over tp={tp}")
+    n = size[axis] // tp
+    chunks = []
+    for r in range(tp):
+        o, s = list(off), list(size)
+        o[axis] += r * n
+        s[axis] = n
+        chunks.append((o, s))
+    return chunks
+
+
+def _region(offsets, sizes, p: int):
+    """Slices of a chunk inside its (per-layer) full tensor: the prepended layer axis dropped."""
+    return tuple(slice(o, o + s) for o, s in zip(offsets[p:], sizes[p:]))
+
+
+# ---- HF -> Megatron ---------------------------------------------------------------------------
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """A save planner whose items are given, not derived from a state dict of tensors, and
+    whose data is produced on demand by resolve(write_item)."""
+
+    def __init__(self, items, resolve):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items, self._resolve = items, resolve
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        return self._resolve(write_item)
+
+
+class _Writer(FileSystemWriter):
+    """torch's FileSystemWriter, with two changes:
+    - one .distcp file per group of items (a decoder layer, or one global tensor) instead of one
+      per rank: the writer keeps the last tensor of each key of a file alive until the file is
+      closed, so per-file grouping keeps that to one layer (one file per rank kept the embedding
+      chunk, one chunk per layer key and the output layer alive to the end);
+    - .metadata records the path as a str, as Megatron's writer does: the trainer's restricted
+      metadata unpickler (checkpoint.py) rejects the pathlib.Path torch puts there.
+    write_data mirrors FileSystemWriter.write_data of torch 2.13 (it uses the private
+    _write_data, which takes the same (path, file name, items) queue)."""
+
+    def __init__(self, path: str, group_of):
+        super().__init__(path, thread_count=1)
+        self.group_of = group_of  # WriteItem -> a group label; files follow first appearance
+
+    def write_data(self, plan, planner):
+        groups = {}
+        for item in plan.items:
+            groups.setdefault(self.group_of(item), []).append(item)
+        files = queue.Queue()
+        for i, items in enumerate(groups.values()):
+            name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+            files.put((self.fs.concat_path(self.path, name), name, items))
+        return self._write_data(planner, files)
+
+    def storage_meta(self):
+        meta = super().storage_meta()
+        return dataclasses.replace(meta, checkpoint_id=str(meta.checkpoint_id)) if meta is not None else None
+
+
+def check_hf_source(hf_dir: str, tp: int, pp: int):
+    """Everything that can be wrong with the input, before anything is built or written:
+    files (config.json, index, shards), architecture, head / layer counts vs TP / PP, tensors.
+    Returns (HFCheckpoint, hf_config, layout with the vocab padded for tp)."""
+    hf = HFCheckpoint(hf_dir)
+    hf_config = load_hf_config(hf.config_path)
+    layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
+    try:
+        validate_layout(tp * pp, tp, pp, layout.num_heads, layout.num_kv_heads, layout.num_layers)
+    except ValueError as e:
+        raise ValueError(f"{hf.config_path}: {e}") from None
+    hf.check_has(qwen3.hf_tensor_names(layout))
+    return hf, hf_config, layout
+
+
+def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype=None, log=print) -> dict:
+    """Write a Megatron dist checkpoint of the HF model in hf_dir, streamed. Returns a summary."""
+    hf, hf_config, layout = check_hf_source(hf_dir, tp, pp)
+    padded = layout.padded_vocab
+    dtype = dtype or hf.dtype("model.embed_tokens.weight")
+    if os.path.exists(os.path.join(out_dir, MODEL_DIR)):
+        raise FileExistsError(f"{os.path.join(out_dir, MODEL_DIR)} already exists: choose a new --out-dir")
+    with spec_parallel_state():
+        _, tensors, objects = model_spec(hf_config, padded, dtype)
+    os.makedirs(os.path.join(out_dir, MODEL_DIR))
+
+    items, where, blobs = [], {}, {}
+    for name, st in tensors:
+        for off, size in _tp_chunks(name, st, tp):
+            chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))
+            items.append(WriteItem(index=MetadataIndex(st.key, off), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
+                                                               size=torch.Size(st.global_shape))))
+            where[(st.key, tuple(off))] = (name, st.prepend_axis_num, off, size)
+    for obj in objects:  # _extra_state: Megatron saves torch.save([data]) per ShardedObject
+        buf = io.BytesIO()
+        torch.save([obj.data], buf)
+        items.append(WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO))
+        blobs[obj.unique_key] = buf
+
+    cache = {}  # the last full megatron tensor: its TP chunks are consecutive items
+
+    def group_of(item):  # the decoder layer of a chunk, or its global tensor, or "objects"
+        if item.type == WriteItemType.BYTE_IO:
+            return "objects"
+        name = where[(item.index.fqn, tuple(item.index.offset))][0]
+        layer = qwen3.layer_index(name)
+        return name if layer is None else layer
+
+    def resolve(item):
+        if item.type == WriteItemType.BYTE_IO:
+            return blobs[item.index.fqn]
+        name, p, off, size = where[(item.index.fqn, tuple(item.index.offset))]
+        if name not in cache:
+            cache.clear()
+            cache[name] = qwen3.megatron_tensor_from_hf(name, hf.get, layout).to(dtype)
+        return cache[name][_region(off, size, p)].reshape(size)
+
+    rss0, t0 = rss_mib(), time.time()
+    log(f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, "
+        f"vocab {layout.vocab} padded to {padded}, {dtype})")
+    dcp.save({}, storage_writer=_Writer(os.path.join(out_dir, MODEL_DIR), group_of),
+             planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+    cache.clear()
+    # What dist_checkpointing.save adds around the DCP files: the format config and the
+    # (here empty) common state.
+    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), os.path.join(out_dir, MODEL_DIR))
+    torch.save({}, os.path.join(out_dir, MODEL_DIR, "common.pt"))
+    shutil.copyfile(hf.config_path, os.path.join(out_dir, HF_CONFIG))
+    assets = copy_assets(hf_dir, os.path.join(out_dir, HF_ASSETS))
+    state = {"step": 0, "model_only": True,
+             "source": {"hf_dir": os.path.abspath(hf_dir), "tp": tp, "pp": pp, "padded_vocab": padded,
+                        "dtype": str(dtype).replace("torch.", "")}}
+    with open(os.path.join(out_dir, TRAINER_STATE), "w") as f:  # last: marks the checkpoint complete
+        json.dump(state, f, indent=1)
+    return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
+            "weights_bytes": hf.total_bytes(), "assets": assets}
+
+
+# ---- Megatron -> HF ---------------------------------------------------------------------------
+def resolve_checkpoint_dir(path: str) -> str:
+    """A checkpoint dir (converted, or a trainer step_* dir), or a trainer root with `latest`."""
+    if not os.path.isdir(os.path.join(path, MODEL_DIR)) and os.path.exists(os.path.join(path, "latest")):
+        path = latest_checkpoint(path)
+    if not os.path.isdir(os.path.join(path, MODEL_DIR)):
+        raise FileNotFoundError(f"{path} has no {MODEL_DIR}/: expected a converted checkpoint, a trainer step_* "
+                                "directory, or a trainer checkpoint root with a `latest` file")
+    return path
+
+
+def _load_full(model_dir: str, entries) -> dict:
+    """Load [(megatron name, TP=1 ShardedTensor)] -> {name: full (per-layer) tensor}."""
+    # The layer axis is made an ordinary axis of size 1 (prepend_axis_num=0): Megatron loads
+    # prepended-axis tensors through a torch ShardedTensor that must hold every chunk the process
+    # owns, which one process asking for one layer does not; plain chunks load through DCP's
+    # general path, any subset of them.
+    request = {}
+    for i, (_, st) in enumerate(entries):
+        shape = (1,) * st.prepend_axis_num + tuple(st.local_shape)
+        request[str(i)] = dataclasses.replace(st, data=torch.empty(shape, dtype=st.dtype), local_shape=shape,
+                                              prepend_axis_num=0)
+    # A partial request on purpose: the access check (every chunk loaded by some rank) must be off.
+    loaded = dist_checkpointing.load(request, model_dir, validate_access_integrity=False)
+    out = {}
+    for i, (name, st) in enumerate(entries):
+        p = st.prepend_axis_num
+        t = loaded[str(i)].reshape(st.local_shape)
+        full_shape = tuple(st.global_shape[p:])
+        if tuple(t.shape) == full_shape:
+            out[name] = t
+        else:  # one of several chunks (fc1's gate / up halves)
+            full = out.setdefault(name, torch.empty(full_shape, dtype=t.dtype))
+            full[_region(st.global_offset, (1,) * p + tuple(st.local_shape), p)] = t
+    return out
+
+
+def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_shard_bytes: int = 2 * 10**9,
+                              tokenizer_dir: str | None = None, log=print) -> dict:
+    """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint."""
+    ckpt = resolve_checkpoint_dir(megatron_dir)
+    model_dir = os.path.join(ckpt, MODEL_DIR)
+    config_path = os.path.join(ckpt, HF_CONFIG)
+    hf_config = load_hf_config(config_path)
+    md = FileSystemReader(model_dir).read_metadata()
+    if EMBEDDING not in md.state_dict_metadata or _LAYER_KEY not in md.state_dict_metadata:
+        raise ValueError(f"{model_dir} holds no Megatron GPT model ({EMBEDDING} or {_LAYER_KEY} is missing)")
+    emb = md.state_dict_metadata[EMBEDDING]
+    padded, ckpt_dtype = emb.size[0], emb.properties.dtype
+    layers = md.state_dict_metadata[_LAYER_KEY].size[0]
+    if layers != hf_config.num_hidden_layers or emb.size[1] != hf_config.hidden_size or padded < hf_config.vocab_size:
+        raise ValueError(f"{config_path} (num_hidden_layers={hf_config.num_hidden_layers}, hidden_size="
+                         f"{hf_config.hidden_size}, vocab_size={hf_config.vocab_size}) does not describe {model_dir} "
+                         f"({layers} layers, embedding {tuple(emb.size)})")
+    layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded)
+    out_dtype = dtype or ckpt_dtype
+    with spec_parallel_state():  # dist_checkpointing.load needs the (1-process) world too
+        model, tensors, _ = model_spec(hf_config, padded, ckpt_dtype)
+
+        # Tensors are produced embedding first, then layer by layer, then the final norm and
+        # lm_head (the order HF files have). Their names and shapes come from the mapping run on the
+        # meta model, so the shard files are laid out before any weight is read.
+        meta = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}.__getitem__
+        sources = qwen3.global_hf_sources(layout)
+        first, last = ["model.embed_tokens.weight"], [n for n in sources if n != "model.embed_tokens.weight"]
+        planned = qwen3.megatron_globals_to_hf(meta, layout, first)
+        for i in range(layout.num_layers):
+            planned.update(qwen3.megatron_layer_to_hf(i, meta, layout))
+        planned.update(qwen3.megatron_globals_to_hf(meta, layout, last))
+        plan = [(n, tuple(t.shape), out_dtype) for n, t in planned.items()]
+        # The spec's ShardedTensors grouped per load: a layer index, or a global megatron name.
+        groups = {}
+        for name, st in tensors:
+            i = qwen3.layer_index(name)
+            groups.setdefault(name if i is None else i, []).append((name, st))
+
+        os.makedirs(out_dir, exist_ok=True)
+        rss0, t0 = rss_mib(), time.time()
+        log(f"reading {ckpt} ({layers} layers, vocab {layout.vocab} of {padded} padded, {ckpt_dtype}) -> "
+            f"{out_dir} ({out_dtype})")
+        writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes)
+
+        def emit(hf_tensors):
+            for n, t in hf_tensors.items():
+                writer.write(n, t.to(out_dtype))
+
+        def load(group):
+            return _load_full(model_dir, groups[group]).__getitem__
+
+        for hf_name in first:
+            emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
+        for i in range(layout.num_layers):
+            emit(qwen3.megatron_layer_to_hf(i, load(i), layout))
+        for hf_name in last:
+            emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
+        writer.close()
+
+    _write_config(config_path, os.path.join(out_dir, "config.json"), out_dtype)
+    assets_dir = os.path.join(ckpt, HF_ASSETS)
+    src = assets_dir if os.path.isdir(assets_dir) else tokenizer_dir
+    assets = copy_assets(src, out_dir) if src else []
+    return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
+            "weights_bytes": writer.total, "files": writer.files, "assets": assets, "checkpoint": ckpt}
+
+
+def _write_config(src: str, dst: str, dtype: torch.dtype) -> None:
+    """config.json verbatim, unless its dtype field names another dtype than the weights have."""
+    with open(src) as f:
+        cfg = json.load(f)
+    name = str(dtype).replace("torch.", "")
+    key = "dtype" if "dtype" in cfg else "torch_dtype" if "torch_dtype" in cfg else None
+    if key is None or cfg[key] == name:
+        shutil.copyfile(src, dst)
+        return
+    cfg[key] = name
+    with open(dst, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+# ---- verification -----------------------------------------------------------------------------
+def prompt_ids(hf_dir: str, vocab: int, text: str, length: int = 24) -> torch.Tensor:
+    """The prompt through the model's tokenizer when it has one, else fixed random ids."""
+    try:
+        from transformers import AutoTokenizer
+        ids = AutoTokenizer.from_pretrained(hf_dir).encode(text)
+        if ids and max(ids) < vocab:
+            return torch.tensor(ids, dtype=torch.long)
+    except Exception:  # no (usable) tokenizer: the check does not depend on the text
+        pass
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def megatron_logits(policy, tokens: torch.Tensor):
+    """Full-vocab logits [s, vocab] of one sequence on the last PP stage (None elsewhere)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    vocab = policy.hf_config.vocab_size
+
+    def step(data_iterator, model):
+        toks = next(data_iterator)[None]
+        out = model(input_ids=toks, position_ids=torch.arange(toks.shape[1])[None], attention_mask=None)
+
+        def collect(logits):  # [1, s, padded/tp] -> all TP slices, padding cut
+            full = gather_from_tensor_model_parallel_region(logits)[0, :, :vocab]
+            return logits.sum() * 0.0, torch.tensor(1), {"logits": full.float()}
+        return out, collect
+
+    policy.model.eval()
+    out = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens]), model=[policy.model],
+                                      num_microbatches=1, seq_length=len(tokens), micro_batch_size=1,
+                                      forward_only=True)
+    return out[0]["logits"] if parallel_state.is_pipeline_last_stage() else None
+
+
+def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox jumps over the lazy dog.",
+                  log=print) -> float:
+    """Collective (parallel state at the layout to check). Loads ckpt_dir with the trainer's
+    load_checkpoint into a MegatronPolicy (fp32), runs a prompt through it and through the
+    transformers model of hf_dir (fp32, on one rank), returns the max |logit difference|."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dppo.megatron.checkpoint import load_checkpoint
+    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+
+    ckpt = resolve_checkpoint_dir(ckpt_dir)
+    hf_config = load_hf_config(os.path.join(ckpt, HF_CONFIG))
+    policy = MegatronPolicy(hf_config, OptimConfig(), LossConfig(), params_dtype=torch.float32)
+    load_checkpoint(ckpt, policy, load_optimizer=False)
+    tokens = prompt_ids(hf_dir, hf_config.vocab_size, prompt)
+    logits = megatron_logits(policy, tokens)
+    diff = torch.zeros(())
+    if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expect = ref(tokens[None]).logits[0].float()
+        diff = (logits - expect).abs().max()
+        log(f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}) vs transformers over "
+            f"{len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff.item():.3e}")
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return diff.item()

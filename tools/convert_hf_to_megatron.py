@@ -1,0 +1,100 @@
+"""Convert an HF Qwen3 checkpoint (safetensors) into a Megatron-Core dist checkpoint the trainer loads.
+
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out-dir OUT --tp 2 --pp 1 [--verify]
+
+OUT holds model_optim/ (torch_dist), trainer_state.json ({"step": 0, "model_only": true, ...}),
+hf_config.json and hf_assets/ (tokenizer files): load it with
+load_checkpoint(OUT, policy, load_optimizer=False) at any TP/PP. --tp fixes Megatron's vocab
+padding (a multiple of 128 * tp; other layouts load it too, Megatron cuts or zero-pads the rows)
+and the chunking of the files (what a TP=tp run saves); --tp/--pp are checked against the heads
+and layers. Streams one tensor at a time: peak memory is about the largest tensor, not the model.
+
+--verify then loads OUT at tp x pp under torchrun (tp*pp processes), runs a prompt through it and
+through transformers (fp32 both) and prints the max |logit difference|; the exit status is 1 if
+it is above --tolerance. --verify-only skips the conversion and verifies an existing --out-dir
+(it launches torchrun itself when tp*pp > 1).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf-dir", required=True, help="HF model dir: config.json + safetensors (+ index)")
+    ap.add_argument("--out-dir", required=True, help="checkpoint dir to create")
+    ap.add_argument("--tp", type=int, default=1, help="target tensor parallel size (vocab padding, chunking)")
+    ap.add_argument("--pp", type=int, default=1, help="target pipeline parallel size (checked; --verify layout)")
+    ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (auto: as in the HF files)")
+    ap.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
+    ap.add_argument("--verify-only", action="store_true", help="only verify an existing --out-dir")
+    ap.add_argument("--tolerance", type=float, default=1e-2,
+                    help="max |logit difference| accepted (both run in fp32; a wrong layout gives ~0.1-1)")
+    ap.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
+    return ap.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_verify(args) -> int:
+    """Run this script with --verify-only in tp*pp processes (torchrun when more than one)."""
+    n = args.tp * args.pp
+    script = [os.path.abspath(__file__), "--hf-dir", args.hf_dir, "--out-dir", args.out_dir, "--tp", str(args.tp),
+              "--pp", str(args.pp), "--tolerance", str(args.tolerance), "--prompt", args.prompt, "--verify-only"]
+    cmd = [sys.executable] + script if n == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}"] + script
+    return subprocess.call(cmd)
+
+
+def verify(args) -> int:
+    import torch.distributed as dist
+
+    from megatron_dppo.megatron import destroy_parallel, initialize_parallel
+    from megatron_dppo.megatron.convert_ckpt import verify_logits
+
+    initialize_parallel(args.tp, args.pp)
+    rank0 = dist.get_rank() == 0
+    diff = verify_logits(args.out_dir, args.hf_dir, args.prompt)
+    destroy_parallel()
+    ok = diff <= args.tolerance
+    if rank0:
+        print(f"verify {'OK' if ok else 'FAILED'}: max |logit difference| {diff:.3e} "
+              f"{'<=' if ok else '>'} tolerance {args.tolerance:g}", flush=True)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.verify_only:  # under torchrun already, or a single process: verify here
+        return verify(args) if "RANK" in os.environ or args.tp * args.pp == 1 else launch_verify(args)
+    import torch
+
+    from megatron_dppo.megatron.convert_ckpt import hf_to_megatron_checkpoint
+
+    dtype = getattr(torch, DTYPES[args.dtype]) if DTYPES[args.dtype] else None
+    try:
+        info = hf_to_megatron_checkpoint(args.hf_dir, args.out_dir, args.tp, args.pp, dtype=dtype)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir} in {info['seconds']:.1f} s: {info['weights_bytes'] / 2**20:.0f} MiB of HF weights, "
+          f"peak RSS {info['peak_rss_mib']:.0f} MiB (RSS before streaming {info['rss_before_mib']:.0f} MiB); "
+          f"assets: {', '.join(info['assets']) or 'none'}", flush=True)
+    return launch_verify(args) if args.verify else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

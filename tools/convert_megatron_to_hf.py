@@ -1,0 +1,56 @@
+"""Convert a Megatron-Core dist checkpoint (converted, or the trainer's own) into an HF model dir.
+
+    python tools/convert_megatron_to_hf.py --megatron-dir CKPT --out-dir HF [--max-shard-size 2GB]
+
+CKPT is a dir with model_optim/ and hf_config.json: a converted checkpoint, a trainer step_* dir
+(model + optimizer; only the model keys are read), or a trainer root with a `latest` file. The
+layout (layers, padded vocab, dtype) is read from the checkpoint's metadata, the architecture
+from hf_config.json; vocab padding is cut. OUT gets model-0000i-of-0000n.safetensors, a
+model.safetensors.index.json, config.json (hf_config.json verbatim, dtype updated if --dtype
+changes it) and the tokenizer files from CKPT/hf_assets/ (or --tokenizer-dir): transformers and
+vLLM load it. Streams one decoder layer at a time; shards are written in place, never buffered.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-dir", required=True)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                    help="weights dtype (auto: as stored in the checkpoint)")
+    ap.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (e.g. 500MB, 5GB)")
+    ap.add_argument("--tokenizer-dir", help="copy tokenizer files from here when CKPT has no hf_assets/")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from megatron_dppo.convert.hf_io import parse_size
+    from megatron_dppo.megatron.convert_ckpt import megatron_to_hf_checkpoint
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    try:
+        info = megatron_to_hf_checkpoint(args.megatron_dir, args.out_dir, dtype=dtype,
+                                         max_shard_bytes=parse_size(args.max_shard_size),
+                                         tokenizer_dir=args.tokenizer_dir)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir} from {info['checkpoint']} in {info['seconds']:.1f} s: {len(info['files'])} shard(s), "
+          f"{info['weights_bytes'] / 2**20:.0f} MiB of weights, peak RSS {info['peak_rss_mib']:.0f} MiB "
+          f"(RSS before streaming {info['rss_before_mib']:.0f} MiB); assets: {', '.join(info['assets']) or 'none'}",
+          flush=True)
+    if not info["assets"]:
+        print("warning: no tokenizer files copied (no hf_assets/ in the checkpoint and no --tokenizer-dir): "
+              "vLLM needs a tokenizer next to the weights", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
