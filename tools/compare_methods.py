@@ -1,0 +1,818 @@
+#!/usr/bin/env python
+"""Compare GRPO, DPPO and the baselines on the tiny main job, with the same data, seeds and step budget.
+
+    .venv/bin/python tools/compare_methods.py --config examples/tiny/addition.yaml --seeds 2
+    .venv/bin/python tools/compare_methods.py --config examples/tiny/addition.yaml --quick   # 2 steps each
+    .venv/bin/python tools/compare_methods.py --config examples/tiny/addition.yaml --dry-run # list + validate
+    .venv/bin/python tools/compare_methods.py --config examples/tiny/addition.yaml --report-only
+
+Every run is its own process (`python -m megatron_dppo.cli train --config ... overrides`) under
+<out-dir>/<method>-s<seed>. The methods are the plain data in METHODS below; every run gets the
+COMMON overrides first (so the YAML's own method choices, e.g. its clip_high or pruning ratios, are
+reset to GRPO's), then the method's, then the budget's.
+
+Timing. "Train time" is the sum of the run's own `time/step` over its steps (rollout, rewards,
+log-probs, update, weight sync): it excludes process start-up, evaluation and checkpointing, and it
+is what the speedup is computed from: speedup = GRPO's mean train time / the method's, both from
+this comparison's runs (never from a number stored elsewhere). The process wall time is reported as
+well. With --parallel 2 two runs share the machine; the queue interleaves methods (seed 0 in table
+order, seed 1 in reverse order, ...) so that every method sees a mix of partners and of times of day.
+
+Accuracy: greedy held-out accuracy at the final step (eval_size problems), mean and standard error
+over seeds. "Time to target" is the paper's notion of speedup (same accuracy, less time): on the
+seed-averaged curve of accuracy against cumulative train time (evaluations every eval_every steps),
+the first time the curve reaches GRPO's final mean accuracy (linear interpolation), or "-" if never.
+
+Resume-safe: a run whose metrics.jsonl reached the last step with an evaluation and whose recorded
+overrides equal this invocation's is reused, not rerun (--force reruns everything). Interrupt and
+start the same command again to continue.
+
+Outputs: <out-dir>/results.{json,md,png} always; without --quick also docs/results.json,
+docs/results.png and docs/results.md, where only the part between the GENERATED markers is
+rewritten (the hand-written discussion around it is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+# ---------------------------------------------------------------------------------------------
+# The methods, as plain data: name, label, overrides on top of COMMON. `default: False` methods run
+# only when named with --methods.
+
+# GRPO as DPPO.md section 1 defines it; every method starts from here.
+COMMON = {
+    "pruning.strategy": "none", "pruning.r_q": 0.0, "pruning.r_o": 0.0,
+    "algorithm.advantage": "grpo", "algorithm.loss_agg": "token-mean",
+    "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2, "algorithm.ratio_type": "token",
+    "algorithm.kl_coef": 0.0, "algorithm.dynamic_sampling": False,
+    "trainer.packing": "window", "trainer.max_time_s": 0,
+    "logging.wandb": "disabled", "logging.progress": False, "logging.tensorboard": False,
+}
+DAPO = {"algorithm.clip_high": 0.28, "algorithm.loss_agg": "token-mean", "algorithm.dynamic_sampling": True}
+# GSPO (Zheng et al. 2025, sec. 5.1): sequence-level ratio, clipping ranges 3e-4 (left) / 4e-4 (right).
+GSPO = {"algorithm.ratio_type": "sequence", "algorithm.loss_agg": "seq-mean-token-mean",
+        "algorithm.clip_low": 3e-4, "algorithm.clip_high": 4e-4}
+
+
+def _dppo(r_q, r_o):
+    return {"pruning.strategy": "dppo", "pruning.r_q": r_q, "pruning.r_o": r_o}
+
+
+METHODS = [
+    {"name": "grpo", "label": "GRPO", "overrides": {}},
+    {"name": "dppo-0.5-0.5", "label": "DPPO (0.5, 0.5)", "overrides": _dppo(0.5, 0.5)},
+    {"name": "dppo-0-0.5", "label": "DPPO (0, 0.5)", "overrides": _dppo(0.0, 0.5)},
+    {"name": "dppo-0.5-0", "label": "DPPO (0.5, 0)", "overrides": _dppo(0.5, 0.0)},
+    {"name": "dppo-0.3-0.3", "label": "DPPO (0.3, 0.3)", "overrides": _dppo(0.3, 0.3)},
+    {"name": "dppo-0.7-0.7", "label": "DPPO (0.7, 0.7)", "overrides": _dppo(0.7, 0.7)},
+    {"name": "dppo-0.9-0.9", "label": "DPPO (0.9, 0.9)", "overrides": _dppo(0.9, 0.9)},
+    {"name": "reverse-0.5-0.5", "label": "Reverse rule (0.5, 0.5)",
+     "overrides": {"pruning.strategy": "reverse", "pruning.r_q": 0.5, "pruning.r_o": 0.5}},
+    {"name": "dppo-0.5-0.5-padded", "label": "DPPO (0.5, 0.5), no dense packing",
+     "overrides": {**_dppo(0.5, 0.5), "trainer.packing": "padded"}},
+    {"name": "cppo-0.5", "label": "CPPO (P = 0.5)", "overrides": {"pruning.strategy": "cppo", "pruning.r_o": 0.5}},
+    {"name": "greso-0.5", "label": "GRESO (p = 0.5)", "overrides": {"pruning.strategy": "greso", "pruning.r_q": 0.5}},
+    {"name": "dapo", "label": "DAPO", "overrides": dict(DAPO)},
+    {"name": "dapo-dppo-0.5-0.5", "label": "DAPO + DPPO (0.5, 0.5)", "overrides": {**DAPO, **_dppo(0.5, 0.5)}},
+    {"name": "gspo", "label": "GSPO", "overrides": dict(GSPO)},
+    {"name": "gspo-dppo-0.5-0.5", "label": "GSPO + DPPO (0.5, 0.5)", "overrides": {**GSPO, **_dppo(0.5, 0.5)}},
+    # A paper-like GRPO baseline: also trains the all-equal-reward groups (zero gradient, full cost).
+    {"name": "grpo-nofilter", "label": "GRPO, zero-variance groups trained", "default": False,
+     "overrides": {"pruning.drop_zero_variance": False}},
+]
+METHOD_BY_NAME = {m["name"]: m for m in METHODS}
+BASELINE = "grpo"
+
+# The default budget: 15 methods x 2 seeds at ~2 runs at a time fit in about an hour here.
+DEFAULT_STEPS = 150
+DEFAULT_EVAL_EVERY = 10
+DEFAULT_EVAL_SIZE = 500
+# --quick: 8 training prompts, so step 2 revisits step 1's prompts and prompt pruning acts.
+QUICK = {"trainer.max_steps": 2, "trainer.eval_every": 2, "trainer.eval_size": 20,
+         "trainer.prompts_per_step": 8, "rollout.group_size": 4, "data.train_size": 8}
+
+DONE_FILE = "compare.json"
+GEN_BEGIN = "<!-- BEGIN GENERATED by tools/compare_methods.py: do not edit between these markers -->"
+GEN_END = "<!-- END GENERATED -->"
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+def _fmt_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def overrides_list(d: dict) -> list[str]:
+    return [f"{k}={_fmt_value(v)}" for k, v in d.items()]
+
+
+@dataclass
+class Run:
+    method: str
+    seed: int
+    overrides: list          # everything after --config, in order
+    run_dir: Path
+    order: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}-s{self.seed}"
+
+
+def budget_overrides(args) -> dict:
+    if args.quick:
+        b = dict(QUICK)
+    else:
+        b = {"trainer.max_steps": args.steps, "trainer.eval_every": args.eval_every,
+             "trainer.eval_size": args.eval_size}
+    if args.prompts_per_step:
+        b["trainer.prompts_per_step"] = args.prompts_per_step
+    if args.group_size:
+        b["rollout.group_size"] = args.group_size
+    b["trainer.threads"] = args.threads
+    return b
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'2' -> [0, 1] (a count); '0,3' -> [0, 3] (a list)."""
+    text = str(text).strip()
+    if "," in text:
+        return [int(s) for s in text.split(",") if s.strip()]
+    n = int(text)
+    if n < 1:
+        raise ValueError(f"--seeds must be a count >= 1 or a comma-separated list, got {text!r}")
+    return list(range(n))
+
+
+def select_methods(spec: str | None) -> list[dict]:
+    if not spec:
+        chosen = [m for m in METHODS if m.get("default", True)]
+    else:
+        names = [s.strip() for s in spec.split(",") if s.strip()]
+        unknown = [n for n in names if n not in METHOD_BY_NAME]
+        if unknown:
+            raise ValueError(f"unknown method(s) {unknown}; known: {[m['name'] for m in METHODS]}")
+        if BASELINE not in names:  # the speedup needs GRPO from the same comparison
+            names.insert(0, BASELINE)
+        chosen = [METHOD_BY_NAME[n] for n in dict.fromkeys(names)]
+    return chosen
+
+
+def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> list[Run]:
+    """Seed 0 in table order, seed 1 in reverse, seed 2 in order, ...: interleaved, so that with
+    --parallel 2 each method gets different partners and GRPO runs both early and late."""
+    budget = budget_overrides(args)
+    runs = []
+    for k, seed in enumerate(seeds):
+        ordered = methods if k % 2 == 0 else list(reversed(methods))
+        for m in ordered:
+            ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(budget)
+            ov += [f"trainer.seed={seed}", f"trainer.output_dir={out_dir}",
+                   f"trainer.run_name={m['name']}-s{seed}"] + list(args.override or [])
+            runs.append(Run(m["name"], seed, ov, out_dir / f"{m['name']}-s{seed}", order=len(runs)))
+    return runs
+
+
+def validate_runs(config: str, runs: list[Run]) -> None:
+    """Every run's overrides through the trainer's own config loader (unknown keys, bad values)."""
+    sys.path.insert(0, str(REPO))
+    from megatron_dppo.config import load_config
+    for r in runs:
+        try:
+            load_config(config, r.overrides)
+        except ValueError as e:
+            raise ValueError(f"{r.name}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a kill
+                    break
+    return rows
+
+
+def run_is_done(run: Run, max_steps: int) -> bool:
+    done = run.run_dir / DONE_FILE
+    if not done.exists():
+        return False
+    try:
+        info = json.loads(done.read_text())
+    except json.JSONDecodeError:
+        return False
+    if info.get("overrides") != run.overrides or info.get("returncode") != 0:
+        return False
+    rows = read_metrics(run.run_dir / "metrics.jsonl")
+    return any(r.get("step") == max_steps and "eval/accuracy" in r for r in rows)
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def code_version() -> dict:
+    """The trainer code a run used: git HEAD and a hash of uncommitted changes under megatron_dppo/
+    (other people edit the tree while an hour-long comparison runs)."""
+    import hashlib
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    head = git("rev-parse", "--short", "HEAD").strip()
+    diff = git("diff", "HEAD", "--", "megatron_dppo") + git("ls-files", "--others", "--exclude-standard", "megatron_dppo")
+    return {"head": head or None, "dirty": hashlib.sha1(diff.encode()).hexdigest()[:10] if diff else None}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) a live process has used so far (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class Launched:
+    """One training process. While it runs, `sample` notes the process's CPU time each time its
+    metrics.jsonl gains a step: with 1 thread per run, a step's CPU time measures its work whatever
+    else shares the cores, which its wall-clock time (time/step) does not."""
+
+    def __init__(self, run: Run, config: str, threads: int):
+        self.run = run
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        (run.run_dir / DONE_FILE).unlink(missing_ok=True)
+        (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        self.log = open(run.run_dir / "run.log", "w")
+        self.cmd = [PYTHON, "-m", "megatron_dppo.cli", "train", "--config", config, *run.overrides]
+        self.load_start = os.getloadavg()
+        self.code = code_version()
+        self.t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=_env(threads), stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.cpu_marks: dict[int, float] = {}   # step -> process CPU seconds when its line appeared
+        self._metrics_size = 0
+        self.rusage = None
+
+    def sample(self) -> None:
+        path = self.run.run_dir / "metrics.jsonl"
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return
+        if size == self._metrics_size:
+            return
+        cpu = process_cpu_s(self.proc.pid)
+        self._metrics_size = size
+        rows = read_metrics(path)
+        if rows and cpu is not None:
+            self.cpu_marks.setdefault(int(rows[-1]["step"]), cpu)
+
+    def poll(self) -> bool:
+        """True once the process has exited (reaped with its resource usage)."""
+        if self.proc.returncode is not None:
+            return True
+        pid, status, ru = os.wait4(self.proc.pid, os.WNOHANG)
+        if pid == 0:
+            return False
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.rusage = ru
+        return True
+
+    def finish(self, keep_checkpoints: bool) -> dict:
+        rc = self.proc.returncode
+        wall = time.time() - self.t0
+        self.log.close()
+        info = {"method": self.run.method, "seed": self.run.seed, "overrides": self.run.overrides,
+                "command": self.cmd, "returncode": rc, "process_wall_s": wall, "started": self.t0,
+                "loadavg_start": self.load_start, "loadavg_end": os.getloadavg(), "code": self.code,
+                "process_cpu_s": self.rusage.ru_utime + self.rusage.ru_stime if self.rusage else None,
+                "cpu_marks": {str(k): v for k, v in sorted(self.cpu_marks.items())}}
+        if rc == 0 and not keep_checkpoints:
+            _remove_tree(self.run.run_dir / "checkpoints")
+        (self.run.run_dir / DONE_FILE).write_text(json.dumps(info, indent=1))
+        return info
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # our own child's process group only
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.log.close()
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def execute(runs: list[Run], config: str, parallel: int, threads: int, max_steps: int, force: bool,
+            keep_checkpoints: bool, retries: int = 1, log=print) -> dict:
+    todo = [r for r in runs if force or not run_is_done(r, max_steps)]
+    skipped = len(runs) - len(todo)
+    if skipped:
+        log(f"reusing {skipped} finished run(s) with identical overrides; {len(todo)} to run")
+    failed = []
+    attempts = {r.name: 0 for r in todo}
+    active: list[Launched] = []
+    queue = list(todo)
+    t_start = time.time()
+    try:
+        while queue or active:
+            while queue and len(active) < parallel:
+                r = queue.pop(0)
+                log(f"[{time.strftime('%H:%M:%S')}] start {r.name} (attempt {attempts[r.name] + 1}; {len(queue)} queued)")
+                attempts[r.name] += 1
+                active.append(Launched(r, config, threads))
+            time.sleep(0.1)
+            for job in active:
+                job.sample()
+            for job in [j for j in active if j.poll()]:
+                active.remove(job)
+                info = job.finish(keep_checkpoints)
+                msg = f"[{time.strftime('%H:%M:%S')}] done  {job.run.name}: rc={info['returncode']} " \
+                      f"wall {info['process_wall_s']:.0f}s"
+                rows = read_metrics(job.run.run_dir / "metrics.jsonl")
+                steps = [x for x in rows if "time/step" in x]
+                if steps:
+                    msg += f", train {sum(x['time/step'] for x in steps):.1f}s over {len(steps)} steps"
+                evals = [x["eval/accuracy"] for x in rows if "eval/accuracy" in x]
+                if evals:
+                    msg += f", acc {evals[0]:.3f} -> {evals[-1]:.3f}"
+                log(msg)
+                if info["returncode"] != 0:
+                    if attempts[job.run.name] <= retries:  # e.g. a package being reinstalled under us
+                        log(f"    failed (rc={info['returncode']}), will retry: see {job.run.run_dir / 'run.log'}")
+                        queue.append(job.run)
+                    else:
+                        failed.append(job.run.name)
+                        log(f"    FAILED: see {job.run.run_dir / 'run.log'}")
+    except BaseException:
+        for job in active:
+            job.kill()
+        raise
+    return {"ran": len(todo), "reused": skipped, "failed": failed, "elapsed_s": time.time() - t_start}
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _se(xs):
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def train_cpu_time(rows: list[dict], marks: dict[int, float], min_coverage: float = 0.8) -> float | None:
+    """The training steps' CPU time from the CPU marks (process CPU seconds when step s's metrics
+    line appeared): the steps whose line carries no evaluation give mark[s] - mark[s-1]; their sum
+    is scaled up to all steps. None when fewer than min_coverage of the steps are measured."""
+    steps = [r["step"] for r in rows if "time/step" in r]
+    evals = {r["step"] for r in rows if "eval/accuracy" in r}
+    deltas = [marks[s] - marks[s - 1] for s in steps if s not in evals and s in marks and s - 1 in marks]
+    if not steps or len(deltas) < min_coverage * (len(steps) - len(evals)):
+        return None
+    return sum(deltas) * len(steps) / len(deltas)
+
+
+def summarize_run(run: Run, max_steps: int) -> dict | None:
+    rows = read_metrics(run.run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "time/step" in r]
+    if not steps:
+        return None
+    finished = run_is_done(run, max_steps)
+    info = {}
+    if (run.run_dir / DONE_FILE).exists():
+        try:
+            info = json.loads((run.run_dir / DONE_FILE).read_text())
+        except json.JSONDecodeError:
+            pass
+    cum, curve = 0.0, []
+    by_step = {}
+    for r in rows:
+        if "time/step" in r:
+            cum += r["time/step"]
+        by_step[r["step"]] = cum
+        if "eval/accuracy" in r:
+            curve.append((r["step"], cum, r["eval/accuracy"]))
+    phases = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in ("rollout", "reward", "logprob", "train", "sync")}
+    marks = info.get("cpu_marks")
+    if not marks and (run.run_dir / "cpu_marks.json").exists():  # written by a sidecar sampler
+        try:
+            marks = json.loads((run.run_dir / "cpu_marks.json").read_text())["cpu_marks"]
+        except (json.JSONDecodeError, KeyError):
+            marks = None
+    return {
+        "method": run.method, "seed": run.seed, "finished": finished, "steps": len(steps),
+        "train_time_s": cum, "phase_time_s": phases,
+        "median_step_s": sorted(r["time/step"] for r in steps)[len(steps) // 2],
+        "train_cpu_s": train_cpu_time(rows, {int(k): v for k, v in (marks or {}).items()}),
+        "eval_time_s": sum(r.get("time/eval", 0.0) for r in rows),
+        "process_wall_s": info.get("process_wall_s"), "started": info.get("started"), "code": info.get("code"),
+        "loadavg": [info.get("loadavg_start"), info.get("loadavg_end")],
+        "tokens_generated": sum(r.get("tokens/generated", 0) for r in steps),
+        "tokens_trained": sum(r.get("tokens/trained", 0) for r in steps),
+        "completion_tokens_trained": sum(r.get("train/tokens", 0) * r.get("train/optimizer_steps", 1) for r in steps),
+        "prompts_kept_frac": _mean([r.get("prune/prompts_kept_frac") for r in steps]),
+        "completions_kept_frac": _mean([r.get("prune/completions_kept_frac") for r in steps]),
+        "pack_density": _mean([r.get("pack/density") for r in steps if r.get("tokens/trained")]),
+        "optimizer_steps": sum(r.get("train/optimizer_steps", 0) for r in steps),
+        "reward_mean": _mean([r.get("reward/mean") for r in steps]),
+        "acc_initial": curve[0][2] if curve and curve[0][0] == 0 else None,
+        "acc_final": curve[-1][2] if curve and curve[-1][0] == max_steps else None,
+        "curve": curve,
+    }
+
+
+def isotonic(ys: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): the accuracy curve without the
+    evaluation noise that makes a single lucky evaluation look like "reached the target"."""
+    blocks = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out = []
+    for s, c in blocks:
+        out += [s / c] * c
+    return out
+
+
+def time_to_target(curve: list[tuple], target: float):
+    """First time the (time, acc) curve reaches target, linearly interpolated; None if never."""
+    prev = None
+    for t, a in curve:
+        if a >= target - 1e-12:
+            if prev is None:
+                return t
+            t0, a0 = prev
+            return t0 + (target - a0) / (a - a0) * (t - t0)
+        prev = (t, a)
+    return None
+
+
+def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_steps: int) -> dict:
+    by_method = {m["name"]: [r for r in per_run if r["method"] == m["name"] and r["finished"]] for m in methods}
+    rows = []
+    for m in methods:
+        rs = by_method[m["name"]]
+        accs = [r["acc_final"] for r in rs if r["acc_final"] is not None]
+        # Seed-averaged curve over the evaluation steps every finished seed has.
+        common = None
+        for r in rs:
+            s = {c[0] for c in r["curve"]}
+            common = s if common is None else common & s
+        curve = []
+        for step in sorted(common or []):
+            pts = [next(c for c in r["curve"] if c[0] == step) for r in rs]
+            curve.append((step, _mean([p[1] for p in pts]), _mean([p[2] for p in pts])))
+        rows.append({
+            "method": m["name"], "label": m["label"], "overrides": overrides_list(m["overrides"]),
+            "seeds_finished": sorted(r["seed"] for r in rs), "seeds_planned": seeds,
+            "train_time_s": _mean([r["train_time_s"] for r in rs]),
+            "train_time_se": _se([r["train_time_s"] for r in rs]),
+            "process_wall_s": _mean([r["process_wall_s"] for r in rs]),
+            "median_step_s": _mean([r["median_step_s"] for r in rs]),
+            # Over the seeds whose CPU time was sampled (the work per step hardly depends on the seed).
+            "train_cpu_s": _mean([r["train_cpu_s"] for r in rs]),
+            "train_cpu_seeds": sorted(r["seed"] for r in rs if r["train_cpu_s"] is not None),
+            "phase_time_s": {p: _mean([r["phase_time_s"][p] for r in rs]) for p in
+                             ("rollout", "reward", "logprob", "train", "sync")} if rs else {},
+            "tokens_generated": _mean([r["tokens_generated"] for r in rs]),
+            "tokens_trained": _mean([r["tokens_trained"] for r in rs]),
+            "completion_tokens_trained": _mean([r["completion_tokens_trained"] for r in rs]),
+            "prompts_kept_frac": _mean([r["prompts_kept_frac"] for r in rs]),
+            "completions_kept_frac": _mean([r["completions_kept_frac"] for r in rs]),
+            "pack_density": _mean([r["pack_density"] for r in rs]),
+            "acc_initial": _mean([r["acc_initial"] for r in rs]),
+            "acc_final": _mean(accs), "acc_final_se": _se(accs), "acc_final_per_seed": accs,
+            "curve": [{"step": s, "train_time_s": t, "acc": a} for s, t, a in curve],
+        })
+    for r in rows:
+        fit = isotonic([p["acc"] for p in r["curve"]])
+        for p, f in zip(r["curve"], fit):
+            p["acc_fit"] = f
+    base = next((r for r in rows if r["method"] == BASELINE), None)
+    # The target: GRPO's final accuracy on its monotone fit (a lucky last evaluation is not the target).
+    target = base["curve"][-1]["acc_fit"] if base and base["curve"] and base["acc_final"] is not None else None
+    base_ttt = None
+    if target is not None:
+        base_ttt = time_to_target([(p["train_time_s"], p["acc_fit"]) for p in base["curve"]], target)
+    for r in rows:
+        r["speedup"] = (base["train_time_s"] / r["train_time_s"]
+                        if base and base["train_time_s"] and r["train_time_s"] else None)
+        r["speedup_cpu"] = (base["train_cpu_s"] / r["train_cpu_s"]
+                            if base and base["train_cpu_s"] and r["train_cpu_s"] else None)
+        r["speedup_median_step"] = (base["median_step_s"] / r["median_step_s"]
+                                    if base and base["median_step_s"] and r["median_step_s"] else None)
+        r["acc_delta_vs_grpo"] = (r["acc_final"] - base["acc_final"]
+                                  if base and base["acc_final"] is not None and r["acc_final"] is not None else None)
+        ttt = (time_to_target([(p["train_time_s"], p["acc_fit"]) for p in r["curve"]], target)
+               if target is not None else None)
+        r["time_to_target_s"] = ttt
+        r["speedup_at_target"] = base_ttt / ttt if base_ttt and ttt else None
+    finished = sum(1 for r in per_run if r["finished"])
+    # The comparison's own elapsed time, across interruptions: first start to last finish.
+    spans = [(r["started"], r["started"] + r["process_wall_s"]) for r in per_run
+             if r["finished"] and r.get("started") and r.get("process_wall_s")]
+    span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else None
+    versions = sorted({f"{r['code']['head']}{'+' + r['code']['dirty'] if r['code'].get('dirty') else ''}"
+                       for r in per_run if r.get("code")})
+    return {"rows": rows, "span_s": span, "code_versions": versions, "target_acc": target, "runs_finished": finished,
+            "runs_planned": len(methods) * len(seeds), "partial": finished < len(methods) * len(seeds)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def _f(x, fmt="{:.1f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def markdown_table(result: dict) -> str:
+    s = result["settings"]
+    lines = []
+    if result["partial"]:
+        lines.append(f"**PARTIAL RESULTS: {result['runs_finished']} of {result['runs_planned']} runs finished.** "
+                     "Methods with fewer seeds than planned are marked.\n")
+    lines.append(f"Config `{s['config']}`, {s['steps']} steps, seeds {s['seeds']}, "
+                 f"{s['prompts_per_step']} prompts x {s['group_size']} completions per step, "
+                 f"held-out eval on {s['eval_size']} problems every {s['eval_every']} steps, "
+                 f"{s['parallel']} run(s) at a time with {s['threads']} thread(s) each"
+                 f"{', QUICK (pipeline check, numbers meaningless)' if s['quick'] else ''}. "
+                 f"From the first run's start to the last run's end: {_f(result.get('span_s'), '{:.0f}')} s"
+                 + (f"; this invocation ran {s['ran']} run(s) in {s['elapsed_s']:.0f} s and reused {s['reused']}"
+                    if "ran" in s else "") + ".\n")
+    if len(result.get("code_versions") or []) > 1:
+        lines.append(f"**Note: the runs used {len(result['code_versions'])} different versions of the trainer code** "
+                     f"({', '.join(result['code_versions'])}; git HEAD + hash of uncommitted changes).\n")
+    lines.append("| Method | Train time (s) | Speedup vs GRPO | Process wall (s) | Generated tokens | "
+                 "Trained tokens | Prompts kept | Compl. trained | Final acc (mean ± SE) | Δ acc vs GRPO | "
+                 "Time to target acc (s) | Speedup at equal acc |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        label = r["label"]
+        if len(r["seeds_finished"]) < len(r["seeds_planned"]):
+            label += f" (seeds {r['seeds_finished']} of {r['seeds_planned']})"
+        acc = "-" if r["acc_final"] is None else (
+            f"{100 * r['acc_final']:.1f}" + (f" ± {100 * r['acc_final_se']:.1f}" if r["acc_final_se"] is not None else ""))
+        lines.append("| " + " | ".join([
+            label, _f(r["train_time_s"]), _f(r["speedup"], "{:.2f}x"), _f(r["process_wall_s"], "{:.0f}"),
+            _f(r["tokens_generated"], "{:,.0f}"), _f(r["tokens_trained"], "{:,.0f}"),
+            _f(r["prompts_kept_frac"], "{:.2f}"), _f(r["completions_kept_frac"], "{:.2f}"), acc,
+            _f(None if r["acc_delta_vs_grpo"] is None else 100 * r["acc_delta_vs_grpo"], "{:+.1f}"),
+            _f(r["time_to_target_s"]), _f(r["speedup_at_target"], "{:.2f}x"),
+        ]) + " |")
+    lines.append("")
+    lines.append(f"Accuracies in %, greedy, at the last step; SE = standard error over seeds. Target accuracy = "
+                 f"{_f(None if result['target_acc'] is None else 100 * result['target_acc'])}%: GRPO's final accuracy "
+                 "on a monotone (isotonic) fit of its seed-averaged accuracy-vs-train-time curve; a method's time to "
+                 "target is where its own fitted curve first reaches it (linear interpolation between evaluations), "
+                 "'-' if it never does within the budget. "
+                 "Train time = sum of the runs' `time/step` (no start-up, evaluation or checkpointing), mean over "
+                 "seeds. Trained tokens count prompt + completion tokens of the trained sequences (generated "
+                 "tokens count completions only). \"Compl. trained\" = fraction of generated completions that "
+                 "reached the update (zero-variance groups are dropped exactly in every method, since kl_coef = 0).")
+    lines.append("")
+    lines.append("Where the time goes (mean seconds per run). Two cross-checks of the speedup that other "
+                 "processes on the machine disturb less: the median step time, and the training steps' CPU time "
+                 "(process CPU seconds sampled as each step is logged, evaluation steps left out and the rest "
+                 "scaled to all steps; with 1 thread per run it counts the work, not the waiting):\n")
+    lines.append("| Method | Rollout | Reward | Update | Weight sync | Median step (s) | Speedup by median step "
+                 "| Train CPU time (s) | Speedup by CPU time | Pack density |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        p = r["phase_time_s"] or {}
+        lines.append(f"| {r['label']} | {_f(p.get('rollout'))} | {_f(p.get('reward'))} | "
+                     f"{_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | {_f(p.get('sync'))} | "
+                     f"{_f(r['median_step_s'], '{:.3f}')} | {_f(r['speedup_median_step'], '{:.2f}x')} | "
+                     f"{_f(r['train_cpu_s'])} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
+                     f"{_f(r['pack_density'], '{:.2f}')} |")
+    lines.append("")
+    lines.append("Method overrides (on top of the common GRPO settings "
+                 f"`{' '.join(overrides_list(COMMON))}`):\n")
+    for r in result["rows"]:
+        lines.append(f"- {r['label']}: `{' '.join(r['overrides']) or '(none)'}`")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, table: str, png_name: str | None) -> None:
+    body = GEN_BEGIN + "\n" + table + (f"\n![accuracy against train time]({png_name})\n" if png_name else "") + GEN_END
+    if path.exists():
+        text = path.read_text()
+        if GEN_BEGIN in text and GEN_END in text:
+            head, rest = text.split(GEN_BEGIN, 1)
+            tail = rest.split(GEN_END, 1)[1]
+            path.write_text(head + body + tail)
+            return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# Method comparison on the tiny main job\n\n" + body + "\n")
+
+
+def plot(result: dict, png: Path) -> None:
+    """Accuracy against train time (DPPO ratios / baselines), against step, and the speedups."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = {r["method"]: r for r in result["rows"]}
+    dppo_group = [m for m in rows if m == BASELINE or m.startswith("dppo") or m.startswith("reverse")]
+    other_group = [m for m in rows if m not in dppo_group or m == BASELINE]
+    colors = {m: f"C{i % 10}" for i, m in enumerate(x for x in rows if x != BASELINE)}
+    colors[BASELINE] = "black"
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+
+    def curves(ax, group, x_key, xlabel, title):
+        for name in group:
+            r = rows[name]
+            if not r["curve"]:
+                continue
+            xs = [p[x_key] for p in r["curve"]]
+            ys = [100 * p["acc"] for p in r["curve"]]
+            ls = "--" if name in other_group and name != BASELINE and "dppo" in name else "-"
+            ax.plot(xs, ys, "o" + ls, ms=3, lw=2.5 if name == BASELINE else 1.3, color=colors[name], label=r["label"])
+        if result["target_acc"] is not None:
+            ax.axhline(100 * result["target_acc"], color="gray", ls=":", lw=1)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("held-out greedy accuracy (%), mean over seeds")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+
+    curves(axes[0, 0], dppo_group, "train_time_s", "cumulative train time (s)", "DPPO ratios and ablations vs time")
+    curves(axes[0, 1], other_group, "train_time_s", "cumulative train time (s)", "Baselines and compositions vs time")
+    curves(axes[1, 0], list(rows), "step", "step", "All methods vs step (learning per step)")
+    ax = axes[1, 1]
+    ordered = [r for r in result["rows"] if r["speedup"] is not None]
+    ys = list(range(len(ordered)))
+    have_cpu = any(r.get("speedup_cpu") for r in ordered)
+    h = 0.4 if have_cpu else 0.8
+    ax.barh([y - (h / 2 if have_cpu else 0) for y in ys], [r["speedup"] for r in ordered], height=h,
+            color="C0", label="wall-clock train time")
+    if have_cpu:
+        ax.barh([y + h / 2 for y in ys], [r.get("speedup_cpu") or 0 for r in ordered], height=h, color="C1",
+                label="CPU time of the steps")
+    ax.set_yticks(ys, [r["label"] for r in ordered], fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="gray", lw=1)
+    ax.set_xlabel("speedup vs GRPO (same step budget)")
+    ax.set_title("Speedup")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
+    s = result["settings"]
+    fig.suptitle(f"Tiny main job (3-digit addition, 0.74M Qwen3, 2-core CPU): {s['steps']} steps, seeds {s['seeds']}"
+                 + (" - PARTIAL" if result["partial"] else "") + (" - QUICK" if s["quick"] else ""), fontsize=12)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def report(args, methods, seeds, runs, out_dir: Path, exec_info: dict | None) -> dict:
+    budget = budget_overrides(args)
+    max_steps = budget["trainer.max_steps"]
+    from megatron_dppo.config import load_config
+    cfg = load_config(args.config, runs[0].overrides)
+    per_run = [x for x in (summarize_run(r, max_steps) for r in runs) if x is not None]
+    result = aggregate(methods, per_run, seeds, max_steps)
+    result["settings"] = {
+        "config": os.path.relpath(args.config, REPO) if args.config.startswith(str(REPO)) else args.config,
+        "steps": max_steps, "seeds": seeds, "quick": args.quick,
+        "prompts_per_step": cfg.trainer.prompts_per_step, "group_size": cfg.rollout.group_size,
+        "eval_size": cfg.trainer.eval_size, "eval_every": cfg.trainer.eval_every,
+        "parallel": args.parallel, "threads": args.threads, "out_dir": str(out_dir),
+        "common_overrides": overrides_list(COMMON), "budget_overrides": overrides_list(budget),
+        "extra_overrides": list(args.override or []),
+        **(exec_info or {}),
+    }
+    result["runs"] = per_run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = [out_dir]
+    if not args.quick and not args.no_docs:
+        targets.append(REPO / "docs")
+    table = markdown_table(result)
+    for d in targets:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "results.json").write_text(json.dumps(result, indent=1))
+        try:
+            plot(result, d / "results.png")
+            png_name = "results.png"
+        except Exception as e:  # a plot must not lose the numbers
+            print(f"warning: plot failed: {e}", file=sys.stderr)
+            png_name = None
+        write_markdown(d / "results.md", table, png_name)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="the task YAML, e.g. examples/tiny/addition.yaml")
+    p.add_argument("--seeds", default="2", help="a count (2 -> seeds 0,1) or a comma-separated list (default 2)")
+    p.add_argument("--methods", help="comma-separated subset (GRPO is always added); default: all default methods")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"step budget per run (default {DEFAULT_STEPS})")
+    p.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY)
+    p.add_argument("--eval-size", type=int, default=DEFAULT_EVAL_SIZE)
+    p.add_argument("--prompts-per-step", type=int, default=0, help="override trainer.prompts_per_step")
+    p.add_argument("--group-size", type=int, default=0, help="override rollout.group_size")
+    p.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: 2 // parallel, >= 1)")
+    p.add_argument("--quick", action="store_true",
+                   help="pipeline check: every method for 2 steps on tiny batches; writes only under --out-dir")
+    p.add_argument("--out-dir", default="", help="run directory (default runs/compare, runs/compare-quick with --quick)")
+    p.add_argument("--override", action="append", help="extra dotted override for every run (repeatable)")
+    p.add_argument("--force", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--dry-run", action="store_true", help="list the runs and validate their configs; run nothing")
+    p.add_argument("--report-only", action="store_true", help="aggregate the runs on disk; run nothing")
+    p.add_argument("--no-docs", action="store_true", help="do not write docs/results.*")
+    p.add_argument("--retries", type=int, default=1, help="rerun a failed run this many times (default 1)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # Runs start in the repository root (the YAML's paths are relative to it); the config may be
+    # given relative to it or to the current directory.
+    if not os.path.exists(args.config) and (REPO / args.config).exists():
+        args.config = str(REPO / args.config)
+    args.config = os.path.abspath(args.config)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    args.threads = args.threads or max(1, 2 // max(1, args.parallel))
+    seeds = parse_seeds(args.seeds)
+    methods = select_methods(args.methods)
+    out_dir = Path(args.out_dir or ("runs/compare-quick" if args.quick else "runs/compare"))
+    out_dir = out_dir if out_dir.is_absolute() else REPO / out_dir
+    runs = plan_runs(args, methods, seeds, out_dir)
+    validate_runs(args.config, runs)
+    max_steps = budget_overrides(args)["trainer.max_steps"]
+    if args.dry_run:
+        for r in runs:
+            state = "done" if run_is_done(r, max_steps) else "todo"
+            print(f"{r.name:28s} [{state}] {' '.join(r.overrides)}")
+        print(f"{len(runs)} runs ({len(methods)} methods x {len(seeds)} seeds), all configs valid")
+        return 0
+    exec_info = None
+    if not args.report_only:
+        print(f"{len(runs)} runs ({len(methods)} methods x {len(seeds)} seeds), {args.parallel} at a time, "
+              f"{args.threads} thread(s) each, into {out_dir}", flush=True)
+        exec_info = execute(runs, args.config, args.parallel, args.threads, max_steps, args.force,
+                            args.keep_checkpoints, retries=args.retries, log=lambda m: print(m, flush=True))
+    result = report(args, methods, seeds, runs, out_dir, exec_info)
+    print(markdown_table(result))
+    if exec_info and exec_info["failed"]:
+        print(f"FAILED runs: {exec_info['failed']}", file=sys.stderr)
+        return 1
+    return 0 if not result["partial"] or args.report_only else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
