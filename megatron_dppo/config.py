@@ -226,6 +226,34 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+    """The parallel layout against the world and the model: ValueError naming every key to change.
+    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node)."""
+    par, problems = cfg.parallel, []
+    tp, pp, rtp = par.tp, par.pp, par.rollout_tp
+    if world_size % (tp * pp):
+        problems.append(f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the world size {world_size}")
+    if num_heads % tp or num_kv_heads % tp:
+        problems.append(f"parallel.tp={tp} must divide num_attention_heads {num_heads} and "
+                        f"num_key_value_heads {num_kv_heads}")
+    if num_layers % pp:
+        problems.append(f"parallel.pp={pp} must divide num_hidden_layers {num_layers}")
+    if tp > par.gpus_per_node:
+        problems.append(f"parallel.tp={tp} > parallel.gpus_per_node={par.gpus_per_node}: tensor parallelism "
+                        "stays inside a node")
+    # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
+    kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
+    if rtp < 1 or world_size % rtp or num_heads % rtp or not kv_ok:
+        problems.append(f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
+                        f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
+                        f"num_key_value_heads {num_kv_heads}")
+    if rtp > par.gpus_per_node:
+        problems.append(f"parallel.rollout_tp={rtp} > parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
+                        "engine stays inside a node")
+    if problems:
+        raise ValueError("invalid parallel layout: " + "; ".join(problems))
+
+
 def parse_override(text: str):
     """'a.b=value' -> (['a', 'b'], value parsed as YAML)."""
     if "=" not in text:
