@@ -178,9 +178,10 @@ class PromptSampler:
 
     Epoch e's order is a permutation determined by (seed, e) alone, so the order never depends on
     how far a run got; state_dict() is just (epoch, position), and a resumed run continues with
-    exactly the batches the uninterrupted run would have drawn. The last partial batch of an epoch
-    is dropped (the next epoch reshuffles, so no prompt is systematically left out) so that every
-    batch has exactly batch_size distinct prompts.
+    exactly the draws the uninterrupted run would have made, as long as it asks for the same sizes
+    (the trainer's sizes are a function of the step, so it does). A draw of n prompts that does
+    not fit in the rest of the epoch starts the next epoch (the next epoch reshuffles, so no prompt
+    is systematically left out): every draw has exactly n distinct prompts.
     """
 
     def __init__(self, num_records: int, batch_size: int, seed: int = 0, shuffle: bool = True):
@@ -196,12 +197,17 @@ class PromptSampler:
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_indices(self) -> list[int]:
-        if self.pos + self.batch_size > self.n:
+    def next_indices(self, n: int | None = None) -> list[int]:
+        """The next n indices (default: batch_size), all distinct. Extra rounds of another size
+        (CPPO allocation draws ~B/(1-P)) come from the same stream, so state stays (epoch, pos)."""
+        n = self.batch_size if n is None else n
+        if not 1 <= n <= self.n:
+            raise ValueError(f"cannot draw {n} prompts: a draw must be in [1, {self.n}] (the dataset size)")
+        if self.pos + n > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        batch = self._order[self.pos:self.pos + self.batch_size]
-        self.pos += self.batch_size
+        batch = self._order[self.pos:self.pos + n]
+        self.pos += n
         return batch
 
     def __iter__(self):
@@ -223,7 +229,7 @@ class PromptSampler:
 
 
 class PromptDataset:
-    """Records of one file plus a sampler over them: `next_batch()` -> list[PromptRecord]."""
+    """Records of one file plus a sampler over them: `next_batch(n=None)` -> list[PromptRecord]."""
 
     def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, limit: int = 0):
         self.path = path
@@ -238,8 +244,9 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.records)
 
-    def next_batch(self) -> list[PromptRecord]:
-        return [self.records[i] for i in self.sampler.next_indices()]
+    def next_batch(self, n: int | None = None) -> list[PromptRecord]:
+        """The next n records (default: the batch size); see PromptSampler.next_indices."""
+        return [self.records[i] for i in self.sampler.next_indices(n)]
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -109,6 +109,34 @@ def test_sampler_resume_continues_same_order():
         PromptSampler(3, 4)
 
 
+def test_sampler_draws_of_other_sizes_resume_exactly():
+    """Extra rounds of another size (CPPO draws ~B/(1-P)) come from the same stream: a run
+    resumed from any point draws exactly what the uninterrupted run drew."""
+    sizes = [4, None, 7, 2, None, 11, 1, 4, 9, None, 3, 13, 5, None, 8, 6]
+    full = PromptSampler(13, 4, seed=9)
+    reference = [full.next_indices(n) for n in sizes]
+    for got, n in zip(reference, sizes):
+        assert len(got) == (n or 4) and len(set(got)) == len(got)
+    # Within an epoch no index repeats: each epoch's draws are disjoint slices of one permutation.
+    epochs, seen = 0, set()
+    for got in reference:
+        if seen & set(got):
+            epochs, seen = epochs + 1, set()
+        seen |= set(got)
+    assert epochs >= 3 and full.epoch == epochs
+    for cut in range(1, len(sizes)):
+        first = PromptSampler(13, 4, seed=9)
+        head = [first.next_indices(n) for n in sizes[:cut]]
+        resumed = PromptSampler(13, 4, seed=9)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        assert head + [resumed.next_indices(n) for n in sizes[cut:]] == reference, cut
+    # The default size is the batch size, unchanged from next_indices() without n.
+    assert [PromptSampler(13, 4, seed=9).next_indices() for _ in range(1)] == [reference[0]]
+    for bad in (0, 14, -1):
+        with pytest.raises(ValueError, match=rf"cannot draw {bad} prompts.*\[1, 13\]"):
+            PromptSampler(13, 4).next_indices(bad)
+
+
 def test_dataset_batches_and_resume(tmp_path):
     paths = write_task_data("add3", str(tmp_path), n_train=50, n_test=10, seed=3)
     ds = PromptDataset(paths["train"], batch_size=8, seed=2)
@@ -118,6 +146,10 @@ def test_dataset_batches_and_resume(tmp_path):
     ds2 = PromptDataset(paths["train"], batch_size=8, seed=2)
     ds2.load_state_dict(state)
     assert [r.id for r in ds2.next_batch()] == nxt
+    extra = ds.next_batch(13)  # an extra round of another size
+    assert len(extra) == 13 and len({r.id for r in extra}) == 13
+    ds2.load_state_dict(ds.state_dict())
+    assert [r.id for r in ds.next_batch(5)] == [r.id for r in ds2.next_batch(5)]
 
 
 def test_task_splits_are_deterministic_disjoint_and_correct():
