@@ -1,7 +1,7 @@
 """Dense Prompt Packing (DPPO.md section 6): sequences -> micro-batches -> THD batches.
 
-Three stages, all plain python/torch (Megatron is imported lazily, only to build
-PackedSeqParams):
+Three stages, all plain python/torch (nothing here imports Megatron: the THD batch becomes
+Megatron's PackedSeqParams in megatron_dppo.megatron.attention.packed_seq_params):
 
 1. `pack` puts sequence indices into packs of at most `capacity` tokens with the window
    greedy: arrival order is kept, and among the next `window` unplaced sequences the longest
@@ -288,17 +288,6 @@ class ThdBatch:
             if isinstance(v, torch.Tensor):
                 moved[k] = v.to(device)
         return ThdBatch(**moved)
-
-    def packed_seq_params(self):
-        """Megatron-Core PackedSeqParams for the THD layout (None for the padded baseline)."""
-        if self.cu_seqlens is None:
-            return None
-        from megatron.core.packed_seq_params import PackedSeqParams  # lazy: keep Megatron optional here
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
-            cu_seqlens_q_padded=self.cu_seqlens_padded, cu_seqlens_kv_padded=self.cu_seqlens_padded,
-            max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
 
 
 def round_up(n: int, multiple: int) -> int:

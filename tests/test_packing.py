@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+import megatron_dppo.packing
 from megatron_dppo.packing import (Sample, ThdBatch, balance_packs, build_padded_batch, build_thd_batch,
                                    density, dp_imbalance, pack, pack_cost, pack_ffd, pack_padded, round_up,
                                    thd_pad_multiple)
@@ -147,9 +148,13 @@ def test_pack_is_fast_for_10k_sequences():
 
 
 def test_packing_module_does_not_import_megatron():
+    """Issue 15: megatron_dppo/megatron/ is the only place that imports megatron.core (the
+    PackedSeqParams of a THD batch are built in megatron/attention.py)."""
     code = ("import sys, megatron_dppo.packing; "
             "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]")
     subprocess.run([sys.executable, "-c", code], check=True)
+    with open(megatron_dppo.packing.__file__, encoding="utf-8") as f:
+        assert "megatron.core" not in f.read()
 
 
 # ------------------------------------------------------------------------------------- balancing
@@ -280,7 +285,7 @@ def test_padded_batch_rows_equal_thd_segments():
     pad = build_padded_batch(samples, pad_multiple=4)
     L = round_up(max(len(s.tokens) for s in samples), 4)
     assert pad.tokens.shape == (5, L) and pad.max_seqlen == L
-    assert pad.cu_seqlens is None and pad.cu_seqlens_padded is None and pad.packed_seq_params() is None
+    assert pad.cu_seqlens is None and pad.cu_seqlens_padded is None
     for i, s in enumerate(samples):
         a, n = int(thd.cu_seqlens[i]), len(s.tokens)
         for k in ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "position_ids"):
@@ -309,16 +314,6 @@ def test_thd_batch_inputs_dicts_tensors_and_no_logp():
 def test_thd_batch_validation(samples, msg):
     with pytest.raises(ValueError, match=msg):
         build_thd_batch(samples)
-
-
-def test_packed_seq_params_fields():
-    b = build_thd_batch(_samples(random.Random(3), 4), pad_multiple=4)
-    p = b.packed_seq_params()
-    from megatron.core.packed_seq_params import PackedSeqParams
-    assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
-    assert p.cu_seqlens_q is b.cu_seqlens and p.cu_seqlens_kv is b.cu_seqlens
-    assert p.cu_seqlens_q_padded is b.cu_seqlens_padded and p.cu_seqlens_kv_padded is b.cu_seqlens_padded
-    assert p.max_seqlen_q == p.max_seqlen_kv == b.max_seqlen and isinstance(p.max_seqlen_q, int)
 
 
 def test_to_device_keeps_fields():

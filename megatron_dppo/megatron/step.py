@@ -234,13 +234,12 @@ class MegatronPolicy:
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
+        from megatron_dppo.megatron.attention import packed_seq_params  # local: keeps this edit inside the method
+
         batch = next(data_iterator)
         dev = _device()
-        psp = batch.packed_seq_params() if batch.cu_seqlens is not None else None
-        if psp is not None and dev.type == "cuda":
-            for f in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-                if getattr(psp, f, None) is not None:
-                    setattr(psp, f, getattr(psp, f).to(dev))
+        # None for a padded [rows, L] batch; the row layout is read on the host here, once.
+        psp = packed_seq_params(batch, dev)
         output = model(input_ids=batch.tokens.to(dev), position_ids=batch.position_ids.to(dev),
                        attention_mask=None, packed_seq_params=psp)
         return output, partial(self._loss, batch, mode, denominator)

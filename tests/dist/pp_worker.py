@@ -2,7 +2,8 @@
 
 Through Megatron's pipeline schedules (get_forward_backward_func): PP=2 gives the single-stage
 loss, log-probs and gradients for the same weights; packed THD log-probs and gradients equal
-per-sequence runs at PP=2; a few optimizer steps at PP=2 reduce the loss."""
+per-sequence runs at PP=2 (ragged lengths, with and without padding between sequences); a few
+optimizer steps at PP=2 reduce the loss."""
 
 import torch
 from megatron.core import parallel_state
@@ -12,6 +13,8 @@ import common
 from megatron_dppo.megatron import (
     build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
 )
+from megatron_dppo.megatron.attention import packed_seq_params
+from megatron_dppo.packing import Sample, build_thd_batch
 
 SEED = 4321
 TOL = 1e-5
@@ -49,10 +52,14 @@ def plain_batch(ids):
     return ids, torch.arange(ids.size(1)).expand_as(ids), labels, None, mask
 
 
-def packing_case(model, seqs):
-    """Sum of log-probs of a packed micro-batch vs of each sequence alone: returns
+def packing_case(model, seqs, multiple):
+    """Sum of log-probs of a packed micro-batch (the trainer's THD batch, each sequence padded
+    to `multiple`; 1 = no padding, cu_seqlens_padded None) vs of each sequence alone: returns
     (per-sequence packed logp, per-sequence alone logp, packed grads, alone grads)."""
-    ids, pos, labels, params, starts = common.pack(seqs, multiple=4)
+    batch = build_thd_batch([Sample(tokens=q.tolist(), prompt_len=1) for q in seqs], pad_multiple=multiple)
+    ids, pos, labels, params = batch.tokens, batch.position_ids, batch.labels, packed_seq_params(batch)
+    assert (params.cu_seqlens_q_padded is None) == (multiple == 1)
+    starts = batch.cu_seqlens_padded.tolist()
     mask = torch.zeros(labels.shape)  # real next-token positions only
     for s, q in zip(starts, seqs):
         mask[0, s:s + len(q) - 1] = 1.0
@@ -79,7 +86,7 @@ def main():
     cfg = common.tiny_config()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, common.VOCAB, (2, 20), generator=g)
-    seqs = common.sequences((9, 4, 14, 6), seed=2)
+    seqs = common.sequences((9, 4, 37, 6, 2, 21, 5), seed=2)  # ragged, long-tailed
 
     # Single stage reference (world of 2 = DP 2: both ranks compute the same).
     initialize_parallel(tp=1, pp=1, seed=SEED)
@@ -87,7 +94,7 @@ def main():
     full = common.full_params(model)
     ref_loss = run(model, [plain_batch(ids)])[0]["loss"]
     ref_grads = common.full_grads(model)
-    ref_packed, _, ref_packed_grads, _ = packing_case(model, seqs)
+    ref_packed, _, ref_packed_grads, _ = packing_case(model, seqs, 4)
     destroy_parallel(world=False)
 
     initialize_parallel(tp=1, pp=2, seed=SEED)
@@ -102,17 +109,18 @@ def main():
     common.log(f"PP=2 vs PP=1: loss err {loss_err:.2e}, grad err {grad_err:.2e}")
     assert loss_err < TOL * abs(ref_loss.item()) and grad_err < TOL, (loss_err, grad_err)
 
-    packed, alone, grads_packed, grads_alone = packing_case(model, seqs)
-    errs = dict(
-        logp=max([(a - b).abs().max().item() for a, b in zip(packed, alone)], default=0.0),
-        logp_vs_pp1=max([(a - b).abs().max().item() for a, b in zip(packed, ref_packed)],
-                        default=0.0),
-        grad=common.max_diff(grads_packed, grads_alone),
-        grad_vs_pp1=common.max_diff(grads_packed, common.shard(model, ref_packed_grads)),
-    )
-    print(f"rank {torch.distributed.get_rank()} packing at PP=2:",
-          {k: f"{v:.2e}" for k, v in errs.items()}, flush=True)
-    assert all(v < TOL for v in errs.values()), errs
+    for multiple in (4, 1):
+        packed, alone, grads_packed, grads_alone = packing_case(model, seqs, multiple)
+        errs = dict(
+            logp=max([(a - b).abs().max().item() for a, b in zip(packed, alone)], default=0.0),
+            logp_vs_pp1=max([(a - b).abs().max().item() for a, b in zip(packed, ref_packed)],
+                            default=0.0),
+            grad=common.max_diff(grads_packed, grads_alone),
+            grad_vs_pp1=common.max_diff(grads_packed, common.shard(model, ref_packed_grads)),
+        )
+        print(f"rank {torch.distributed.get_rank()} packing at PP=2, pad_multiple {multiple}:",
+              {k: f"{v:.2e}" for k, v in errs.items()}, flush=True)
+        assert all(v < TOL for v in errs.values()), errs
     destroy_parallel(world=False)
 
     # Training at PP=2 (untied embeddings: tied ones would need finalize_model_grads to

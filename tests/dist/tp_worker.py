@@ -2,7 +2,11 @@
 
 TP=2 equals TP=1 for the same weights (log-probs, entropy, loss, gradients); CPU
 initialisation is TP-invariant; packed THD log-probs and gradients equal per-sequence runs at
-TP=1 and TP=2."""
+TP=1 and TP=2 (ragged lengths, with and without padding between sequences, bucketed and
+per-sequence attention)."""
+
+import itertools
+import os
 
 import torch
 
@@ -11,6 +15,8 @@ from megatron_dppo.megatron import (
     build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
     token_logprobs_and_entropy,
 )
+from megatron_dppo.megatron.attention import IMPL_ENV, packed_seq_params
+from megatron_dppo.packing import Sample, build_thd_batch
 
 SEED = 1234
 TOL = 1e-5
@@ -23,26 +29,38 @@ def batch_logprobs(model, ids):
     return token_logprobs_and_entropy(logits, ids[:, 1:], vocab_size=common.VOCAB)
 
 
-def check_packing(model, lengths=(7, 13, 5, 10)):
+def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
+    """Log-probs and grads of every sequence of a packed row equal the sequence run alone, for
+    ragged long-tailed lengths, with padding between sequences (pad_multiple 4: cu_seqlens_padded
+    given) and without (pad_multiple 1: cu_seqlens_padded None, what the trainer hands Megatron
+    then), through the bucketed kernel and the per-sequence loop."""
     seqs = common.sequences(lengths, seed=1)
-    ids, pos, labels, params, starts = common.pack(seqs, multiple=4)
     model.zero_grad(set_to_none=True)
-    logp = token_logprobs(model(ids, pos, None, packed_seq_params=params), labels,
-                          vocab_size=common.VOCAB)[0]
-    packed = [logp[s:s + len(q) - 1] for s, q in zip(starts, seqs)]
-    sum(x.sum() for x in packed).backward()
-    grads_packed = common.full_grads(model)
-
-    model.zero_grad(set_to_none=True)
-    err = 0.0
-    for seq, lp_packed in zip(seqs, packed):
+    alone = []
+    for seq in seqs:
         ids1, pos1, labels1 = common.alone(seq)
         lp = token_logprobs(model(ids1, pos1, None), labels1, vocab_size=common.VOCAB)[0, :-1]
-        err = max(err, (lp - lp_packed).abs().max().item())
+        alone.append(lp.detach())
         lp.sum().backward()
-    gerr = common.max_diff(grads_packed, common.full_grads(model))
-    common.log(f"packing: logp err {err:.2e}, grad err {gerr:.2e}")
-    assert err < TOL and gerr < TOL, (err, gerr)
+    grads_alone = common.full_grads(model)
+
+    samples = [Sample(tokens=s.tolist(), prompt_len=1) for s in seqs]
+    for multiple, impl in itertools.product((4, 1), ("bucketed", "loop")):
+        os.environ[IMPL_ENV] = impl
+        batch = build_thd_batch(samples, pad_multiple=multiple)
+        params = packed_seq_params(batch)
+        assert (params.cu_seqlens_q_padded is None) == (multiple == 1)
+        model.zero_grad(set_to_none=True)
+        logp = token_logprobs(model(batch.tokens, batch.position_ids, None, packed_seq_params=params),
+                              batch.labels, vocab_size=common.VOCAB)[0]
+        starts = batch.cu_seqlens_padded.tolist()
+        packed = [logp[s:s + len(q) - 1] for s, q in zip(starts, seqs)]
+        sum(x.sum() for x in packed).backward()
+        err = max((a - b).abs().max().item() for a, b in zip(packed, alone))
+        gerr = common.max_diff(common.full_grads(model), grads_alone)
+        common.log(f"packing (pad_multiple {multiple}, {impl}): logp err {err:.2e}, grad err {gerr:.2e}")
+        assert err < TOL and gerr < TOL, (multiple, impl, err, gerr)
+    del os.environ[IMPL_ENV]
 
 
 def main():
