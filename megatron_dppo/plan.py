@@ -1,7 +1,7 @@
 """`megatron-dppo plan`: will this run fit, per GPU, before we ask a cluster for it?
 
-The plan is arithmetic over the run config and the model's config.json (no torch, no
-Megatron import: it runs anywhere in well under a second). docs/scaling.md derives every term;
+The plan is arithmetic over the run config and the model's config.json (no Megatron, no vLLM,
+no GPU: it runs anywhere in about a second). docs/scaling.md derives every term;
 in short, for the worst pipeline stage of one GPU:
 
   weights      params (model.dtype) of this TP/PP shard, Megatron's padded vocabulary included
@@ -21,6 +21,8 @@ in short, for the worst pipeline stage of one GPU:
 
 Two phases are checked: train (Megatron peak, vLLM asleep) and generate (Megatron's resident
 state + vLLM awake). A layout that does not fit is refused with the knobs that would fix it.
+The config is checked first by the trainer's own rules (config.load_config's validation and
+config.check_layout with world = nodes x gpus_per_node), so `plan` accepts what `train` accepts.
 """
 from __future__ import annotations
 
@@ -133,37 +135,45 @@ def load_hf_config(hf_dir: str) -> dict:
     raise ValueError(f"config key 'model.hf_dir': {hf_dir!r} has no config.json (the plan needs only that file)")
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
+    """The values of parallel.tp, parallel.pp and parallel.rollout_tp that the trainer's layout
+    check (config.check_layout) accepts on this cluster and model, each with the other two at 1.
+    What the plan offers is filtered through the same check, so it cannot offer a value the
+    trainer refuses."""
+    from megatron_dppo.config import check_layout as trainer_check
+
+    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
+    out = {}
+    for knob in ("tp", "pp", "rollout_tp"):
+        ok = []
+        for value in range(1, world + 1):
+            par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, knob: value})
+            try:
+                trainer_check(dataclasses.replace(cfg, parallel=par), world_size=world, num_heads=arch.heads,
+                              num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+            except ValueError:
+                continue
+            ok.append(value)
+        out[knob] = ok
+    return out
 
 
 def check_layout(cfg, arch: Arch) -> None:
-    """Refuse layouts that do not divide, naming the field to change."""
-    par, problems = cfg.parallel, []
+    """The trainer's layout rules (config.check_layout, the world being parallel.nodes x
+    parallel.gpus_per_node) with the values that would pass; ValueError naming the fields."""
+    from megatron_dppo.config import check_layout as trainer_check
+
+    par = cfg.parallel
     world = par.nodes * par.gpus_per_node
-    ok_tp = _divisors(math.gcd(arch.heads, arch.kv_heads))
-    if par.tp not in ok_tp:
-        problems.append(f"parallel.tp={par.tp} must divide num_attention_heads {arch.heads} and "
-                        f"num_key_value_heads {arch.kv_heads}: choose among {ok_tp}")
-    if arch.layers % par.pp:
-        problems.append(f"parallel.pp={par.pp} must divide num_hidden_layers {arch.layers}: "
-                        f"choose among {_divisors(arch.layers)}")
-    if world % (par.tp * par.pp):
-        problems.append(f"parallel.nodes x parallel.gpus_per_node = {world} GPUs is not a multiple of "
-                        f"parallel.tp x parallel.pp = {par.tp * par.pp}")
-    if par.tp > par.gpus_per_node:
-        problems.append(f"parallel.tp={par.tp} > parallel.gpus_per_node={par.gpus_per_node}: "
-                        f"tensor parallelism must stay inside a node (NVLink)")
-    if par.rollout_tp < 1 or arch.heads % par.rollout_tp or world % par.rollout_tp \
-            or par.rollout_tp > par.gpus_per_node:
-        problems.append(f"parallel.rollout_tp={par.rollout_tp} must divide num_attention_heads "
-                        f"{arch.heads} and the GPU count {world}, within a node of {par.gpus_per_node}")
-    if cfg.trainer.max_tokens_per_microbatch < cfg.rollout.max_model_len:
-        problems.append(f"trainer.max_tokens_per_microbatch={cfg.trainer.max_tokens_per_microbatch} < "
-                        f"rollout.max_model_len={cfg.rollout.max_model_len}: a full-length sequence "
-                        f"would not fit in a micro-batch")
-    if problems:
-        raise ValueError("layout does not divide: " + "; ".join(problems))
+    try:
+        trainer_check(cfg, world_size=world, num_heads=arch.heads, num_kv_heads=arch.kv_heads,
+                      num_layers=arch.layers)
+    except ValueError as e:
+        choices = layout_choices(cfg, arch)
+        hints = "; ".join(f"parallel.{k} among {v}" for k, v in choices.items() if getattr(par, k) not in v)
+        raise ValueError(f"the trainer refuses this layout on parallel.nodes x parallel.gpus_per_node = "
+                         f"{par.nodes} x {par.gpus_per_node} = {world} GPUs: {e}"
+                         + (f" (choose {hints})" if hints else "")) from None
 
 
 def memory_plan(cfg, fixes: bool = True) -> dict:
@@ -236,7 +246,7 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         "worst_stage": worst,
         "vllm": dict(weights=vllm_weights, runtime=VLLM_RUNTIME, kv_cache=kv_cache, kv_per_token=kv_per_token,
                      max_model_len=roll.max_model_len, seqs_fit=seqs_fit, seqs_needed=seqs_needed,
-                     host_ram_per_node=vllm_weights * par.gpus_per_node),
+                     host_ram_per_node=vllm_weights * par.gpus_per_node, sleep_level=roll.sleep_level),
     }
     plan["problems"], plan["notes"] = _verdict(plan, cfg)
     plan["fits"] = not plan["problems"]
@@ -348,6 +358,10 @@ def suggest_fixes(cfg, plan, max_changes: int = 6) -> list[str]:
     return [" ".join(chosen.values()) + f" (together they help, still {_badness(cur_plan)[0] / GiB:.1f} GiB over)"]
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
 def _gib(x: float) -> str:
     return f"{x / GiB:7.2f}"
 
@@ -355,7 +369,7 @@ def _gib(x: float) -> str:
 def format_plan(plan: dict) -> str:
     m, lay, v = plan["model"], plan["layout"], plan["vllm"]
     lines = [
-        f"model: {m['model_type']} {m['params'] / 1e9:.2f}B params (hidden {m['hidden']}, {m['layers']} layers, "
+        f"model: {m['model_type']} {_count(m['params'])} params (hidden {m['hidden']}, {m['layers']} layers, "
         f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, ffn {m['ffn']}, vocab {m['vocab']} -> "
         f"{m['padded_vocab']} padded, {'tied' if m['tied'] else 'untied'} embeddings)",
         f"layout: {lay['gpus']} GPUs = {lay['nodes']} x {lay['gpus_per_node']}; TP {lay['tp']} x PP {lay['pp']} x "
@@ -383,8 +397,10 @@ def format_plan(plan: dict) -> str:
     lines.append(f"vLLM per GPU: weights {v['weights'] / GiB:.2f} GiB, runtime {v['runtime'] / GiB:.1f} GiB, "
                  f"KV cache {v['kv_cache'] / GiB:.2f} GiB at {v['kv_per_token'] / 1024:.0f} KiB/token = "
                  f"{v['seqs_fit']} sequences of {v['max_model_len']} tokens (step: {v['seqs_needed']} per engine); "
-                 f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node "
-                 f"(level 2 drops them)")
+                 + (f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node"
+                    if v["sleep_level"] == 1 else
+                    f"sleep level 2 drops its weights (level 1 would park {v['host_ram_per_node'] / GiB:.0f} GiB "
+                    f"per node in host RAM)"))
     lines += [f"note: {n}" for n in plan["notes"]]
     if plan["fits"]:
         lines.append(f"FITS: peak {max(max(s['train_total'], s['generate_total']) for s in plan['stages'].values()) / GiB:.1f} "
@@ -409,7 +425,7 @@ def plan_main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, check=False)
+        cfg = load_config(args.config, args.overrides)  # the trainer's config checks, then its layout check
         plan = memory_plan(cfg)
     except (ValueError, OSError) as e:
         print(f"plan: {e}")

@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.config import load_config
-from megatron_dppo.plan import Arch, format_plan, layer_activation_elems, memory_plan, padded_vocab, plan_main
+from megatron_dppo.config import check_layout, load_config
+from megatron_dppo.plan import (Arch, format_plan, layer_activation_elems, layout_choices, load_hf_config,
+                                memory_plan, padded_vocab, plan_main)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "model"
 QWEN3_32B = REPO / "examples" / "qwen3_32b" / "config.yaml"
 PRESETS = sorted((REPO / "examples" / "presets").glob("*.yaml"))
+SHIPPED = sorted((REPO / "examples").glob("**/*.yaml"))
 SIZES = ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]
 
 
@@ -136,14 +138,131 @@ def test_refusals_point_at_the_knob_that_fixes_them(override, single_fix):
     (["parallel.pp=3"], "parallel.pp"),
     (["parallel.nodes=1", "parallel.gpus_per_node=6"], "parallel.nodes x parallel.gpus_per_node"),
     (["parallel.rollout_tp=3"], "parallel.rollout_tp"),
-    (["trainer.max_tokens_per_microbatch=1024"], "trainer.max_tokens_per_microbatch"),
+    (["parallel.rollout_tp=16"], "parallel.rollout_tp"),  # more than the 8 GPUs of a node
 ])
 def test_layouts_that_do_not_divide_name_the_field(overrides, field, capsys):
+    cfg = _cfg(QWEN3_32B, *overrides)
+    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
+    with pytest.raises(ValueError) as trainer_says:  # the trainer's own check, same world
+        check_layout(cfg, world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node, num_heads=arch.heads,
+                     num_kv_heads=arch.kv_heads, num_layers=arch.layers)
     with pytest.raises(ValueError) as err:
-        memory_plan(_cfg(QWEN3_32B, *overrides))
+        memory_plan(cfg)
+    assert str(trainer_says.value) in str(err.value)  # the plan refuses it with the trainer's words
     assert field in str(err.value)
     assert plan_main(["--config", str(QWEN3_32B), *overrides]) == 2
     assert field in capsys.readouterr().out
+
+
+def test_vllm_tp_beyond_the_kv_heads_is_accepted_by_both():
+    """vLLM replicates KV heads when its TP is a multiple of them (Qwen3-32B: 8 KV heads, TP 16 on
+    nodes of 16 GPUs): the trainer's check accepts it, so the plan's does too."""
+    cfg = _cfg(QWEN3_32B, "parallel.rollout_tp=16", "parallel.gpus_per_node=16", "parallel.nodes=2")
+    assert _trainer_accepts(cfg)
+    memory_plan(cfg)  # no ValueError
+
+
+@pytest.mark.parametrize("override, field", [
+    ("trainer.max_tokens_per_microbatch=1024", "trainer.max_tokens_per_microbatch"),  # < max_model_len 4096
+    ("pruning.r_q=1.5", "pruning.r_q"),
+])
+def test_plan_refuses_what_the_trainers_config_check_refuses(override, field, capsys):
+    with pytest.raises(ValueError, match=field):
+        load_config(str(QWEN3_32B), [override])
+    assert plan_main(["--config", str(QWEN3_32B), override]) == 2
+    assert field in capsys.readouterr().out
+
+
+def _world(cfg, path) -> list[int]:
+    """The world sizes a shipped config runs at: a cluster config on parallel.nodes x
+    parallel.gpus_per_node GPUs; the tiny CPU job as 1 process (make main) and under torchrun with 2."""
+    if "tiny" in path.relative_to(REPO / "examples").parts:
+        return [1, 2]
+    return [cfg.parallel.nodes * cfg.parallel.gpus_per_node]
+
+
+def _check_shipped(path: Path, worlds: list[int]) -> None:
+    """The trainer's config checks (load_config) and its start-up layout check, with heads and
+    layers from the config's model.hf_dir/config.json; ValueError naming the field otherwise."""
+    cfg = load_config(str(path))
+    hf = load_hf_config(cfg.model.hf_dir)
+    for world in worlds:
+        check_layout(cfg, world_size=world, num_heads=hf["num_attention_heads"],
+                     num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+                     num_layers=hf["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "examples")))
+def test_shipped_configs_pass_the_trainers_checks(path):
+    """Every YAML under examples/ passes what the trainer checks at start-up, at the world size
+    it is meant for."""
+    _check_shipped(path, _world(load_config(str(path), check=False), path))
+
+
+@pytest.mark.parametrize("line, field", [
+    ("rollout_tp: 4 ", "parallel.rollout_tp=3"),       # does not divide 64 heads
+    ("tp: 4 ", "parallel.tp=3"),
+    ("max_tokens_per_microbatch: 8192", "trainer.max_tokens_per_microbatch"),
+])
+def test_the_shipped_config_check_can_fail(tmp_path, line, field):
+    """The check above on a broken copy of the 32B example."""
+    text = QWEN3_32B.read_text()
+    assert line in text
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace(line, line.replace("4", "3").replace("8192", "1024"), 1))
+    with pytest.raises(ValueError, match=field):
+        _check_shipped(bad, [32])
+
+
+def _trainer_accepts(cfg) -> bool:
+    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
+    try:
+        check_layout(cfg, world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node, num_heads=arch.heads,
+                     num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("overrides", [
+    ["rollout.gpu_memory_utilization=0.2"],                       # offers parallel.rollout_tp=8
+    ["parallel.nodes=2"],                                         # offers more nodes, tp, ...
+    ["parallel.tp=1", "parallel.pp=1", "parallel.nodes=1", "parallel.distributed_optimizer=false",
+     "parallel.sequence_parallel=false"],                         # a combination
+])
+def test_every_layout_the_plan_offers_is_one_the_trainer_accepts(overrides):
+    plan = memory_plan(_cfg(QWEN3_32B, *overrides))
+    assert not plan["fits"] and plan["fixes"]
+    for fix in plan["fixes"]:
+        changes = fix.split(" (")[0].split()
+        assert _trainer_accepts(_cfg(QWEN3_32B, *overrides, *changes)), fix
+    if overrides == ["rollout.gpu_memory_utilization=0.2"]:
+        assert any(f.startswith("parallel.rollout_tp=8") for f in plan["fixes"])
+
+
+@pytest.mark.parametrize("path", PRESETS + [QWEN3_32B], ids=lambda p: p.stem)
+def test_layout_choices_are_what_the_trainer_accepts(path):
+    """The values a refusal offers for tp, pp and rollout_tp: each accepted by the trainer's check
+    (the others at 1), every other value up to the world size refused, and the config's own value
+    among them."""
+    cfg = load_config(str(path))
+    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
+    choices = layout_choices(cfg, Arch.from_hf(load_hf_config(cfg.model.hf_dir)))
+    for knob, ok in choices.items():
+        assert getattr(cfg.parallel, knob) in ok
+        for value in range(1, world + 1):
+            par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, knob: value})
+            assert _trainer_accepts(dataclasses.replace(cfg, parallel=par)) == (value in ok), (knob, value)
+    # vLLM on Qwen3 (64 query / 8 KV heads at 32B): the engine's ranks stay inside a node of 8
+    assert choices["rollout_tp"] == [1, 2, 4, 8]
+
+
+def test_refusal_names_the_values_that_pass(capsys):
+    assert plan_main(["--config", str(QWEN3_32B), "parallel.rollout_tp=3", "parallel.pp=3"]) == 2
+    out = capsys.readouterr().out
+    assert "parallel.rollout_tp among [1, 2, 4, 8]" in out
+    assert "parallel.pp among [1, 2, 4, 8, 16, 32]" in out  # 64 layers, 32 GPUs
+    assert "parallel.tp among" not in out  # tp=4 is fine
 
 
 def test_missing_model_config_is_a_named_error():
