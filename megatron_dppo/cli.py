@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def _verify_unbiased(args) -> int:
     from megatron_dppo.algorithms.losses import LOSS_AGGS
-    from megatron_dppo.unbiased_check import CheckConfig, run_check
+    from megatron_dppo.algorithms.pruning import STRATEGIES
+    from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
 
     strategies = args.strategy or ["dppo"]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        print(f"verify-unbiased: --strategy must be one of {sorted(STRATEGIES)}, got {unknown[0]!r}", file=sys.stderr)
+        return 2
     aggs = args.loss_agg or (list(LOSS_AGGS) if args.all_aggs else ["seq-mean-token-mean"])
     all_ok = True
     for strategy in strategies:
@@ -17,8 +23,13 @@ def _verify_unbiased(args) -> int:
             cfg = CheckConfig(strategy=strategy, num_prompts=args.num_prompts, group_size=args.group_size,
                               r_q=args.r_q, r_o=args.r_o, loss_agg=agg, advantage=args.advantage,
                               ratio_type=args.ratio_type, kl_coef=args.kl_coef, draws=args.draws,
-                              seed=args.seed)
-            result = run_check(cfg)
+                              seed=args.seed, max_resample_rounds=args.max_resample_rounds,
+                              refill_by=args.refill_by, fixed_order=args.fixed_order)
+            try:
+                result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
+            except ValueError as e:
+                print(f"verify-unbiased: {e}", file=sys.stderr)
+                return 2
             print(result.summary(cfg), flush=True)
             all_ok &= result.unbiased
     print("all unbiased" if all_ok else "bias detected beyond Monte Carlo noise")
@@ -26,16 +37,42 @@ def _verify_unbiased(args) -> int:
 
 
 def _train(args) -> int:
-    from megatron_dppo.config import load_config
+    from megatron_dppo.config import load_config, validate
+    from megatron_dppo.quiet import quiet_libraries
 
-    cfg = load_config(args.config, args.overrides)  # fails fast, before the heavy imports
-    from megatron_dppo.trainer import Trainer
-    trainer = Trainer(cfg, resume=args.resume)
+    cfg = load_config(args.config, args.overrides, check=False)  # fails fast, before the heavy imports
+    quiet_libraries(verbose=cfg.logging.verbose)  # before torch is imported (validate imports it)
+    validate(cfg)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model dirs are local: never wait on a hub
+    from megatron_dppo.trainer import StopRequested, Trainer
+    trainer = None
     try:
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
         trainer.train()
+    except StopRequested as stop:
+        return 130 if str(stop) == "SIGINT" else 143  # 128 + the signal: a scheduler sees the interruption
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
     return 0
+
+
+def _run_reporting_errors(func, args) -> int:
+    """Run a subcommand; an error is one line on stderr (naming what to fix) and exit status 1.
+    --debug shows the traceback instead."""
+    if getattr(args, "debug", False):
+        return func(args)
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's one place that turns any failure into a message
+        rank = os.environ.get("RANK")
+        where = f"[rank {rank}] " if rank not in (None, "0") else ""
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"{where}error: {message}  ({type(e).__name__}; --debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="DPPO/GRPO training (the main job); under torchrun for several processes")
     t.add_argument("--config", required=True, help="YAML config (see examples/)")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="delete an existing run dir of the same trainer.run_name and start again")
+    t.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=5 pruning.r_q=0.5")
     t.set_defaults(func=_train)
 
@@ -52,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(megatron-dppo plan --config FILE [overrides] [--json])")
 
     v = sub.add_parser("verify-unbiased", help="Monte Carlo check: pruned+reweighted gradient vs full batch")
-    v.add_argument("--strategy", action="append", choices=["none", "dppo", "reverse", "cppo", "greso"],
-                   help="pruning strategy (repeatable; default dppo)")
+    v.add_argument("--strategy", action="append",
+                   help="pruning strategy, a name of algorithms/pruning.STRATEGIES (repeatable; default dppo)")
     v.add_argument("--loss-agg", action="append",
                    choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
                    help="loss aggregation (repeatable; default seq-mean-token-mean)")
@@ -68,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--kl-coef", type=float, default=0.0)
     v.add_argument("--draws", type=int, default=4000, help="Monte Carlo mask draws")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--dynamic-sampling", action="store_true",
+                   help="DAPO + pruning: refill rounds by weight against unpruned DAPO on a synthetic stream")
+    v.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: rounds after the first")
+    v.add_argument("--refill-by", choices=["weight", "count"], default="weight",
+                   help="dynamic sampling: 'count' is the old double-counting rule (a negative control)")
+    v.add_argument("--fixed-order", action="store_true",
+                   help="dynamic sampling: keep one stream order instead of shuffling it per draw")
     v.set_defaults(func=_verify_unbiased)
     return parser
 
@@ -78,7 +125,7 @@ def main(argv=None) -> int:
         from megatron_dppo.plan import plan_main
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    return _run_reporting_errors(args.func, args)
 
 
 if __name__ == "__main__":

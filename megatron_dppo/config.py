@@ -8,19 +8,23 @@ is saved with the run (runs/<name>/config.yaml).
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 
 import yaml
 
+from megatron_dppo.choices import (AdvantageKind, AttentionBackend, DecayStyle, Dtype, KlEstimator, LossAgg,
+                                   PackingKind, PromptMode, RatioType, Recompute, WandbMode)
+
 
 @dataclass
 class ModelConfig:
     hf_dir: str = ""                 # HF model dir (config.json, tokenizer, safetensors)
-    init_checkpoint: str = ""        # optional: a converted Megatron checkpoint to start from
-    dtype: str = "float32"           # float32 | bfloat16
-    attention: str = "auto"          # auto | te | local
+    init_checkpoint: str = ""        # optional: a Megatron checkpoint (converted or a run's step_*) to start from
+    dtype: Dtype = "float32"
+    attention: AttentionBackend = "auto"  # auto: Transformer Engine when it imports on a GPU, else local
 
 
 @dataclass
@@ -28,11 +32,10 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
-    rollout_tp: int = 1              # vLLM tensor_parallel_size (1 = one engine per rank)
-    distributed_optimizer: bool | None = None  # None: on with CUDA
-    recompute: str = "none"          # activation recomputation: none | selective | full
-    # The cluster, for `megatron-dppo plan` and the launch scripts (the trainer reads the
-    # world size from torchrun).
+    rollout_tp: int = 1              # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
+    distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU
+    recompute: Recompute = "none"    # activation recomputation
+    # The cluster, for `megatron-dppo plan`, the launch scripts and the layout check.
     nodes: int = 1
     gpus_per_node: int = 8
     gpu_memory_gb: float = 80.0
@@ -41,10 +44,11 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     train: str = ""                  # JSONL or Parquet
-    eval: str = ""
-    train_size: int = 0              # use the first N training prompts (0 = all)
-    prompt_mode: str = "raw"         # raw | chat (the tokenizer's chat template)
-    system_prompt: str = ""
+    eval: str = ""                   # optional held-out prompts (greedy pass@1)
+    train_size: int = 0              # use the first N training prompts; resolved: 0 = all of them
+    prompt_mode: PromptMode = "raw"  # raw text, or the tokenizer's chat template
+    system_prompt: str = ""          # optional, chat mode
+    skip_long_prompts: bool = False  # prompts that cannot fit rollout.max_model_len: error (False) or skip and count
 
 
 @dataclass
@@ -56,29 +60,32 @@ class RolloutConfig:
     max_model_len: int = 1024
     kv_cache_gb: float = 0.25        # CPU KV cache (vLLM reserves ~90% of RAM otherwise)
     gpu_memory_utilization: float = 0.5
-    dtype: str = ""                  # vLLM dtype; "" = the model's dtype
-    sleep_level: int = 1             # GPU: free vLLM memory while training (1 offloads weights, 2 drops them)
+    dtype: Dtype | None = None       # vLLM's dtype; resolved: the model's dtype
+    # GPU: what vLLM frees while Megatron trains. 2 drops the weights too: every step reloads all of
+    # them anyway, and level 1 would first copy them back from pinned host memory (~16 GB a GPU for
+    # 32B at TP 4) only to overwrite them. No-op on CPU.
+    sleep_level: int = 2
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"          # grpo | drgrpo
-    loss_agg: str = "token-mean"     # seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
+    advantage: AdvantageKind = "grpo"  # grpo: (r - mean) / std; drgrpo: r - mean
+    loss_agg: LossAgg = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2           # DAPO clip-higher: 0.28
-    ratio_type: str = "token"        # token | sequence (GSPO)
+    ratio_type: RatioType = "token"  # sequence = GSPO
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    dynamic_sampling: bool = False   # DAPO: drop zero-variance groups, over-sample to refill
+    kl_estimator: KlEstimator = "k3"
+    dynamic_sampling: bool = False   # DAPO: drop zero-variance groups, draw more prompts to refill B
     max_resample_rounds: int = 3
 
 
 @dataclass
 class PruningConfig:
-    strategy: str = "none"           # none | dppo | reverse | cppo | greso
+    strategy: str = "none"           # algorithms/pruning.STRATEGIES: none | dppo | reverse | cppo | greso ...
     r_q: float = 0.0                 # prompt-level ratio (before rollout)
     r_o: float = 0.0                 # completion-level ratio (after rollout)
-    drop_zero_variance: bool | None = None  # None: on when kl_coef == 0 (exact then)
+    drop_zero_variance: bool | None = None  # resolved: on when algorithm.kl_coef == 0 (exact then)
     history_ema: float = 0.0
 
 
@@ -87,6 +94,7 @@ class RewardConfig:
     kind: str = "exact"              # exact | math | "pkg.module:function"
     timeout_s: float = 5.0
     num_workers: int = 2
+    max_error_frac: float = 0.5      # stop the run when more checks of a step fail (raise, NaN, timeout...)
 
 
 @dataclass
@@ -100,8 +108,8 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    decay_steps: int = 0             # 0: the run's optimizer steps (max_steps x minibatches_per_step)
-    decay_style: str = "constant"    # constant | linear | cosine
+    decay_steps: int = 0             # resolved: 0 = the run's optimizer steps
+    decay_style: DecayStyle = "constant"
 
 
 @dataclass
@@ -110,25 +118,28 @@ class TrainerConfig:
     output_dir: str = "runs"
     seed: int = 0
     max_steps: int = 100
-    max_time_s: float = 0.0          # 0 = no wall-clock budget
+    max_time_s: float = 0.0          # wall-clock budget; 0 = none
     prompts_per_step: int = 32       # B
-    minibatches_per_step: int = 1    # optimizer steps per rollout batch (whole prompt groups)
+    minibatches_per_step: int = 1    # optimizer steps per pass over the rollout batch (whole prompt groups)
+    epochs_per_step: int = 1         # passes over the rollout batch (verl's ppo_epochs)
     max_tokens_per_microbatch: int = 4096
-    packing: str = "window"          # window | ffd | padded
+    packing: PackingKind = "window"
     pack_window: int = 16
-    eval_every: int = 10
+    eval_every: int = 10             # 0 = no evaluation
     eval_size: int = 200
-    save_every: int = 0              # 0 = only at the end
+    save_every: int = 50             # steps between checkpoints (and one at the end, and on SIGTERM)
     keep_checkpoints: int = 2
-    threads: int = 0                 # torch threads; 0 = leave as is
+    threads: int = 0                 # torch threads; resolved: 0 = what torch chose
 
 
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
-    wandb: str = "offline"           # offline | online | disabled
+    wandb: WandbMode = "offline"
     wandb_project: str = "megatron-dppo"
     progress: bool = True
+    rollouts: bool = False           # write every step's completions to runs/<name>/rollouts/step_N.jsonl
+    verbose: bool = False            # show the libraries' own warnings (vLLM, Megatron, wandb); off: only ours
 
 
 @dataclass
@@ -145,21 +156,20 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-_CHOICES = {
-    "model.dtype": ("float32", "bfloat16"), "model.attention": ("auto", "te", "local"),
-    "data.prompt_mode": ("raw", "chat"), "algorithm.advantage": ("grpo", "drgrpo"),
-    "algorithm.loss_agg": ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"),
-    "algorithm.ratio_type": ("token", "sequence"), "algorithm.kl_estimator": ("k1", "k3"),
-    "pruning.strategy": ("none", "dppo", "reverse", "cppo", "greso"),
-    "trainer.packing": ("window", "ffd", "padded"), "logging.wandb": ("offline", "online", "disabled"),
-    "optim.decay_style": ("constant", "linear", "cosine"),
-    "parallel.recompute": ("none", "selective", "full"),
-}
+# Optional paths: an empty string means "not given"; the saved config leaves them out.
+OPTIONAL_KEYS = ("model.init_checkpoint", "data.eval", "data.system_prompt")
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def _coerce(key: str, value, typ):
-    """Check value against the dataclass field type; ints are accepted for floats."""
+    """Check value against the dataclass field type; ints are accepted for floats, and so are
+    strings like "1e-5" (YAML 1.1 reads a float without a dot as a string)."""
     origin = typing.get_origin(typ)
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        if value in choices:
+            return value
+        raise ValueError(f"config key {key!r}: expected one of {choices}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(typ)
         if value is None and type(None) in args:
@@ -169,10 +179,12 @@ def _coerce(key: str, value, typ):
                 continue
             try:
                 return _coerce(key, value, a)
-            except ValueError:
-                pass
-        raise ValueError(f"config key {key!r}: expected {typ}, got {value!r}")
+            except ValueError as e:
+                error = e
+        raise error
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is float and isinstance(value, str) and _FLOAT.match(value.strip()):
         return float(value)
     if typ in (int, str, bool) and type(value) is typ:
         return value
@@ -197,26 +209,65 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
 
 
 def validate(cfg: Config) -> Config:
-    for key, choices in _CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ValueError(f"config key {key!r}: expected one of {choices}, got {value!r}")
+    """Every check that needs only the config itself, each naming its key(s). Checks that need the
+    model or the world size are in `check_layout` and `resolve`."""
+    from megatron_dppo.algorithms.pruning import STRATEGIES  # the strategy registry
+
+    c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim
     checks = [
-        ("rollout.group_size", cfg.rollout.group_size >= 2, "an integer >= 2"),
-        ("pruning.r_q", 0 <= cfg.pruning.r_q < 1, "a number in [0, 1)"),
-        ("pruning.r_o", 0 <= cfg.pruning.r_o < 1, "a number in [0, 1)"),
-        ("trainer.prompts_per_step", cfg.trainer.prompts_per_step >= 1, "an integer >= 1"),
+        ("model.hf_dir", bool(c.model.hf_dir), "a path to a HF model directory"),
+        ("data.train", bool(c.data.train), "a path to a JSONL or Parquet prompt file"),
+        ("data.train_size", c.data.train_size >= 0, "an integer >= 0 (0 = all)"),
+        ("pruning.strategy", c.pruning.strategy in STRATEGIES, f"one of {sorted(STRATEGIES)}"),
+        ("pruning.r_q", 0 <= c.pruning.r_q < 1, "a number in [0, 1)"),
+        ("pruning.r_o", 0 <= c.pruning.r_o < 1, "a number in [0, 1)"),
+        ("pruning.history_ema", 0 <= c.pruning.history_ema < 1, "a number in [0, 1) (0 = last value)"),
+        ("rollout.group_size", r.group_size >= 2, "an integer >= 2"),
+        ("rollout.max_new_tokens", r.max_new_tokens >= 1, "an integer >= 1"),
+        ("rollout.max_model_len", r.max_model_len > r.max_new_tokens,
+         f"an integer > rollout.max_new_tokens ({r.max_new_tokens}): prompt + completion must fit"),
+        ("rollout.temperature", r.temperature > 0, "a number > 0 (RL samples)"),
+        ("rollout.top_p", 0 < r.top_p <= 1, "a number in (0, 1]"),
+        ("rollout.kv_cache_gb", r.kv_cache_gb > 0, "a number > 0"),
+        ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "a number in (0, 1]"),
+        ("rollout.sleep_level", r.sleep_level in (1, 2), "1 or 2"),
+        ("algorithm.clip_low", 0 <= a.clip_low < 1, "a number in [0, 1)"),
+        ("algorithm.clip_high", a.clip_high >= 0, "a number >= 0"),
+        ("algorithm.kl_coef", a.kl_coef >= 0, "a number >= 0"),
+        ("algorithm.max_resample_rounds", a.max_resample_rounds >= 0, "an integer >= 0"),
+        ("reward.timeout_s", c.reward.timeout_s > 0, "a number of seconds > 0"),
+        ("reward.num_workers", c.reward.num_workers >= 1, "an integer >= 1"),
+        ("reward.max_error_frac", 0 <= c.reward.max_error_frac <= 1, "a fraction in [0, 1]"),
+        ("optim.lr", o.lr > 0, "a number > 0"),
+        ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"a number in [0, optim.lr={o.lr}]"),
+        ("optim.weight_decay", o.weight_decay >= 0, "a number >= 0"),
+        ("optim.adam_beta1", 0 <= o.adam_beta1 < 1, "a number in [0, 1)"),
+        ("optim.adam_beta2", 0 <= o.adam_beta2 < 1, "a number in [0, 1)"),
+        ("optim.adam_eps", o.adam_eps > 0, "a number > 0"),
+        ("optim.clip_grad", o.clip_grad >= 0, "a number >= 0 (0 = no clipping)"),
+        ("optim.warmup_steps", o.warmup_steps >= 0, "an integer >= 0"),
+        ("optim.decay_steps", o.decay_steps >= 0, "an integer >= 0 (0 = the run's optimizer steps)"),
+        ("trainer.max_steps", t.max_steps >= 1, "an integer >= 1"),
+        ("trainer.max_time_s", t.max_time_s >= 0, "a number of seconds >= 0 (0 = no budget)"),
+        ("trainer.prompts_per_step", t.prompts_per_step >= 1, "an integer >= 1"),
         ("trainer.minibatches_per_step",
-         cfg.trainer.minibatches_per_step >= 1 and cfg.trainer.prompts_per_step % cfg.trainer.minibatches_per_step == 0,
-         "an integer >= 1 that divides trainer.prompts_per_step"),
-        ("trainer.max_tokens_per_microbatch", cfg.trainer.max_tokens_per_microbatch >= 1, "an integer >= 1"),
-        ("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, "an integer >= 1"),
-        ("rollout.temperature", cfg.rollout.temperature > 0, "a number > 0 (RL samples)"),
-        ("parallel.tp", cfg.parallel.tp >= 1, "an integer >= 1"),
-        ("parallel.pp", cfg.parallel.pp >= 1, "an integer >= 1"),
-        ("model.hf_dir", bool(cfg.model.hf_dir), "a path to a HF model directory"),
-        ("data.train", bool(cfg.data.train), "a path to a JSONL or Parquet prompt file"),
+         t.minibatches_per_step >= 1 and t.prompts_per_step % t.minibatches_per_step == 0,
+         f"an integer >= 1 that divides trainer.prompts_per_step ({t.prompts_per_step})"),
+        ("trainer.epochs_per_step", t.epochs_per_step >= 1, "an integer >= 1"),
+        ("trainer.max_tokens_per_microbatch", t.max_tokens_per_microbatch >= r.max_model_len,
+         f"an integer >= rollout.max_model_len ({r.max_model_len}), the longest sequence a rollout can "
+         "produce: raise it or lower rollout.max_model_len"),
+        ("trainer.pack_window", t.pack_window >= 1, "an integer >= 1"),
+        ("trainer.eval_every", t.eval_every >= 0, "an integer >= 0 (0 = no evaluation)"),
+        ("trainer.eval_size", t.eval_size >= 1, "an integer >= 1"),
+        ("trainer.save_every", t.save_every >= 0, "an integer >= 0 (0 = only at the end and on SIGTERM)"),
+        ("trainer.keep_checkpoints", t.keep_checkpoints >= 1, "an integer >= 1"),
+        ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
+        ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
+        ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
+        ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),
+        ("parallel.nodes", c.parallel.nodes >= 1, "an integer >= 1"),
+        ("parallel.gpus_per_node", c.parallel.gpus_per_node >= 1, "an integer >= 1"),
     ]
     for key, ok, expected in checks:
         if not ok:
@@ -226,7 +277,8 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int) -> None:
+def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int,
+                 ffn_hidden_size: int | None = None) -> None:
     """The parallel layout against the world and the model: ValueError naming every key to change.
     Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node)."""
     par, problems = cfg.parallel, []
@@ -236,22 +288,65 @@ def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: 
     if num_heads % tp or num_kv_heads % tp:
         problems.append(f"parallel.tp={tp} must divide num_attention_heads {num_heads} and "
                         f"num_key_value_heads {num_kv_heads}")
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        problems.append(f"parallel.tp={tp} must divide intermediate_size {ffn_hidden_size}")
     if num_layers % pp:
         problems.append(f"parallel.pp={pp} must divide num_hidden_layers {num_layers}")
-    if tp > par.gpus_per_node:
-        problems.append(f"parallel.tp={tp} > parallel.gpus_per_node={par.gpus_per_node}: tensor parallelism "
-                        "stays inside a node")
+    if par.gpus_per_node % tp:
+        problems.append(f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
+                        "group stays inside a node")
     # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
     kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
     if rtp < 1 or world_size % rtp or num_heads % rtp or not kv_ok:
         problems.append(f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
                         f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
                         f"num_key_value_heads {num_kv_heads}")
-    if rtp > par.gpus_per_node:
-        problems.append(f"parallel.rollout_tp={rtp} > parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
+    if ffn_hidden_size is not None and ffn_hidden_size % rtp:
+        problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {ffn_hidden_size}")
+    if par.gpus_per_node % rtp:
+        problems.append(f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
                         "engine stays inside a node")
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
+
+
+def resolve(cfg: Config, *, world_size: int, local_world_size: int, num_heads: int, num_kv_heads: int,
+            num_layers: int, ffn_hidden_size: int, num_train_records: int, cuda: bool, threads: int) -> Config:
+    """Fill in every value that depends on the model, the machine or the data, in one place, before
+    the config is saved or read by anything else: after this no key is None or means "decide later".
+    The cluster shape is the launch's (torchrun's world and processes per node), not the config's."""
+    cfg.parallel.gpus_per_node = local_world_size
+    cfg.parallel.nodes = max(world_size // local_world_size, 1)
+    check_layout(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, num_layers=num_layers,
+                 ffn_hidden_size=ffn_hidden_size)
+    if cfg.data.train_size == 0 or cfg.data.train_size > num_train_records:
+        cfg.data.train_size = num_train_records
+    if cfg.rollout.dtype is None:
+        cfg.rollout.dtype = cfg.model.dtype
+    if cfg.pruning.drop_zero_variance is None:  # exact only without a KL term
+        cfg.pruning.drop_zero_variance = cfg.algorithm.kl_coef == 0
+    if cfg.parallel.distributed_optimizer is None:  # shards Adam state over DP; pointless on CPU
+        cfg.parallel.distributed_optimizer = cuda
+    if cfg.optim.decay_steps == 0:
+        t = cfg.trainer
+        cfg.optim.decay_steps = t.max_steps * t.minibatches_per_step * t.epochs_per_step
+    if cfg.trainer.threads == 0:
+        cfg.trainer.threads = threads
+    return cfg
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in the same "
+                                 f"section (first at line {seen[key]}); merge them")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 def parse_override(text: str):
@@ -267,9 +362,11 @@ def load_config(path: str | None = None, overrides=(), check: bool = True) -> Co
     if path:
         with open(path) as f:
             try:
-                data = yaml.safe_load(f) or {}
+                data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
             except yaml.YAMLError as e:
-                raise ValueError(f"{path}: not valid YAML: {e}") from e
+                raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
         try:
             _apply(cfg, data)
         except ValueError as e:
@@ -288,5 +385,16 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str) -> None:
+    """The resolved config, as it ran. Unset optional paths are left out (loading the file back
+    gives them their empty default); any other None means `resolve` was skipped: an error."""
+    data = to_dict(cfg)
+    for key in OPTIONAL_KEYS:
+        section, name = key.split(".")
+        if not data[section][name]:
+            del data[section][name]
+    unresolved = [f"{s}.{k}" for s, sec in data.items() for k, v in sec.items() if v is None]
+    if unresolved:
+        raise ValueError(f"config keys {unresolved} are unresolved: call config.resolve() before saving")
     with open(path, "w") as f:
-        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+        f.write("# The resolved config of this run. Left out: optional paths that were not given.\n")
+        yaml.safe_dump(data, f, sort_keys=False)

@@ -28,19 +28,37 @@ class RunLogger:
             from megatron_dppo.config import to_dict
             self.wandb = wandb.init(project=lc.wandb_project, name=cfg.trainer.run_name, dir=run_dir,
                                     mode=lc.wandb, config=to_dict(cfg), resume="allow",
-                                    settings=wandb.Settings(console="off", x_disable_stats=True))
+                                    settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
         if lc.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=first_step - 1, desc=cfg.trainer.run_name,
                             dynamic_ncols=True, mininterval=1.0)
 
     def _truncate_after(self, step: int) -> None:
+        """Keep the rows of steps <= step (a resumed run rewrites the steps it repeats). A kill while a
+        row was being written leaves a partial last line: it is dropped (its step is repeated); a bad
+        line anywhere else is an error naming the file and line."""
         if not os.path.exists(self.metrics_path):
             return
         with open(self.metrics_path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        with open(self.metrics_path, "w") as f:
+            lines = f.readlines()
+        rows = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) and not line.endswith("\n"):
+                    self.message(f"{self.metrics_path}: dropping the partial last line (a kill while it was written)")
+                    continue
+                raise ValueError(f"{self.metrics_path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
+            if row.get("step", 0) <= step:
+                rows.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.metrics_path + ".tmp"
+        with open(tmp, "w") as f:
             f.writelines(rows)
+        os.replace(tmp, self.metrics_path)
 
     def log(self, metrics: dict) -> None:
         if not self.enabled:
@@ -71,6 +89,7 @@ class RunLogger:
     def close(self) -> None:
         if not self.enabled:
             return
+        self.enabled = False  # closing twice (the trainer's close after its loop) does nothing
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:
@@ -78,6 +97,19 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.finish()
         plot_curves(self.metrics_path, os.path.join(self.run_dir, "curves.png"))
+
+
+def phase_summary(rows: list[dict]) -> str:
+    """The run's last line: steps, time per phase, held-out accuracy first -> last."""
+    steps = [h for h in rows if "time/step" in h]
+    if not steps:
+        return "no training steps run"
+    total = sum(h["time/step"] for h in steps)
+    parts = ", ".join(f"{name} {sum(h.get(f'time/{name}', 0) for h in steps):.1f}s"
+                      for name in ("rollout", "reward", "logprob", "train", "sync"))
+    evals = [h["eval/accuracy"] for h in rows if "eval/accuracy" in h]
+    acc = f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else ""
+    return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"
 
 
 def read_metrics(path: str) -> list[dict]:

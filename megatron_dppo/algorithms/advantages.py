@@ -1,9 +1,12 @@
 """Group-relative advantages, computed on the FULL group before any completion is pruned."""
+from typing import get_args
+
 import torch
 
 from megatron_dppo.algorithms._checks import check_group_tensor
+from megatron_dppo.choices import AdvantageKind
 
-ADVANTAGE_KINDS = ("grpo", "drgrpo")
+ADVANTAGE_KINDS = get_args(AdvantageKind)
 
 
 def group_advantages(rewards: torch.Tensor, kind: str = "grpo", eps: float = 1e-6) -> torch.Tensor:

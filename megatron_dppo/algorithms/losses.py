@@ -11,11 +11,15 @@ split, and its expectation over the pruning masks is the full-batch loss.
 """
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-RATIO_TYPES = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k3")
+from megatron_dppo.choices import KlEstimator, LossAgg, RatioType
+
+LOSS_AGGS = get_args(LossAgg)
+RATIO_TYPES = get_args(RatioType)
+KL_ESTIMATORS = get_args(KlEstimator)
 
 
 def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -103,6 +107,7 @@ def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
                            prompt_weight: torch.Tensor | None = None,
                            max_response_length: int | None = None) -> float:
     """The denominator the unpruned batch of num_prompts x group_size would have had.
+    num_prompts may be fractional: with refill (DAPO) it is the trained groups' total weight.
 
     seq-mean-token-mean:     B * G                                (exact)
     seq-mean-token-sum-norm: B * G * max_response_length         (exact, Dr.GRPO's constant)
@@ -114,8 +119,8 @@ def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
     """
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if num_prompts < 1 or group_size < 1:
-        raise ValueError(f"num_prompts and group_size must be >= 1, got {num_prompts}, {group_size}")
+    if not num_prompts > 0 or group_size < 1:
+        raise ValueError(f"num_prompts must be > 0 and group_size >= 1, got {num_prompts}, {group_size}")
     if loss_agg == "seq-mean-token-mean":
         return float(num_prompts * group_size)
     if loss_agg == "seq-mean-token-sum-norm":

@@ -73,6 +73,11 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This rank's data-parallel index and the DP size (packs are spread over DP ranks)."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
 def destroy_parallel(world: bool = True) -> None:
     """Tear down Megatron's groups, and the torch.distributed world unless world=False
     (keep it to re-initialise another layout, or when vLLM shares the world)."""

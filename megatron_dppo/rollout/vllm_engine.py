@@ -41,7 +41,8 @@ import torch
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-# vLLM logs every weight reload and cache reset at INFO: one line per training step.
+# vLLM logs every weight reload and cache reset at INFO: one line per training step
+# (megatron_dppo/quiet.py raises this to ERROR for the trainer unless logging.verbose).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # Without an explicit KV-cache size vLLM on CPU reserves ~90% of the host's RAM.
@@ -58,15 +59,15 @@ class Completion:
     finish_reason: str  # "stop" (eos) or "length" (max_new_tokens reached)
 
 
-def request_seed(seed: int, prompt_index: int) -> int:
-    """The sampling seed of prompt `prompt_index` in a `generate(seed=seed)` call.
+def request_seed(*parts) -> int:
+    """A vLLM request seed from any identifying parts, e.g. (trainer seed, step, round, slot).
 
     vLLM gives the k-th of n completions the seed `request_seed + k`, so consecutive integers
-    (seed + index) would give completion 1 of prompt i the noise of completion 0 of prompt
-    i + 1; a hash keeps every (seed, prompt, k) stream apart. Depends on nothing but its
-    arguments, so every TP rank derives the same seeds and samples the same tokens.
+    would give completion 1 of one prompt the noise of completion 0 of the next; a hash keeps
+    every (parts, k) stream apart. Depends on nothing but its arguments, so every rank derives
+    the same seeds, whatever the world size or the engine a prompt lands on.
     """
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=6).digest()
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=6).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -143,6 +144,7 @@ class RolloutEngine:
                 enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
                 enable_sleep_mode=self._sleep_enabled,
                 logprobs_mode=logprobs_mode,
+                use_tqdm_on_load=False,
                 **llm_kwargs,
             )
         torch.set_num_threads = set_num_threads
@@ -158,18 +160,25 @@ class RolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
+        seeds: Sequence[int] | None = None,
         **sampling_kwargs,
     ) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order: result[i][k] is completion k of prompt i.
 
         Completions stop at the tokenizer's eos (kept as the last token) or after
-        `max_new_tokens`. Prompt i samples with `request_seed(seed, i)`: the same call gives
-        the same tokens, whatever else is in the batch and on every TP rank. Pass a new seed
-        each step. `temperature=0` is greedy (vLLM then requires n=1). A completion that would
-        run past max_model_len is cut there ("length"). Extra keyword arguments go to
-        SamplingParams (top_k, min_tokens, stop_token_ids, ...).
+        `max_new_tokens`. Prompt i samples with the request seed `seeds[i]` when given (the
+        trainer derives it from the prompt's place in the step, so a completion does not depend
+        on which rank or engine generates it), else `request_seed(seed, i)`: the same call gives
+        the same tokens, whatever else is in the batch and on every TP rank. `temperature=0` is
+        greedy (vLLM then requires n=1). A completion that would run past max_model_len is cut
+        there ("length"). Extra keyword arguments go to SamplingParams (top_k, min_tokens, ...).
         """
         from vllm import SamplingParams
+
+        if seeds is None:
+            seeds = [request_seed(seed, i) for i in range(len(prompt_token_ids))]
+        elif len(seeds) != len(prompt_token_ids):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(prompt_token_ids)} prompts")
 
         params = [
             SamplingParams(
@@ -177,7 +186,7 @@ class RolloutEngine:
                 max_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
-                seed=request_seed(seed, i),
+                seed=int(seeds[i]),
                 logprobs=0,  # only the sampled token's log-prob
                 detokenize=False,  # the trainer decodes what it needs itself
                 **sampling_kwargs,

@@ -1,0 +1,21 @@
+"""Every enumerated option of the project, declared once as a Literal type.
+
+The config dataclasses use these as field types (config.py checks values against them), the
+algorithm modules derive their tuples from them (losses.LOSS_AGGS = get_args(LossAgg)), and the
+CLI takes its argparse choices from them. Pruning strategies are the exception: their registry
+is algorithms/pruning.STRATEGIES (name -> class), which config validation reads.
+Imports nothing, so config parsing stays fast.
+"""
+from typing import Literal
+
+LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
+RatioType = Literal["token", "sequence"]          # token: GRPO/DAPO; sequence: GSPO
+KlEstimator = Literal["k1", "k3"]
+AdvantageKind = Literal["grpo", "drgrpo"]
+Dtype = Literal["float32", "bfloat16"]
+AttentionBackend = Literal["auto", "te", "local"]
+PromptMode = Literal["raw", "chat"]
+PackingKind = Literal["window", "ffd", "padded"]
+WandbMode = Literal["offline", "online", "disabled"]
+DecayStyle = Literal["constant", "linear", "cosine"]
+Recompute = Literal["none", "selective", "full"]

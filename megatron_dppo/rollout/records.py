@@ -1,0 +1,105 @@
+"""One step's rollout data as typed records: a `Group` per rolled-out prompt.
+
+A Group is created when its prompt is rolled out (prompt, G completions, rewards, the prompt
+weight w_q from pruning), gets its advantages on the full group and its completion weights
+w_o from completion pruning, and turns into the packing.Samples it trains with. The step's
+metrics about the rollout are computed here too, from the groups.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dppo.data import PromptRecord
+from megatron_dppo.packing import Sample
+
+
+@dataclass
+class Group:
+    """A prompt and its G completions. `slot` is the prompt's position in its round's draw: the
+    sampling seed and (without refill) the mini-batch derive from it, never from a rank."""
+    record: PromptRecord
+    round: int                       # which draw of the step (DAPO / GRESO refills draw again)
+    slot: int
+    prompt_ids: list[int]
+    completions: list[list[int]]     # token ids; ends with eos when the completion stopped
+    rewards: list[float]
+    prompt_weight: float = 1.0       # w_q (times the refill remainder for the group that fills B)
+    minibatch: int = 0
+    advantages: list[float] = field(default_factory=list)         # on the full group
+    completion_weights: list[float] = field(default_factory=list)  # w_o; 0 = not trained
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+    def completion_lengths(self) -> list[int]:
+        return [len(c) for c in self.completions]
+
+    def informative(self) -> bool:
+        """Not all rewards equal: the group has a non-zero advantage somewhere."""
+        return len(set(self.rewards)) > 1
+
+    def samples(self, first_seq_id: int) -> list[Sample]:
+        """The trained completions as packing samples (prompt + completion), weight w_q * w_o."""
+        return [Sample(tokens=self.prompt_ids + c, prompt_len=len(self.prompt_ids), advantage=a,
+                       weight=self.prompt_weight * w, seq_id=first_seq_id + i)
+                for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
+                if w > 0]
+
+
+def stack_rewards(groups: list[Group]) -> torch.Tensor:
+    """[P, G] float32 (an empty [0, 0] tensor for no groups)."""
+    return torch.tensor([g.rewards for g in groups], dtype=torch.float32).reshape(len(groups), -1)
+
+
+def set_completion_weights(groups: list[Group], advantages: torch.Tensor, weights: torch.Tensor) -> None:
+    for g, a, w in zip(groups, advantages.tolist(), weights.tolist()):
+        g.advantages, g.completion_weights = a, w
+
+
+@dataclass
+class RolloutCounts:
+    """What a step drew, generated and scored (summed over rounds and ranks)."""
+    prompts_drawn: int = 0
+    prompts_rolled: int = 0
+    generated_tokens: int = 0
+    reward_checks: int = 0
+    reward_failures: dict = field(default_factory=dict)   # kind -> count
+    first_failures: list = field(default_factory=list)    # "record <id>: <kind>: <message>"
+    long_prompts_skipped: int = 0
+
+    def add_failures(self, by_kind: dict, first: list) -> None:
+        for kind, n in by_kind.items():
+            self.reward_failures[kind] = self.reward_failures.get(kind, 0) + n
+        self.first_failures += first[: max(0, 5 - len(self.first_failures))]
+
+
+def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCounts) -> dict:
+    """The step's rollout-side metrics: rewards over every rolled-out group, pruning over the
+    trained ones."""
+    rewards = [r for g in rolled for r in g.rewards]
+    lengths = [n for g in rolled for n in g.completion_lengths()]
+    weights = [w for g in trained for w in g.completion_weights]
+    G = rolled[0].group_size if rolled else 0
+    out = {
+        "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards) if rewards else 0.0,
+        "reward/failures": sum(counts.reward_failures.values()),
+        "prune/prompts_kept_frac": counts.prompts_rolled / max(counts.prompts_drawn, 1),
+        "prune/completions_kept_frac": sum(w > 0 for w in weights) / len(weights) if weights else 0.0,
+        "groups/zero_variance_frac": sum(not g.informative() for g in rolled) / len(rolled) if rolled else 0.0,
+        "groups/trained_weight": sum(g.prompt_weight for g in trained),
+        "tokens/generated": counts.generated_tokens,
+        "completion/mean_length": statistics.fmean(lengths) if lengths else 0.0,
+        "completion/max_length": max(lengths, default=0),
+        "rollout/prompts_drawn": counts.prompts_drawn,
+        "rollout/groups": len(rolled),
+    }
+    for kind, n in counts.reward_failures.items():
+        out[f"reward/failures/{kind}"] = n
+    if G:
+        out["rollout/group_size"] = G
+    return out
