@@ -224,9 +224,40 @@ class MegatronPolicy:
         """The current weights under HF names, on every rank (small models, tests)."""
         return {k: v for bucket in self.hf_weight_buckets() for k, v in bucket}
 
+    def _reduced_main_grads(self) -> dict:
+        """{local megatron name: this rank's DP-reduced gradient} after forward_backward, copies.
+
+        Without the distributed optimizer the DDP all-reduces every bucket: main_grad is the
+        reduced gradient. With it (on by default on GPUs) the DDP reduce-scatters instead: each
+        bucket's grad_data is cut into dp equal shards and rank r holds the reduced sum only in
+        shard r; the rest of its main_grad is still its own unreduced gradient. Here each bucket's
+        reduced shards are all-gathered (into a copy of the buffer: the optimizer step reads the
+        buffer as it is) over the group the DDP reduce-scattered in, and the parameters are cut
+        out at the buffer's param_index_map (which includes the optimizer's alignment padding)."""
+        ddp, module = self.model, self.model.module
+        if not ddp.ddp_config.use_distributed_optimizer:
+            return {k: p.main_grad.detach().clone() for k, p in module.named_parameters()}
+        group_of = {id(b): g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups for b in g.buckets}
+        reduced = {}
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            full = torch.empty_like(buffer.grad_data)
+            for bucket in buffer.buckets:
+                group = group_of[id(bucket)]
+                size = group.intra_distributed_optimizer_instance_size
+                rank = group.intra_distributed_optimizer_instance_rank
+                # Megatron pads every bucket to a multiple of dp: equal shards, as it reduce-scattered them.
+                shards = list(full[bucket.offset:bucket.offset + bucket.grad_data.numel()].chunk(size))
+                n = shards[0].numel()
+                dist.all_gather(shards, bucket.grad_data[rank * n:(rank + 1) * n].contiguous(),
+                                group=group.intra_distributed_optimizer_instance_group)
+            for p, (start, end, _) in buffer.param_index_map.items():
+                reduced[p] = full[start:end].view(p.shape)
+        return {k: reduced[p] for k, p in module.named_parameters()}
+
     def hf_grads(self) -> dict:
-        """Gradients after forward_backward (DP-reduced), under HF names, on every rank."""
-        local = {k: p.main_grad.detach().clone() for k, p in self.model.module.named_parameters()}
+        """Gradients after forward_backward (DP-reduced), under HF names, on every rank; correct
+        with and without the distributed optimizer (see _reduced_main_grads)."""
+        local = self._reduced_main_grads()
         out = {}
         for unit, full in self._full_units(local):
             out.update(self._units_to_hf(unit, full))
