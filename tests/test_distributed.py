@@ -117,7 +117,7 @@ def _dist_optimizer():
     cfg, model = gc.hf_model()
     hf_sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     loss_cfg = LossConfig(loss_agg="seq-mean-token-mean", clip_high=0.28)
-    samples, lengths, w_q = gc.make_problem(model, 0.5, 0.5, seed=7)
+    samples, lengths, w_q = gc.make_problem(model, 0.5, 0.5, seed=7)[:3]  # (later versions return more)
     denom = losses.full_batch_denominator(loss_cfg.loss_agg, num_prompts=gc.B, group_size=gc.G,
                                           completion_lengths=lengths, prompt_weight=w_q,
                                           max_response_length=gc.MAX_NEW)

@@ -8,6 +8,9 @@ load_checkpoint(OUT, policy, load_optimizer=False) at any TP/PP. --tp fixes Mega
 padding (a multiple of 128 * tp; other layouts load it too, Megatron cuts or zero-pads the rows)
 and the chunking of the files (what a TP=tp run saves); --tp/--pp are checked against the heads
 and layers. Streams one tensor at a time: peak memory is about the largest tensor, not the model.
+OUT must not exist (or be empty): everything is written to .OUT.partial-<host>-<pid> beside it
+and renamed to OUT at the end, so a failed or killed run leaves no OUT (and its leftover is
+removed by the next run to the same OUT).
 
 --verify then loads OUT at tp x pp under torchrun (tp*pp processes), runs a prompt through it and
 through transformers (fp32 both) and prints the max |logit difference|; the exit status is 1 if

@@ -9,6 +9,9 @@ from hf_config.json; vocab padding is cut. OUT gets model-0000i-of-0000n.safeten
 model.safetensors.index.json, config.json (hf_config.json verbatim, dtype updated if --dtype
 changes it) and the tokenizer files from CKPT/hf_assets/ (or --tokenizer-dir): transformers and
 vLLM load it. Streams one decoder layer at a time; shards are written in place, never buffered.
+OUT must not exist (or be empty): everything is written to .OUT.partial-<host>-<pid> beside it
+and renamed to OUT at the end, so a failed or killed run leaves no OUT (and its leftover is
+removed by the next run to the same OUT).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
         info = megatron_to_hf_checkpoint(args.megatron_dir, args.out_dir, dtype=dtype,
                                          max_shard_bytes=parse_size(args.max_shard_size),
                                          tokenizer_dir=args.tokenizer_dir)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     print(f"wrote {args.out_dir} from {info['checkpoint']} in {info['seconds']:.1f} s: {len(info['files'])} shard(s), "

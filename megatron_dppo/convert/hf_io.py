@@ -11,12 +11,20 @@ writes each header, and then writes each tensor straight to its offset (pwrite) 
 produced, in any order: no shard is ever buffered. The files are ordinary safetensors
 (contiguous data, 8-byte aligned header, {"format": "pt"} metadata) with the usual
 model-0000i-of-0000n.safetensors names and a model.safetensors.index.json.
+
+All or nothing: `staged_output_dir` gives a converter a temporary directory beside its output
+and renames it into place only when the conversion finished, so a failed or killed conversion
+never leaves a half-written model (a zero-filled shard, a partial model_optim/) where a user or
+a retry would take it for a finished one.
 """
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
+import socket
 import struct
 
 import torch
@@ -34,10 +42,24 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def _read_header(path: str):
-    """A safetensors file's header dict and the offset its data starts at."""
+    """A safetensors file's header dict and the offset its data starts at; a ValueError naming
+    the file when it is not one (truncated, empty, another format)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n)), 8 + n
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path} is {size} bytes: too short for a safetensors header (truncated?)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"{path}: its header claims {n} bytes but the file has {size}: truncated, "
+                             "or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    return header, 8 + n
 
 
 class HFCheckpoint:
@@ -51,8 +73,12 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{self.config_path} is missing: --hf-dir must be an HF model directory")
         index = os.path.join(path, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self.weight_map = json.load(f)["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: expected JSON with a \"weight_map\" object "
+                                 f"({type(e).__name__}: {e})") from None
             self.source = index
         elif os.path.isfile(os.path.join(path, SINGLE)):
             self.weight_map = {k: SINGLE for k in _read_header(os.path.join(path, SINGLE))[0] if k != "__metadata__"}
@@ -72,9 +98,17 @@ class HFCheckpoint:
         return os.path.join(self.dir, self.weight_map[name])
 
     def check_has(self, names) -> None:
+        """Every name is mapped to a shard whose header lists it with data inside the file
+        (headers only: a truncated or foreign shard is named before any weight is read)."""
         absent = [n for n in names if n not in self.weight_map]
         if absent:
             raise KeyError(f"{self.source} lacks {len(absent)} tensor(s) the mapping needs, e.g. {absent[:3]}")
+        for name in names:
+            _, _, offset, length = self._entry(name)
+            path = self._file(name)
+            if offset + length > os.path.getsize(path):
+                raise ValueError(f"{path} is truncated: {name} ends at byte {offset + length}, the file has "
+                                 f"{os.path.getsize(path)}")
 
     def _entry(self, name: str):
         """(dtype, shape, absolute byte offset, byte length) from the shard's header (cached)."""
@@ -82,7 +116,12 @@ class HFCheckpoint:
         if path not in self._headers:
             self._headers[path] = _read_header(path)
         header, base = self._headers[path]
+        if name not in header:
+            raise KeyError(f"{path} has no tensor {name!r}, although {self.source} maps it there")
         e = header[name]
+        if e.get("dtype") not in _DTYPE_NAMES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, expected one of "
+                             f"{sorted(_DTYPE_NAMES)}")
         begin, end = e["data_offsets"]
         return _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), base + begin, end - begin
 
@@ -121,14 +160,99 @@ def copy_assets(src_dir: str, dst_dir: str) -> list:
     return copied
 
 
+# ---- all-or-nothing output directories ---------------------------------------------------------
+def _staging_prefix(out_dir: str) -> str:
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    return os.path.join(parent, f".{name}.partial-{socket.gethostname()}-")
+
+
+def _remove_stale_staging(out_dir: str) -> list[str]:
+    """Remove what killed conversions to out_dir left behind: staging dirs of this host whose
+    process is gone (another host's, or a live process's, are left alone)."""
+    removed = []
+    prefix = _staging_prefix(out_dir)
+    for path in glob.glob(glob.escape(prefix) + "*"):
+        pid = path[len(prefix):]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def check_output_dir(out_dir: str) -> None:
+    """A converter's output must not exist yet (an empty directory is fine): FileExistsError."""
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
+        raise FileExistsError(f"{out_dir} already exists and is not an empty directory: choose a new --out-dir "
+                              "(conversions never write into existing output)")
+
+
+@contextlib.contextmanager
+def staged_output_dir(out_dir: str):
+    """Yields a new directory beside out_dir to write the whole output into; when the block
+    finishes it is fsynced and renamed to out_dir (one rename: out_dir appears complete or not
+    at all), when the block raises it is removed. A process killed inside the block leaves only
+    `.<name>.partial-<host>-<pid>`, which the next conversion to out_dir removes."""
+    check_output_dir(out_dir)
+    _remove_stale_staging(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = _staging_prefix(out_dir) + str(os.getpid())
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked above); fails, naming it, if something appeared since
+        os.rename(tmp, out_dir)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """Data and directory entries on disk before the rename publishes them."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(dirpath)
+
+
 def parse_size(text: str) -> int:
-    """'2GB', '500MB', '1GiB', '123' -> bytes."""
+    """'2GB', '500MB', '1GiB', '123' -> bytes; a ValueError naming the text otherwise."""
     t = text.strip().upper()
     for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1)):
+                         ("KB", 10**3), ("B", 1), ("", 1)):
         if t.endswith(suffix):
-            return int(float(t[:-len(suffix)]) * mult)
-    return int(t)
+            try:
+                value = int(float(t[:len(t) - len(suffix)]) * mult)
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return value
+    raise ValueError(f"size {text!r}: expected a positive byte count or a size like 500MB, 2GB, 1GiB")
 
 
 class SafetensorsShardWriter:
@@ -187,6 +311,7 @@ class SafetensorsShardWriter:
 
     def close(self) -> None:
         for fd in self.fds:
+            os.fsync(fd)
             os.close(fd)
         self.fds = []
         if self.pending:

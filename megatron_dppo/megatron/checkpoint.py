@@ -31,6 +31,8 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 
+from megatron_dppo.megatron.sharded_state import fit_to_checkpoint  # TE's _extra_state vs local-spec checkpoints
+
 LATEST = "latest"
 
 
@@ -169,7 +171,8 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         # Not even built: the optimizer's sharded_state_dict(is_loading=True) initialises Adam
         # state (exp_avg, exp_avg_sq without 'step'), and the next optimizer step then fails.
         sharded = {"model": policy.model.module.sharded_state_dict()}
-    loaded = dist_checkpointing.load(sharded, os.path.join(path, "model_optim"))
+    model_dir = os.path.join(path, "model_optim")
+    loaded = dist_checkpointing.load(fit_to_checkpoint(sharded, model_dir), model_dir)
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:
         policy.optimizer.load_state_dict(loaded["optimizer"])

@@ -49,9 +49,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_dppo.convert import qwen3
-from megatron_dppo.convert.hf_io import HFCheckpoint, SafetensorsShardWriter, copy_assets
+from megatron_dppo.convert.hf_io import (
+    HFCheckpoint,
+    SafetensorsShardWriter,
+    check_output_dir,
+    copy_assets,
+    staged_output_dir,
+)
 from megatron_dppo.megatron.checkpoint import latest_checkpoint  # also installs the safe metadata unpickler
-from megatron_dppo.megatron.model import build_gpt_model, padded_vocab_size
+from megatron_dppo.megatron.model import build_gpt_model, module_device, padded_vocab_size
 from megatron_dppo.megatron.parallel import validate_layout
 
 MODEL_DIR = "model_optim"
@@ -227,15 +233,14 @@ def check_hf_source(hf_dir: str, tp: int, pp: int):
 
 
 def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype=None, log=print) -> dict:
-    """Write a Megatron dist checkpoint of the HF model in hf_dir, streamed. Returns a summary."""
+    """Write a Megatron dist checkpoint of the HF model in hf_dir, streamed. Returns a summary.
+    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir)."""
     hf, hf_config, layout = check_hf_source(hf_dir, tp, pp)
+    check_output_dir(out_dir)
     padded = layout.padded_vocab
     dtype = dtype or hf.dtype("model.embed_tokens.weight")
-    if os.path.exists(os.path.join(out_dir, MODEL_DIR)):
-        raise FileExistsError(f"{os.path.join(out_dir, MODEL_DIR)} already exists: choose a new --out-dir")
     with spec_parallel_state():
         _, tensors, objects = model_spec(hf_config, padded, dtype)
-    os.makedirs(os.path.join(out_dir, MODEL_DIR))
 
     items, where, blobs = [], {}, {}
     for name, st in tensors:
@@ -272,20 +277,22 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     rss0, t0 = rss_mib(), time.time()
     log(f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, "
         f"vocab {layout.vocab} padded to {padded}, {dtype})")
-    dcp.save({}, storage_writer=_Writer(os.path.join(out_dir, MODEL_DIR), group_of),
-             planner=_StreamingSavePlanner(items, resolve), no_dist=True)
-    cache.clear()
-    # What dist_checkpointing.save adds around the DCP files: the format config and the
-    # (here empty) common state.
-    save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), os.path.join(out_dir, MODEL_DIR))
-    torch.save({}, os.path.join(out_dir, MODEL_DIR, "common.pt"))
-    shutil.copyfile(hf.config_path, os.path.join(out_dir, HF_CONFIG))
-    assets = copy_assets(hf_dir, os.path.join(out_dir, HF_ASSETS))
-    state = {"step": 0, "model_only": True,
-             "source": {"hf_dir": os.path.abspath(hf_dir), "tp": tp, "pp": pp, "padded_vocab": padded,
-                        "dtype": str(dtype).replace("torch.", "")}}
-    with open(os.path.join(out_dir, TRAINER_STATE), "w") as f:  # last: marks the checkpoint complete
-        json.dump(state, f, indent=1)
+    with staged_output_dir(out_dir) as stage:
+        os.makedirs(os.path.join(stage, MODEL_DIR))
+        dcp.save({}, storage_writer=_Writer(os.path.join(stage, MODEL_DIR), group_of),
+                 planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+        cache.clear()
+        # What dist_checkpointing.save adds around the DCP files: the format config and the
+        # (here empty) common state.
+        save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), os.path.join(stage, MODEL_DIR))
+        torch.save({}, os.path.join(stage, MODEL_DIR, "common.pt"))
+        shutil.copyfile(hf.config_path, os.path.join(stage, HF_CONFIG))
+        assets = copy_assets(hf_dir, os.path.join(stage, HF_ASSETS))
+        state = {"step": 0, "model_only": True,
+                 "source": {"hf_dir": os.path.abspath(hf_dir), "tp": tp, "pp": pp, "padded_vocab": padded,
+                            "dtype": str(dtype).replace("torch.", "")}}
+        with open(os.path.join(stage, TRAINER_STATE), "w") as f:
+            json.dump(state, f, indent=1)
     return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
             "weights_bytes": hf.total_bytes(), "assets": assets}
 
@@ -329,8 +336,10 @@ def _load_full(model_dir: str, entries) -> dict:
 
 def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_shard_bytes: int = 2 * 10**9,
                               tokenizer_dir: str | None = None, log=print) -> dict:
-    """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint."""
+    """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint.
+    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir)."""
     ckpt = resolve_checkpoint_dir(megatron_dir)
+    check_output_dir(out_dir)
     model_dir = os.path.join(ckpt, MODEL_DIR)
     config_path = os.path.join(ckpt, HF_CONFIG)
     hf_config = load_hf_config(config_path)
@@ -366,31 +375,30 @@ def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_s
             i = qwen3.layer_index(name)
             groups.setdefault(name if i is None else i, []).append((name, st))
 
-        os.makedirs(out_dir, exist_ok=True)
         rss0, t0 = rss_mib(), time.time()
         log(f"reading {ckpt} ({layers} layers, vocab {layout.vocab} of {padded} padded, {ckpt_dtype}) -> "
             f"{out_dir} ({out_dtype})")
-        writer = SafetensorsShardWriter(out_dir, plan, max_shard_bytes)
+        with staged_output_dir(out_dir) as stage:
+            writer = SafetensorsShardWriter(stage, plan, max_shard_bytes)
 
-        def emit(hf_tensors):
-            for n, t in hf_tensors.items():
-                writer.write(n, t.to(out_dtype))
+            def emit(hf_tensors):
+                for n, t in hf_tensors.items():
+                    writer.write(n, t.to(out_dtype))
 
-        def load(group):
-            return _load_full(model_dir, groups[group]).__getitem__
+            def load(group):
+                return _load_full(model_dir, groups[group]).__getitem__
 
-        for hf_name in first:
-            emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
-        for i in range(layout.num_layers):
-            emit(qwen3.megatron_layer_to_hf(i, load(i), layout))
-        for hf_name in last:
-            emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
-        writer.close()
-
-    _write_config(config_path, os.path.join(out_dir, "config.json"), out_dtype)
-    assets_dir = os.path.join(ckpt, HF_ASSETS)
-    src = assets_dir if os.path.isdir(assets_dir) else tokenizer_dir
-    assets = copy_assets(src, out_dir) if src else []
+            for hf_name in first:
+                emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
+            for i in range(layout.num_layers):
+                emit(qwen3.megatron_layer_to_hf(i, load(i), layout))
+            for hf_name in last:
+                emit(qwen3.megatron_globals_to_hf(load(sources[hf_name]), layout, [hf_name]))
+            writer.close()
+            _write_config(config_path, os.path.join(stage, "config.json"), out_dtype)
+            assets_dir = os.path.join(ckpt, HF_ASSETS)
+            src = assets_dir if os.path.isdir(assets_dir) else tokenizer_dir
+            assets = copy_assets(src, stage) if src else []
     return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
             "weights_bytes": writer.total, "files": writer.files, "assets": assets, "checkpoint": ckpt}
 
@@ -424,38 +432,42 @@ def prompt_ids(hf_dir: str, vocab: int, text: str, length: int = 24) -> torch.Te
 
 @torch.no_grad()
 def megatron_logits(policy, tokens: torch.Tensor):
-    """Full-vocab logits [s, vocab] of one sequence on the last PP stage (None elsewhere)."""
+    """Full-vocab logits [s, vocab] of one sequence, on the CPU, on the last PP stage (None
+    elsewhere). The tokens (on any device) go to the model's device; the logits come back."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     vocab = policy.hf_config.vocab_size
+    device = module_device(policy.model)
 
     def step(data_iterator, model):
-        toks = next(data_iterator)[None]
-        out = model(input_ids=toks, position_ids=torch.arange(toks.shape[1])[None], attention_mask=None)
+        toks = next(data_iterator)[None].to(device)
+        out = model(input_ids=toks, position_ids=torch.arange(toks.shape[1], device=device)[None],
+                    attention_mask=None)
 
         def collect(logits):  # [1, s, padded/tp] -> all TP slices, padding cut
             full = gather_from_tensor_model_parallel_region(logits)[0, :, :vocab]
-            return logits.sum() * 0.0, torch.tensor(1), {"logits": full.float()}
+            return logits.sum() * 0.0, torch.ones((), dtype=torch.int, device=device), {"logits": full.float()}
         return out, collect
 
     policy.model.eval()
     out = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens]), model=[policy.model],
                                       num_microbatches=1, seq_length=len(tokens), micro_batch_size=1,
                                       forward_only=True)
-    return out[0]["logits"] if parallel_state.is_pipeline_last_stage() else None
+    return out[0]["logits"].cpu() if parallel_state.is_pipeline_last_stage() else None
 
 
 def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox jumps over the lazy dog.",
                   log=print) -> float:
     """Collective (parallel state at the layout to check). Loads ckpt_dir with the trainer's
-    load_checkpoint into a MegatronPolicy (fp32), runs a prompt through it and through the
-    transformers model of hf_dir (fp32, on one rank), returns the max |logit difference|."""
-    import torch.distributed as dist
+    load_checkpoint into a MegatronPolicy (fp32, on the GPU when there is one), runs a prompt
+    through it and through the transformers model of hf_dir (fp32, on the CPU, on one rank),
+    returns the max |logit difference| (the same on every rank)."""
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from megatron_dppo.distributed import all_reduce_max
     from megatron_dppo.megatron.checkpoint import load_checkpoint
     from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
 
@@ -465,14 +477,13 @@ def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox
     load_checkpoint(ckpt, policy, load_optimizer=False)
     tokens = prompt_ids(hf_dir, hf_config.vocab_size, prompt)
     logits = megatron_logits(policy, tokens)
-    diff = torch.zeros(())
+    diff = 0.0
     if logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             expect = ref(tokens[None]).logits[0].float()
-        diff = (logits - expect).abs().max()
+        diff = float((logits - expect).abs().max())
         log(f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}) vs transformers over "
-            f"{len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff.item():.3e}")
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return diff.item()
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, {module_device(policy.model)}) vs "
+            f"transformers (cpu) over {len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff:.3e}")
+    return all_reduce_max([diff])[0]

@@ -41,6 +41,11 @@ def resolve_attention_backend(attention: str = "auto") -> str:
     return attention
 
 
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where a model's parameters live: the device its inputs must be moved to."""
+    return next(module.parameters()).device
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Megatron's padding: each TP rank holds an equal slice whose size is a multiple of
     `divisible_by`. Rows >= vocab_size are padding (mask them in log-probs: logprobs.py)."""
