@@ -1,84 +1,67 @@
 #!/usr/bin/env python
-"""Train-step tokens/s and MFU of Qwen3-0.6B- and 1.7B-shaped models on ONE GPU, packed vs padded.
+"""First contact with a GPU, on ONE GPU without Transformer Engine or vLLM: correctness checks,
+then train-step tokens/s and MFU of Qwen3-0.6B- and 1.7B-shaped models, packed vs padded.
 
-Prepared for a lent GPU (docs/profiling.md, "Device benchmark"); nothing here has run on one yet.
+    python tools/device_bench.py            # everything; under 8 minutes on one H100/H200 (--budget-s)
+    python tools/device_bench.py --smoke    # the same code paths at toy size: here on the CPU (a test),
+                                            # or a one-minute first pass on the GPU
+    python tools/device_bench.py --tiny     # only the throughput part, at toy size (tests/test_profiling.py)
 
-    # on the GPU machine, from the repository root (bf16, random weights: only shapes matter)
-    python tools/device_bench.py                        # 0.6B and 1.7B, packed and padded
-    python tools/device_bench.py --sizes 0.6B --steps 3 # shorter
-    # here, on CPU, as a test of the script itself
-    .venv/bin/python tools/device_bench.py --tiny
-
-What it measures. One optimizer step = MegatronPolicy.train_step (the trainer's own forward /
-backward with the DPPO loss, Megatron DDP and optimizer) over a fixed batch of RL-shaped
-sequences (prompt 64-512 tokens, long-tailed completions, <= --max-len), built two ways from the
-SAME sequences: packed THD micro-batches (packing.pack, window = all) and the padded baseline
-(packing.pack_padded: rows padded to the longest, rows x longest <= capacity). The attention is
-the project's local path (build_gpt_model(attention="local"): per-sequence torch SDPA), because
-the GPU image has no Transformer Engine. tokens/s counts real tokens only; MFU = model FLOPs of
-the real tokens (megatron_dppo.profiling.train_flops) / step time / device peak (H100/H200 bf16
-dense 989 TFLOP/s; unknown GPU or CPU: measured with a matmul). Padding is wasted work, so it
-lowers the padded layout's tokens/s and MFU: that difference is the point of the comparison.
-
-What the GPU image lacks, and what to carry. It has torch 2.11 but no megatron-core, vLLM,
-Transformer Engine or transformers. Besides torch and numpy this script needs megatron-core 0.16.1
-and three small packages an image may lack: packaging (megatron-core's dependency), setuptools
-(torch.utils.cpp_extension, which megatron-core imports, imports it) and PyYAML
-(megatron_dppo.config). megatron_dppo comes with the working tree; transformers is not needed
-(config.json is read as plain JSON). All four are pure python for this use (megatron-core's
-compiled dataset helpers are not imported), so either
-  * carry their source trees from this checkout's venv (~31 MB; checked on CPU with only torch
-    and numpy on the path):
-      run(carry=[".venv/lib/python3.11/site-packages/megatron", ".venv/lib/python3.11/site-packages/yaml",
-                 ".venv/lib/python3.11/site-packages/packaging", ".venv/lib/python3.11/site-packages/setuptools",
-                 ".venv/lib/python3.11/site-packages/_distutils_hack"], ...)
-    when one of them does not import, this script appends that site-packages folder to sys.path
-    (after the image's own packages) and stops at once, naming it, if something is still missing; or
-  * carry the wheel: `pip download megatron-core==0.16.1 --no-deps -d wheels` here (pick the
-    device's --python-version / --platform if they differ), then on the device
-    `pip install --no-deps wheels/megatron_core-0.16.1-*.whl` before running this script.
-numpy cannot be carried that way (compiled for one python version): the image must have it.
-Writes JSON to --out (default $OUT/device_bench.json when $OUT is set, else runs/device_bench.json).
+Sections, in this order; each adds its result to the JSON (--out, default $OUT/device_bench.json
+or runs/device_bench.json) as it finishes, so a timeout keeps what ran, and a failing section is
+recorded and the next one still runs (exit status 1 if any check failed):
+  grad-check  tools/device_checks.grad_check in fp32 and in bf16: MegatronPolicy's DPPO gradient
+              with the distributed optimizer (on by default with CUDA; hf_grads gathers its
+              reduce-scattered shards) against plain PyTorch on the transformers model, then one
+              optimizer step. In bf16 the packed micro-batches go through torch's varlen flash
+              attention (megatron/attention.py picks it on CUDA for 16-bit tensors).
+  convert     tools/device_checks.convert_and_verify: tools/convert_hf_to_megatron.py --verify on
+              a random-weight Qwen3-0.6B-shaped model (2 layers): Megatron on the GPU vs
+              transformers on the CPU, max |logit difference|.
+  bench       MegatronPolicy.train_step (the trainer's forward/backward with the DPPO loss, Megatron
+              DDP and distributed optimizer, bf16) over one batch of RL-shaped sequences (prompts
+              64-512 tokens, log-normal completions, <= --max-len), built twice from the SAME
+              sequences: packed THD micro-batches (packing.pack) and the padded baseline
+              (packing.pack_padded). tokens/s counts real tokens; MFU = model FLOPs of the real
+              tokens (profiling.train_flops) / median step time / peak (the data sheet's bf16 dense
+              peak, and a measured 8192^3 bf16 matmul rate beside it).
+What the GPU image lacks and how to bring it (a wheel of megatron-core): docs/profiling.md.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
 import random
 import statistics
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-# What megatron_dppo.megatron needs beyond torch; setuptools because torch.utils.cpp_extension (imported
-# by megatron.core) imports it, yaml because megatron_dppo.config does.
-NEEDED = ("torch", "numpy", "packaging", "setuptools", "yaml", "megatron")
-CARRIED = REPO / ".venv" / "lib" / "python3.11" / "site-packages"
-
-
-def _missing() -> list[str]:
-    import importlib.util
-    return [m for m in NEEDED if importlib.util.find_spec(m) is None]
-
-
-if _missing():  # fall back to the carried pure-python packages, after the image's own
-    sys.path.append(str(CARRIED))
-    if _missing():
-        sys.exit(f"device_bench: cannot import {_missing()}; carry them (see the docstring): "
-                 + ", ".join(f".venv/lib/python3.11/site-packages/{m}" for m in _missing()))
+sys.path.insert(0, str(REPO / "tools"))
+# What the sections import besides this repository: megatron-core is the one the GPU image lacks.
+NEEDED = ("torch", "numpy", "packaging", "yaml", "einops", "megatron", "transformers", "safetensors")
+_missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+if _missing:
+    sys.exit(f"device_bench: cannot import {', '.join(_missing)}: install them first (for megatron: the "
+             "megatron-core 0.16.1 wheel, docs/profiling.md 'Device benchmark')")
 
 import torch  # noqa: E402
 
-from megatron_dppo import packing, profiling
+import device_checks  # noqa: E402
+from megatron_dppo import packing, profiling  # noqa: E402
 
 CONFIGS = REPO / "examples" / "qwen3_configs"
 TINY = REPO / "examples" / "tiny" / "model" / "config.json"
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: its 8-bit mantissa, not a bug
 
 
 def hf_config(path: Path) -> SimpleNamespace:
@@ -117,17 +100,25 @@ def microbatches(seqs, layout: str, capacity: int):
     return [build([seqs[i] for i in p]) for p in packs], packing.density(lengths, packs, capacity)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
+    from megatron_dppo.megatron.model import module_device
     from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
-    # One GPU = one data-parallel rank: the distributed optimizer would shard nothing, so leave it off.
+    # The trainer's GPU default: the distributed optimizer (one rank here, so it shards nothing,
+    # but the reduce-scatter / param all-gather path is the one that runs).
     policy = MegatronPolicy(cfg, OptimConfig(lr=1e-6), LossConfig(), params_dtype=dtype, attention="local",
-                            distributed_optimizer=False)
+                            distributed_optimizer=True)
     out = {"model": name, "dtype": str(dtype).replace("torch.", ""), "build_s": time.perf_counter() - t0,
-           "matmul_params": profiling.matmul_params(vars(cfg))}
+           "matmul_params": profiling.matmul_params(vars(cfg)), "distributed_optimizer": True,
+           "packed_attention": device_checks._thd_impl(module_device(policy.model), dtype, cfg.head_dim)}
     real = [len(s.tokens) for s in seqs]
     flops = profiling.train_flops(vars(cfg), real)
     denominator = float(sum(len(s.tokens) - s.prompt_len for s in seqs))  # token-mean over the batch
@@ -137,12 +128,10 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
             torch.cuda.reset_peak_memory_stats()
         times = []
         for k in range(args.warmup + args.steps):
-            if cuda:
-                torch.cuda.synchronize()
+            _sync()
             t = time.perf_counter()
             policy.train_step(mbs, denominator)  # returns python floats: the step has finished
-            if cuda:
-                torch.cuda.synchronize()
+            _sync()
             if k >= args.warmup:
                 times.append(time.perf_counter() - t)
         step_s = statistics.median(times)  # robust to a stray slow step
@@ -152,8 +141,10 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
         print(f"{name} {layout}: {len(mbs)} micro-batches, density {density:.3f}, {step_s:.3f}s/step, "
-              f"{sum(real) / step_s:,.0f} tokens/s, MFU {100 * out[layout]['mfu']:.1f}%", flush=True)
+              f"{sum(real) / step_s:,.0f} tokens/s, MFU {100 * out[layout]['mfu']:.1f}%"
+              + (f" (attention {out['packed_attention']})" if layout == "packed" else ""), flush=True)
     out["packed_speedup"] = out["padded"]["step_s"] / out["packed"]["step_s"]
+    out["model_flops_per_step"] = flops
     del policy
     gc.collect()
     if cuda:
@@ -161,48 +152,127 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="every section at toy size (CPU test, quick GPU pass)")
+    p.add_argument("--tiny", action="store_true", help="only the bench section at toy size")
+    p.add_argument("--only", default="grad-check,convert,bench", help="comma-separated sections to run")
     p.add_argument("--sizes", default="0.6B,1.7B", help="comma-separated dirs of examples/qwen3_configs")
-    p.add_argument("--tiny", action="store_true", help="the tiny CPU model, a few short sequences (a test)")
     p.add_argument("--seqs", type=int, default=64, help="sequences per optimizer step (e.g. 8 prompts x G=8)")
     p.add_argument("--max-len", type=int, default=4096, help="longest sequence (prompt + completion)")
     p.add_argument("--capacity", type=int, default=16384, help="max tokens per micro-batch")
-    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps per layout")
+    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per layout")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="wall-clock budget: a bench model whose estimated time no longer fits is skipped")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     if args.tiny:
+        args.smoke, args.only = True, "bench"
+    if args.smoke:
         args.seqs, args.max_len, args.capacity = min(args.seqs, 16), min(args.max_len, 24), min(args.capacity, 64)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
-        models = {"tiny": TINY}
-    else:
-        models = {s: CONFIGS / s / "config.json" for s in args.sizes.split(",")}
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(args.only) - {"grad-check", "convert", "bench"}
+    if unknown:
+        p.error(f"--only: unknown section(s) {sorted(unknown)}; expected grad-check, convert, bench")
+    return args
+
+
+def _estimate_s(cfg, seqs, args, measured: list[dict]) -> float:
+    """Seconds a model's bench will take: scaled from the last measured model by FLOPs, else
+    assuming 20% MFU; padded does about 1/density-packed-over-padded times the work."""
+    flops = profiling.train_flops(vars(cfg), [len(s.tokens) for s in seqs])
+    steps = args.warmup + args.steps
+    if measured:
+        last = measured[-1]
+        per_flop = (last["packed"]["step_s"] + last["padded"]["step_s"]) / last["model_flops_per_step"]
+        return steps * flops * per_flop + last["build_s"]
+    return steps * 4 * flops / (0.2 * 989e12) + 30
+
+
+def main(argv=None) -> int:
+    t_start = time.perf_counter()
+    args = parse_args(argv)
     out_path = Path(args.out or (Path(os.environ["OUT"]) / "device_bench.json" if os.environ.get("OUT")
                                  else REPO / "runs" / "device_bench.json"))
-
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
+
     initialize_parallel(1, 1, seed=0)
+    cuda = torch.cuda.is_available()
     kind = profiling.detect_device()
     peak, source = profiling.device_peak_flops(kind, args.peak_tflops * 1e12 if args.peak_tflops else None)
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "peak_flops": peak, "peak_source": source,
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "mode": "smoke" if args.smoke else "full", "peak_flops": peak, "peak_source": source,
               "seqs": args.seqs, "max_len": args.max_len, "capacity": args.capacity, "steps": args.steps,
-              "attention": "local (per-sequence torch SDPA; no Transformer Engine)", "models": []}
-    print(f"{result['device']}: peak {peak / 1e12:.2f} TFLOP/s ({source})", flush=True)
-    try:
+              "attention": "local spec (megatron/attention.py; no Transformer Engine)",
+              "checks": {}, "models": [], "skipped": [], "errors": []}
+    if cuda and not args.smoke:  # an achievable bf16 matmul rate beside the data sheet's
+        result["matmul_flops_measured"] = profiling.measure_matmul_flops(n=8192, seconds=1.0, device="cuda")
+    print(f"{result['device']}: peak {peak / 1e12:.2f} TFLOP/s ({source})"
+          + (f", measured bf16 matmul {result['matmul_flops_measured'] / 1e12:.0f} TFLOP/s"
+             if "matmul_flops_measured" in result else ""), flush=True)
+    failed = []
+
+    def save():
+        result["wall_s"] = time.perf_counter() - t_start
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=1))
+
+    def section(name, fn):
+        try:
+            fn()
+        except Exception as e:  # record it and go on: a device lease is too short to stop at the first problem
+            failed.append(name)
+            result["errors"].append(f"{name}: {type(e).__name__}: {e}")
+            print(f"{name} FAILED: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}", flush=True)
+        save()
+
+    def grad_checks():
+        result["checks"]["grad"] = []
+        for dtype in (torch.float32, torch.bfloat16):
+            r = device_checks.grad_check(dtype)
+            r["tolerance"] = GRAD_TOLERANCE[dtype]
+            result["checks"]["grad"].append(r)
+            if not (r["rel_grad_error"] <= r["tolerance"] and r["update_ok"] and r["max_weight_change"] > 0):
+                failed.append(f"grad-check {r['dtype']}")
+
+    def convert():
+        cfg = (dict(device_checks.TOY) if args.smoke else
+               device_checks.config_from_file(CONFIGS / "0.6B" / "config.json", num_hidden_layers=2))
+        with tempfile.TemporaryDirectory(prefix="device_bench_") as work:
+            r = device_checks.convert_and_verify(Path(work), cfg, tolerance=1e-3)
+        result["checks"]["convert"] = r
+        if not r["ok"]:
+            failed.append("convert")
+
+    def bench():
+        models = {"tiny": TINY} if args.smoke else {s: CONFIGS / s / "config.json" for s in args.sizes.split(",")}
         for name, path in models.items():
             cfg = hf_config(path)
             seqs = samples(rl_lengths(args.seqs, args.max_len), cfg.vocab_size)
             result["real_tokens"] = sum(len(s.tokens) for s in seqs)
+            left = args.budget_s - (time.perf_counter() - t_start)
+            need = _estimate_s(cfg, seqs, args, result["models"])
+            if not args.smoke and need > left:
+                result["skipped"].append(f"bench {name}: needs ~{need:.0f} s, {left:.0f} s left of --budget-s")
+                print(result["skipped"][-1], flush=True)
+                continue
             result["models"].append(bench_model(name, cfg, seqs, args, peak))
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(result, indent=1))  # after each model: a timeout keeps the rest
+            save()
+
+    sections = {"grad-check": grad_checks, "convert": convert, "bench": bench}
+    try:
+        for name in args.only:
+            section(name, sections[name])
     finally:
         destroy_parallel()
-    print(f"wrote {out_path}")
-    return 0
+    result["failed"] = failed
+    save()
+    print(f"wrote {out_path} after {result['wall_s']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else
+                                                                   "; all checks passed"), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,192 @@
+"""Correctness checks for the first run on a GPU; tools/device_bench.py runs them (docs/profiling.md).
+
+grad_check(...)          The DPPO gradient of MegatronPolicy with the distributed optimizer (on by
+                         default on GPUs) against plain PyTorch on the transformers model, on the
+                         same device, then one optimizer step. fp32: tight tolerance, packed
+                         attention "bucketed" (varlen needs 16-bit). bf16 (the policy trains in
+                         bf16 with fp32 main grads): the reference runs in fp32 on the same
+                         bf16-rounded weights, so what is left is bf16 arithmetic; on a GPU with
+                         flash attention the packed micro-batches then go through torch's varlen
+                         attention, so this also checks its gradient.
+convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/convert_hf_to_megatron.py
+                         --verify, as the user runs it: the converter, then load_checkpoint into a
+                         MegatronPolicy on the device and the max |logit difference| against
+                         transformers on the CPU (megatron_logits moves inputs and logits).
+Both need transformers (the GPU image has it) and a parallel state: device_bench.py sets it up.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A toy Qwen3 that still has GQA, head_dim != hidden / heads, and head_dim a multiple of 8
+# (varlen flash attention's condition).
+TOY = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=64, intermediate_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
+           architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6)
+
+
+def _hf_model(cfg: dict, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).float()
+    with torch.no_grad():  # transformers inits norms to 1: perturb them so a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _problem(vocab: int, prompts: int, group: int, max_new: int, seed: int):
+    """RL-shaped samples: per prompt, `group` completions of random lengths, GRPO advantages,
+    DPPO completion pruning weights (r_o = 0.5, Horvitz-Thompson) and old log-probs filled later."""
+    from megatron_dppo.algorithms.advantages import group_advantages
+    from megatron_dppo.algorithms.pruning import prune_completions
+
+    gen = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(prompts, group, generator=gen) < 0.5).float()
+    rewards[:, 0], rewards[:, 1] = 0.0, 1.0  # every group informative
+    adv = group_advantages(rewards)
+    keep, w = prune_completions(adv, 0.5, gen)
+    out, lengths = [], torch.zeros(prompts, group, dtype=torch.long)
+    for q in range(prompts):
+        prompt = torch.randint(3, vocab, (int(torch.randint(8, 64, (1,), generator=gen)),), generator=gen)
+        for i in range(group):
+            comp = torch.randint(3, vocab, (int(torch.randint(1, max_new + 1, (1,), generator=gen)),), generator=gen)
+            lengths[q, i] = len(comp)  # the full batch's, pruned completions included (the denominator)
+            if keep[q, i]:
+                out.append((torch.cat([prompt, comp]), len(prompt), float(adv[q, i]), float(w[q, i])))
+    return out, lengths
+
+
+def _seq_logp(model, tokens, prompt_len):
+    logits = model(tokens[None]).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0][prompt_len - 1:]
+
+
+def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) -> dict:
+    """Relative error of MegatronPolicy.hf_grads (distributed optimizer on) against the reference."""
+    from megatron_dppo.algorithms import losses
+    from megatron_dppo.megatron.model import module_device
+    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+    from megatron_dppo.packing import Sample, build_thd_batch, pack
+    from transformers import Qwen3Config
+
+    t0 = time.perf_counter()
+    loss_cfg = LossConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    policy = MegatronPolicy(Qwen3Config(**cfg), OptimConfig(lr=1e-3), loss_cfg, params_dtype=dtype,
+                            attention="local", distributed_optimizer=True)
+    device = module_device(policy.model)
+    model = _hf_model(cfg, seed)
+    hf_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    policy.load_hf_state_dict({k: v.to(dtype) for k, v in hf_sd.items()})
+    with torch.no_grad():  # the reference sees the weights the policy holds
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+    model.to(device)
+
+    raw, lengths = _problem(cfg["vocab_size"], prompts=4, group=4, max_new=96, seed=seed + 1)
+    noise = torch.Generator().manual_seed(seed + 2)
+    # pi_old off pi_theta: in fp32 enough for tokens to be clipped; in bf16 small, so that no token
+    # sits near a clip boundary, where bf16 rounding would flip it and the gradient with it.
+    spread = 0.2 if dtype == torch.float32 else 0.02
+    samples = []
+    with torch.no_grad():
+        for k, (tokens, plen, adv, w) in enumerate(raw):
+            lp = _seq_logp(model, tokens.to(device), plen).cpu()
+            samples.append(Sample(tokens=tokens, prompt_len=plen, advantage=adv, weight=w, seq_id=k,
+                                  old_logp=lp + spread * torch.randn(lp.shape, generator=noise)))
+    denom = losses.full_batch_denominator(loss_cfg.loss_agg, num_prompts=4, group_size=4, completion_lengths=lengths,
+                                          prompt_weight=torch.ones(4), max_response_length=96)
+    # Reference: plain PyTorch, one sequence at a time, fp32.
+    model.zero_grad()
+    lp = torch.cat([_seq_logp(model, torch.as_tensor(s.tokens).to(device), s.prompt_len) for s in samples])
+    seq_len = torch.tensor([len(s.tokens) - s.prompt_len for s in samples], device=device)
+    seq_index = torch.repeat_interleave(torch.arange(len(samples), device=device), seq_len)
+    adv = torch.tensor([s.advantage for s in samples], device=device)[seq_index]
+    old = torch.cat([s.old_logp for s in samples]).to(device)
+    token_loss, _ = losses.policy_loss(lp, old, adv, clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high,
+                                       ratio_type="token", seq_index=seq_index, num_seqs=len(samples))
+    coef = losses.token_coefficients(seq_index, torch.tensor([s.weight for s in samples], device=device), seq_len,
+                                     loss_cfg.loss_agg, denom)
+    losses.aggregate(token_loss, coef).backward()
+    ref = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+
+    lens = [len(s.tokens) for s in samples]
+    mbs = [build_thd_batch([samples[i] for i in p]) for p in pack(lens, 512, window=len(lens))]
+    policy.forward_backward(mbs, denom)
+    got = {k: v.float().cpu() for k, v in policy.hf_grads().items()}
+    num = sum(float((got[k] - ref[k]).double().pow(2).sum()) for k in got)
+    den = sum(float(ref[k].double().pow(2).sum()) for k in got)
+    rel = math.sqrt(num / den)
+    before = {k: v.float().cpu() for k, v in policy.hf_state_dict().items()}
+    step = policy.optimizer_step()
+    after = {k: v.float().cpu() for k, v in policy.hf_state_dict().items()}
+    moved = max(float((after[k] - before[k]).abs().max()) for k in after)
+    impl = _thd_impl(device, dtype, cfg["head_dim"])
+    out = {"dtype": str(dtype).replace("torch.", ""), "device": str(device), "distributed_optimizer": True,
+           "micro_batches": len(mbs), "sequences": len(samples), "packed_attention": impl,
+           "rel_grad_error": rel, "update_ok": step["update_ok"], "grad_norm": step["grad_norm"],
+           "max_weight_change": moved, "seconds": time.perf_counter() - t0}
+    log(f"grad check {out['dtype']} on {device} (distributed optimizer, packed attention {impl}, "
+        f"{len(mbs)} micro-batches): relative gradient error vs transformers {rel:.2e}; optimizer step "
+        f"{'ok' if step['update_ok'] else 'SKIPPED'}, max weight change {moved:.2e}")
+    del policy, model
+    return out
+
+
+def _thd_impl(device, dtype, head_dim) -> str:
+    """Which packed attention the local spec runs for these tensors (megatron/attention.py)."""
+    try:
+        from megatron_dppo.megatron import attention
+        facts = dict(device_type=device.type, dtype=dtype, dropout_p=0.0, head_dim=head_dim,
+                     varlen_importable=attention.varlen_attn is not None,
+                     flash_usable=device.type == "cuda" and attention._flash_usable(device.index or 0))
+        return attention.choose_thd_impl(attention.thd_impl_from_env(), **facts)
+    except (ImportError, AttributeError, TypeError) as e:  # another version of attention.py
+        return f"unknown ({type(e).__name__})"
+
+
+def convert_and_verify(work: Path, cfg: dict, tolerance: float, timeout: float = 600, log=print) -> dict:
+    """Save a random Qwen3 (cfg) with transformers, run tools/convert_hf_to_megatron.py --verify
+    in a subprocess and return its verdict and logit difference."""
+    t0 = time.perf_counter()
+    hf_dir, mg_dir = work / "hf", work / "mg"
+    model = _hf_model(cfg, seed=3)
+    model.save_pretrained(hf_dir, max_shard_size="200MB")
+    del model
+    cmd = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf_dir),
+           "--out-dir", str(mg_dir), "--verify", "--tolerance", str(tolerance)]
+    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    output = res.stdout + res.stderr
+    verdict = re.search(r"verify (OK|FAILED): max \|logit difference\| (\S+)", output)
+    where = re.search(r"\(tp=\d+, pp=\d+, (\S+)\) vs transformers", output)
+    out = {"returncode": res.returncode, "ok": res.returncode == 0,
+           "logit_diff": float(verdict.group(2)) if verdict else None,
+           "megatron_device": where.group(1) if where else None, "tolerance": tolerance,
+           "params": sum(os.path.getsize(p) for p in hf_dir.glob("*.safetensors")) // 4,
+           "seconds": time.perf_counter() - t0}
+    if not verdict:
+        out["output_tail"] = output[-3000:]
+    log(f"convert --verify: {'OK' if out['ok'] else 'FAILED'} (exit {res.returncode}), max |logit difference| "
+        f"{out['logit_diff']} with megatron on {out['megatron_device']}, {out['params'] / 1e6:.0f}M params, "
+        f"{out['seconds']:.0f} s")
+    return out
+
+
+def config_from_file(path: Path, **changes) -> dict:
+    cfg = json.loads(Path(path).read_text())
+    cfg.update(changes)
+    return cfg
