@@ -6,14 +6,15 @@ import pytest
 
 from megatron_dppo.algorithms import pruning
 from megatron_dppo.algorithms.losses import LOSS_AGGS
-from megatron_dppo.unbiased_check import CheckConfig, run_check
+from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
 @pytest.mark.parametrize("ratio_type,kl", [("token", 0.0), ("sequence", 0.0), ("token", 0.1)])
 def test_dppo_is_unbiased(agg, ratio_type, kl):
+    # token-mean with r_q > 0 is judged on its bias (5%): draws enough for an s.e. below 2.5%
     cfg = CheckConfig(strategy="dppo", loss_agg=agg, r_q=0.5, r_o=0.7, ratio_type=ratio_type, kl_coef=kl,
-                      draws=1500, seed=1)
+                      draws=2500 if agg == "token-mean" else 1500, seed=1)
     res = run_check(cfg)
     assert res.exact == (agg != "token-mean")
     assert res.unbiased, res.summary(cfg)
@@ -28,11 +29,17 @@ def test_completion_pruning_alone_is_exact_for_token_mean(agg):
     assert res.exact and res.unbiased
 
 
-def test_cppo_and_greso_are_biased():
-    cppo = run_check(CheckConfig(strategy="cppo", r_q=0.0, r_o=0.5, draws=200))
-    assert not cppo.unbiased and cppo.rel_error > 0.05
-    greso = run_check(CheckConfig(strategy="greso", r_q=0.9, r_o=0.0, draws=1500, seed=3, num_prompts=32))
-    assert not greso.unbiased, greso.summary(CheckConfig(strategy="greso"))
+@pytest.mark.parametrize("strategy", ["cppo", "cppo-group"])
+def test_cppo_is_biased(strategy):
+    res = run_check(CheckConfig(strategy=strategy, r_q=0.0, r_o=0.5, draws=200))
+    assert not res.unbiased and res.rel_error > 0.05
+
+
+@pytest.mark.parametrize("strategy", ["greso", "greso-simple"])
+def test_greso_is_biased(strategy):
+    cfg = CheckConfig(strategy=strategy, r_q=0.9, r_o=0.0, draws=1500, seed=3, num_prompts=32)
+    res = run_check(cfg)
+    assert not res.unbiased, res.summary(cfg)
 
 
 def test_check_catches_a_missing_reweighting(monkeypatch):
@@ -56,3 +63,57 @@ def test_cli_exit_codes():
     bad = subprocess.run([sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--strategy", "cppo",
                           "--draws", "50"], capture_output=True, text=True)
     assert bad.returncode == 1 and "BIASED" in bad.stdout
+
+
+# ---- DAPO dynamic sampling + DPPO: the refill rule (docs/algorithm.md) ---------------------------
+
+
+def test_dapo_dppo_refill_by_weight_keeps_the_unpruned_dapo_gradient():
+    """Averaged over the stream's order (the sampler shuffles), the mean gradient equals unpruned
+    DAPO's within 5% and the trained weight is exactly B at every draw."""
+    cfg = CheckConfig(strategy="dppo", num_prompts=8, r_q=0.5, r_o=0.5, draws=2500, seed=0)
+    res = run_dynamic_check(cfg)
+    assert res.unbiased, res.summary(cfg)
+    assert res.rel_std_error <= 0.025  # enough draws to see a 5% bias
+    assert res.mean_total_weight == pytest.approx(8.0, abs=1e-9) and res.shortfall_frac == 0
+    assert res.rolled_out < res.rolled_out_unpruned  # prompt pruning saved rollouts
+
+
+def test_dapo_refill_by_count_double_counts_and_is_caught():
+    """The old rule (refill to B groups by count, each with its full w_q) is caught."""
+    cfg = CheckConfig(strategy="dppo", num_prompts=8, r_q=0.5, r_o=0.5, draws=2500, seed=0, refill_by="count")
+    res = run_dynamic_check(cfg)
+    assert not res.unbiased, res.summary(cfg)
+    assert res.mean_total_weight > 1.03 * 8
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_dapo_with_completion_pruning_alone_is_exact(agg):
+    """r_q = 0: the trained groups are unpruned DAPO's, whatever the stream order; exact."""
+    cfg = CheckConfig(strategy="dppo", num_prompts=8, r_q=0.0, r_o=0.7, loss_agg=agg, draws=1500, seed=4,
+                      fixed_order=True)
+    res = run_dynamic_check(cfg)
+    assert res.exact and res.unbiased, res.summary(cfg)
+    assert res.rel_variance > 0
+
+
+def test_dapo_check_refuses_what_it_cannot_check():
+    with pytest.raises(ValueError, match="'greso' replaces skipped prompts"):
+        run_dynamic_check(CheckConfig(strategy="greso", draws=1))
+    with pytest.raises(ValueError, match="needs kl_coef = 0"):
+        run_dynamic_check(CheckConfig(kl_coef=0.1, draws=1))
+    with pytest.raises(ValueError, match="refill_by must be one of"):
+        run_dynamic_check(CheckConfig(refill_by="guess", draws=1))
+
+
+def test_cli_dynamic_sampling_exit_codes():
+    """The wiring (the 2500-draw verdicts are tested in process above): completion pruning alone
+    is exact (a z-test, few draws suffice); the count rule is caught by its total weight."""
+    base = [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--dynamic-sampling", "-B", "8",
+            "--draws", "300"]
+    ok = subprocess.run(base + ["--r-q", "0"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "total weight 8.000 vs 8" in ok.stdout and "exact: UNBIASED" in ok.stdout
+    bad = subprocess.run(base + ["--refill-by", "count"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "refill by count" in bad.stdout and "BIASED" in bad.stdout, bad.stdout + bad.stderr
+    assert "total weight 8.000" not in bad.stdout

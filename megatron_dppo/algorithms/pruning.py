@@ -121,44 +121,88 @@ def drop_zero_variance_groups(advantages: torch.Tensor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Strategy registry: what each method does at the two pruning points of a step.
+# Strategy registry: what each method does at each point of a step. docs/algorithm.md says what
+# each baseline is and where it differs from its authors' code.
+
+# GRESO's "easy" and "hard" prompts (Infini-AI-Lab/GRESO, DataProfiler): a rollout whose group
+# mean reward is >= 0.98 (all correct) or <= 0.11 (all wrong: their wrong answers score 0.1).
+EASY_MEAN = 0.98
+HARD_MEAN = 0.11
 
 
 @dataclass
 class PromptStats:
-    """The history store's view of one batch of prompts."""
-    score: torch.Tensor            # float [P]; NaN = never rolled out
-    zero_var_streak: torch.Tensor  # long [P]; consecutive zero-variance rollouts up to now
+    """The history store's view of one batch of prompts (algorithms/history.py)."""
+    score: torch.Tensor                      # float [P]; NaN = never rolled out
+    zero_var_streak: torch.Tensor            # long [P]; consecutive zero-variance rollouts up to now
+    easy_streak: torch.Tensor | None = None  # long [P]; consecutive rollouts with group mean >= EASY_MEAN
+    hard_streak: torch.Tensor | None = None  # long [P]; consecutive rollouts with group mean <= HARD_MEAN
+
+    def __post_init__(self):
+        n = self.score.shape[0]
+        for name in ("zero_var_streak", "easy_streak", "hard_streak"):
+            value = getattr(self, name)
+            if value is None:
+                setattr(self, name, torch.zeros(n, dtype=torch.long))
+            elif value.shape != (n,):
+                raise ValueError(f"PromptStats.{name} must have shape ({n},) like score, got {tuple(value.shape)}")
 
 
-def _keep_all_prompts(stats: PromptStats):
-    n = stats.score.shape[0]
-    return torch.ones(n, dtype=torch.bool), torch.ones(n)
+class PruningStrategy:
+    """The interface the trainer calls, with GRPO's answers (prune nothing) as defaults.
 
-
-def _keep_all_completions(advantages: torch.Tensor):
-    check_group_tensor("advantages", advantages)
-    return torch.ones_like(advantages, dtype=torch.bool), torch.ones_like(advantages)
-
-
-class NoPruning:
-    """GRPO (and DAPO/GSPO/Dr.GRPO): every prompt is rolled out, every completion trained."""
+    unbiased: the kept sequences are reweighted so the expected loss is the full batch's.
+    refills: prompts skipped before rollout are replaced by drawing more (GRESO).
+    filters_zero_variance: the method's own pipeline drops zero-variance groups (dynamic sampling).
+    denominator: "full" (the unpruned batch's normaliser) or "kept" (what was trained, as CPPO does).
+    """
+    name = "none"
     unbiased = True
+    refills = False
+    filters_zero_variance = False
+    denominator = "full"
 
-    def prune_prompts(self, stats, ratio, generator=None):
-        return _keep_all_prompts(stats)
+    def prompts_to_draw(self, batch_size: int, r_q: float, r_o: float) -> int:
+        """Prompts to draw per round (CPPO over-samples so that what survives pruning is ~B*G)."""
+        return batch_size
 
-    def prune_completions(self, advantages, ratio, generator=None):
-        return _keep_all_completions(advantages)
+    def prune_prompts(self, stats: PromptStats, ratio: float, generator: torch.Generator | None = None):
+        """Before rollout: keep bool [P] and weight float [P] (0 where skipped)."""
+        n = stats.score.shape[0]
+        return torch.ones(n, dtype=torch.bool), torch.ones(n)
+
+    def prune_completions(self, advantages: torch.Tensor, ratio: float, generator: torch.Generator | None = None):
+        """After rollout, on the full groups' advantages [P, G]: keep bool [P, G], weight float [P, G]."""
+        check_group_tensor("advantages", advantages)
+        return torch.ones_like(advantages, dtype=torch.bool), torch.ones_like(advantages)
+
+    def observe(self, prompt_ids, rewards: torch.Tensor) -> None:
+        """Once per step with every group rolled out in it (before any filter)."""
+        check_group_tensor("rewards", rewards)
+        if len(prompt_ids) != rewards.shape[0]:
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} entries but rewards has {rewards.shape[0]} rows")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"pruning strategy {self.name!r} keeps no state, but the checkpoint has "
+                             f"{sorted(state)}: was it saved by another strategy?")
 
 
-class DPPO:
+NoPruning = PruningStrategy  # GRPO (and DAPO/GSPO/Dr.GRPO): every prompt rolled out, every completion trained
+
+
+class DPPO(PruningStrategy):
     """Unbiased dynamic pruning: low-information prompts and low-|A| completions, reweighted.
     rule="high" is the reverse ablation (prune the informative ones instead)."""
-    unbiased = True
+    name = "dppo"
 
     def __init__(self, rule: str = "low"):
         self.rule = rule
+        if rule == "high":
+            self.name = "reverse"
 
     def prune_prompts(self, stats, ratio, generator=None):
         return prune_prompts(stats.score, ratio, generator, rule=self.rule)
@@ -167,19 +211,47 @@ class DPPO:
         return prune_completions(advantages, ratio, generator, rule=self.rule)
 
 
-class CPPO:
-    """CPPO baseline: keep the top G - floor(G * ratio) completions of each group by |A|,
-    with no reweighting (so the loss is biased towards high-|A| completions)."""
-    unbiased = False
+def _floor(x: float) -> int:
+    return math.floor(x + _FLOOR_SLACK)
 
-    def prune_prompts(self, stats, ratio, generator=None):
-        return _keep_all_prompts(stats)
+
+class CPPO(PruningStrategy):
+    """CPPO as its verl recipe runs it (lzhxmu/CPPO, cppo_verl/recipe/cppo, metric=smallest,
+    allocation=True): draw int(B / (1 - P)) prompts, then keep the int(N * (1 - P)) completions
+    with the largest |A| over the WHOLE rolled-out batch of N, no reweighting, and normalise the
+    loss over the kept completions. Ties in |A| are broken uniformly at random (ours)."""
+    name = "cppo"
+    unbiased = False
+    denominator = "kept"
+
+    def prompts_to_draw(self, batch_size, r_q, r_o):
+        return max(1, _floor(batch_size / (1.0 - check_ratio("r_o", r_o))))
+
+    def prune_completions(self, advantages, ratio, generator=None):
+        check_group_tensor("advantages", advantages)
+        ratio = check_ratio("ratio", ratio)
+        flat = advantages.abs().flatten()
+        n_keep = max(1, _floor(flat.numel() * (1.0 - ratio)))
+        # Largest |A| first; a random order underneath makes the stable sort break ties at random.
+        shuffled = torch.randperm(flat.numel(), generator=generator)
+        order = shuffled[torch.sort(-flat[shuffled], stable=True).indices]
+        keep = torch.zeros(flat.numel(), dtype=torch.bool)
+        keep[order[:n_keep]] = True
+        keep = keep.view_as(advantages)
+        return keep, keep.float()
+
+
+class CPPOGroup(PruningStrategy):
+    """The earlier, weaker CPPO variant ("cppo-group"): the top G - floor(G * P) completions of EACH
+    group by |A|, no over-sampling, no reweighting, the full-batch denominator."""
+    name = "cppo-group"
+    unbiased = False
 
     def prune_completions(self, advantages, ratio, generator=None):
         check_group_tensor("advantages", advantages)
         ratio = check_ratio("ratio", ratio)
         g = advantages.shape[1]
-        n_keep = max(1, g - math.floor(g * ratio + _FLOOR_SLACK))
+        n_keep = max(1, g - _floor(g * ratio))
         # Stable sort on -|A| so ties are broken by position, deterministically.
         order = torch.sort(-advantages.abs(), dim=1, stable=True).indices
         keep = torch.zeros_like(advantages, dtype=torch.bool)
@@ -187,9 +259,107 @@ class CPPO:
         return keep, keep.float()
 
 
-class GRESO:
-    """GRESO baseline: skip a prompt whose last z rollouts in a row had zero reward variance
-    with probability 1 - (1 - ratio)^z (grows with z), no reweighting; completions untouched."""
+class GRESO(PruningStrategy):
+    """GRESO as its authors' code runs it (Infini-AI-Lab/GRESO, dynamic_filtering_strategy=
+    all_probabilistic with ttis.type=dynamic_sampling):
+
+    - skip an "easy" prompt (its last e rollouts in a row had group mean >= 0.98) with probability
+      1 - max(p_easy^e, 0.01), a "hard" one (last h rollouts <= 0.11) with 1 - max(p_hard^h, 0.01);
+      never-seen prompts are kept; no reweighting;
+    - skipped prompts are replaced (refills), a round rolls out 1.5 B prompts (their
+      sampling_batch_size / real_train_batch_size = 384 / 256), zero-variance groups are dropped and
+      rounds continue until B informative groups are collected;
+    - once per step, over every group rolled out in it: p_easy moves 0.01 down (skip more) when the
+      share of all-correct groups is >= target/3, else 0.01 up; p_hard likewise against 2*target/3
+      and all-wrong groups; p stays in [0.05, 0.95]; target = 0.25. As in their code (`epoch > 0`),
+      the adaptation starts once prompts come back: here, at the first step that rolls out a
+      prompt seen in an earlier step.
+    p_easy and p_hard start at 1 - r_q (their scripts: 0.5).
+    """
+    name = "greso"
+    unbiased = False
+    refills = True
+    filters_zero_variance = True
+    sampling_factor = 1.5
+    skip_floor = 0.01
+
+    def __init__(self, target_zero_variance: float = 0.25, p_step: float = 0.01, min_p: float = 0.05,
+                 max_p: float = 0.95):
+        self.target_easy = target_zero_variance / 3
+        self.target_hard = 2 * target_zero_variance / 3
+        self.p_step, self.min_p, self.max_p = p_step, min_p, max_p
+        self.p_easy: float | None = None
+        self.p_hard: float | None = None
+        self.adapting = False
+        self._seen: set[str] = set()  # prompt ids rolled out so far, only until the first revisit
+
+    def prompts_to_draw(self, batch_size, r_q, r_o):
+        return math.ceil(self.sampling_factor * batch_size - _FLOOR_SLACK)
+
+    def _init_p(self, ratio: float) -> None:
+        if self.p_easy is None:
+            self.p_easy = self.p_hard = 1.0 - ratio
+
+    def skip_probability(self, stats: PromptStats) -> torch.Tensor:
+        """float64 [P]: each prompt's chance of being skipped (0 without an easy or hard streak)."""
+        def p_skip(p, streak):
+            prob = 1.0 - torch.clamp(torch.pow(torch.full_like(streak, p, dtype=torch.float64), streak.double()),
+                                     min=self.skip_floor)
+            return torch.where(streak > 0, prob, torch.zeros_like(prob))
+        # At most one streak is non-zero: the last rollout was either easy, hard or neither.
+        return torch.where(stats.easy_streak > 0, p_skip(self.p_easy, stats.easy_streak),
+                           p_skip(self.p_hard, stats.hard_streak))
+
+    def prune_prompts(self, stats, ratio, generator=None):
+        self._init_p(check_ratio("ratio", ratio))
+        u = torch.rand(stats.score.shape, generator=generator, dtype=torch.float64)
+        keep = u >= self.skip_probability(stats)
+        return keep, keep.float()
+
+    def observe(self, prompt_ids, rewards):
+        super().observe(prompt_ids, rewards)
+        ids = [str(i) for i in prompt_ids]
+        if not self.adapting:
+            if self._seen.intersection(ids):
+                self.adapting, self._seen = True, set()
+            else:
+                self._seen.update(ids)
+        if not self.adapting or self.p_easy is None or not ids:
+            return
+        r = rewards.double()
+        all_correct = float((r.min(dim=1).values >= EASY_MEAN).double().mean())
+        all_wrong = float((r.max(dim=1).values <= HARD_MEAN).double().mean())
+        self.p_easy = self._move(self.p_easy, all_correct >= self.target_easy)
+        self.p_hard = self._move(self.p_hard, all_wrong >= self.target_hard)
+
+    def _move(self, p: float, too_many: bool) -> float:
+        # Too many such groups: lower p, so the skip probability 1 - p^streak grows.
+        return max(p - self.p_step, self.min_p) if too_many else min(p + self.p_step, self.max_p)
+
+    def state_dict(self) -> dict:
+        return {"p_easy": self.p_easy, "p_hard": self.p_hard, "adapting": self.adapting,
+                "seen": sorted(self._seen)}
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            p_easy, p_hard = state["p_easy"], state["p_hard"]
+            if (p_easy is None) != (p_hard is None):
+                raise ValueError("p_easy and p_hard must both be set or both be null")
+            self.p_easy = None if p_easy is None else float(p_easy)
+            self.p_hard = None if p_hard is None else float(p_hard)
+            if not isinstance(state["adapting"], bool):
+                raise TypeError(f"adapting must be a bool, got {state['adapting']!r}")
+            self.adapting = state["adapting"]
+            self._seen = {str(i) for i in state["seen"]}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"greso strategy state is malformed ({e!r}): expected "
+                             "{'p_easy': float|null, 'p_hard': float|null, 'adapting': bool, 'seen': [id, ...]}") from e
+
+
+class GRESOSimple(PruningStrategy):
+    """The earlier, weaker GRESO variant ("greso-simple"): one combined zero-variance streak z,
+    skip probability 1 - (1 - r_q)^z, fixed, no refill, no reweighting; completions untouched."""
+    name = "greso-simple"
     unbiased = False
 
     def prune_prompts(self, stats, ratio, generator=None):
@@ -200,20 +370,19 @@ class GRESO:
         keep = u >= p_skip
         return keep, keep.float()
 
-    def prune_completions(self, advantages, ratio, generator=None):
-        return _keep_all_completions(advantages)
-
 
 STRATEGIES = {
     "none": NoPruning,
     "dppo": DPPO,
     "reverse": lambda: DPPO(rule="high"),
     "cppo": CPPO,
+    "cppo-group": CPPOGroup,
     "greso": GRESO,
+    "greso-simple": GRESOSimple,
 }
 
 
-def get_strategy(name: str):
+def get_strategy(name: str) -> PruningStrategy:
     if name not in STRATEGIES:
         raise ValueError(f"pruning strategy must be one of {sorted(STRATEGIES)}, got {name!r}")
     return STRATEGIES[name]()

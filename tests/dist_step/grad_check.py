@@ -7,6 +7,7 @@ with 1 and with several micro-batches per rank.
 """
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,7 @@ def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
     scores = torch.rand(B, generator=gen)
     scores[1] = math.nan
     mask_gen = gen if mask_seed is None else torch.Generator().manual_seed(mask_seed)
-    keep_q, w_q = prune_prompts(scores, r_q, mask_gen)
-    keep_o, w_o = prune_completions(adv, r_o, mask_gen)
-    if not reweight:  # negative control: prune without the Horvitz-Thompson correction
-        w_q, w_o = keep_q.float(), keep_o.float()
+    keep_q, w_q, keep_o, w_o = draw_masks(adv, scores, r_q, r_o, mask_gen, reweight)
     # Fixed per (prompt, completion, token), whichever sequences the masks keep.
     noise = 0.3 * torch.randn(2, B, G, MAX_NEW, generator=torch.Generator().manual_seed(seed + 1))
     samples = []
@@ -76,7 +74,17 @@ def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
                                       ref_logp=lp + noise[1, q, i, :len(lp)]))
     rolled = keep_q.nonzero().flatten()
     lengths = torch.tensor([[len(c) for c in comps[q]] for q in rolled.tolist()])
-    return samples, lengths, w_q[rolled]
+    return samples, lengths, w_q[rolled], (adv, scores)
+
+
+def draw_masks(adv, scores, r_q, r_o, gen, reweight=True):
+    """The library's two pruning levels; without `reweight` (a negative control) the kept
+    sequences lose their Horvitz-Thompson weights."""
+    keep_q, w_q = prune_prompts(scores, r_q, gen)
+    keep_o, w_o = prune_completions(adv, r_o, gen)
+    if not reweight:
+        w_q, w_o = keep_q.float(), keep_o.float()
+    return keep_q, w_q, keep_o, w_o
 
 
 def reference_grads(model, samples, loss_cfg, denominator):
@@ -104,29 +112,65 @@ def my_microbatches(samples, capacity, dp_rank, dp_size):
     return [build_thd_batch([samples[i] for i in p], pad_multiple=4) for p in per_rank[dp_rank]]  # 4: TP*2
 
 
+def _flat(grads: dict) -> torch.Tensor:
+    return torch.cat([grads[k].flatten().double() for k in sorted(grads)])
+
+
 def monte_carlo(policy, model, draws):
-    """Mean of the Megatron DPPO gradient over mask draws vs the unpruned gradient."""
+    """Mean of the Megatron DPPO gradient over mask draws vs the unpruned gradient.
+
+    With the parameters fixed, the gradient of sum_s c_s * loss_s is sum_s c_s * grad(loss_s):
+    so the per-sequence gradients U_s are taken through the Megatron path once (every sequence
+    of the batch packed and spread over the DP ranks as usual, weight 1 on s and 0 elsewhere),
+    and a draw's gradient is c @ U with c its DPPO weights over the full-batch denominator.
+    That identity is checked on whole pruned batches run through Megatron (spot checks), so
+    the many cheap draws still measure the Megatron path. Then only the draws' coefficients are
+    needed: mean gradient = mean(c) @ U, and the Monte Carlo variance tr(U^T Cov(c) U)."""
     import megatron.core.parallel_state as ps
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    rank0 = dist.get_rank() == 0
 
-    def grad(r, mask_seed, reweight=True):
-        samples, lengths, w_q = make_problem(model, r, r, seed=11, mask_seed=mask_seed, reweight=reweight)
-        denom = losses.full_batch_denominator(policy.loss_cfg.loss_agg, num_prompts=B, group_size=G,
-                                              completion_lengths=lengths, prompt_weight=w_q,
-                                              max_response_length=MAX_NEW)
+    def megatron_grad(samples, denom):
         policy.forward_backward(my_microbatches(samples, 24, dp_rank, dp_size), denom)
-        g = policy.hf_grads()
-        return torch.cat([g[k].flatten().double() for k in sorted(g)])
+        return _flat(policy.hf_grads())
 
-    full = grad(0.0, 0)
+    samples, _, _, (adv, scores) = make_problem(model, 0.0, 0.0, seed=11)  # every sequence, weight 1
+    S = len(samples)
+    assert S == B * G and [s.seq_id for s in samples] == list(range(S))
+    denom = losses.full_batch_denominator(policy.loss_cfg.loss_agg, num_prompts=B, group_size=G)
+    U = torch.stack([megatron_grad([replace(s, weight=float(k == j)) for k, s in enumerate(samples)], 1.0)
+                     for j in range(S)])                                     # [S, params]
+    full = megatron_grad(samples, denom)
+    worst = float((U.sum(0) / denom - full).norm() / full.norm())
+    for d in range(3):  # spot checks: pruned batches, straight through Megatron, vs c @ U
+        kept, _, _, _ = make_problem(model, 0.5, 0.5, seed=11, mask_seed=500 + d)
+        c = torch.zeros(S, dtype=torch.float64)
+        c[[s.seq_id for s in kept]] = torch.tensor([s.weight for s in kept], dtype=torch.float64) / denom
+        worst = max(worst, float((c @ U - megatron_grad(kept, denom)).norm() / full.norm()))
+    if rank0:
+        print(f"per-sequence gradients through Megatron: combined vs whole batches, worst rel.err {worst:.2e}")
+    assert worst < 1e-5, f"the per-sequence combination does not reproduce the Megatron gradient ({worst})"
+
+    gram = U @ U.T
+    # The draws: prompt masks one by one, completion masks in one call over `draws` copies of
+    # the batch (every row is pruned independently). The negative controls use the same masks.
+    gen = torch.Generator().manual_seed(1000)
+    prompt_masks = [prune_prompts(scores, 0.5, gen) for _ in range(draws)]
+    keep_q = torch.stack([k for k, _ in prompt_masks])                       # [draws, B]
+    w_q = torch.stack([w for _, w in prompt_masks])
+    keep_o, w_o = prune_completions(adv.repeat(draws, 1), 0.5, gen)
+    keep_o, w_o = keep_o.view(draws, B, G), w_o.view(draws, B, G)
+    variants = {"dppo": w_q[:, :, None] * w_o,
+                "unweighted": (keep_q[:, :, None] & keep_o).float(),              # no reweighting
+                "dppo x1.1": 1.1 * w_q[:, :, None] * w_o}                          # a 10% bias
     results = {}
-    for name, reweight in (("dppo", True), ("unweighted", False)):
-        gs = torch.stack([grad(0.5, 1000 + d, reweight) for d in range(draws)])
-        mean, var = gs.mean(0), gs.var(0)
-        rel = float((mean - full).norm() / full.norm())
-        se = float((var.sum() / draws).sqrt() / full.norm())
+    for name, weights in variants.items():
+        coefs = weights.reshape(draws, S).double() / denom
+        cov = torch.cov(coefs.T)
+        rel = float((coefs.mean(0) @ U - full).norm() / full.norm())
+        se = math.sqrt(max(float((cov * gram).sum()), 0.0) / draws) / float(full.norm())
         results[name] = (rel, se)
-        if dist.get_rank() == 0:
+        if rank0:
             print(f"monte carlo {name}: draws={draws} rel.err={rel:.4f} mc.s.e.={se:.4f}")
     return results
 
@@ -150,11 +194,13 @@ def main():
         policy = MegatronPolicy(cfg, OptimConfig(), LossConfig(loss_agg="seq-mean-token-mean", clip_high=0.28))
         policy.load_hf_state_dict(hf_sd)
         res = monte_carlo(policy, model, args.monte_carlo)
+        # Unbiased: the error is the noise, whose norm averages the s.e. (3 s.e.: ~1e-3 false alarms).
         rel, se = res["dppo"]
-        assert se < 0.2, f"too few draws for a meaningful check (s.e. {se})"
-        assert rel < 4 * se, f"DPPO mean gradient off by {rel} (Monte Carlo s.e. {se})"
-        rel_u, se_u = res["unweighted"]
-        assert rel_u > 4 * se_u, f"negative control not detected: {rel_u} vs s.e. {se_u}"
+        assert se <= 0.03, f"too few draws to detect a 10% bias (s.e. {se})"
+        assert rel < 3 * se, f"DPPO mean gradient off by {rel} (Monte Carlo s.e. {se})"
+        for name in ("unweighted", "dppo x1.1"):
+            rel_b, se_b = res[name]
+            assert rel_b > 3 * se_b, f"negative control {name!r} not detected: {rel_b} vs s.e. {se_b}"
         if dist.get_rank() == 0:
             print("MONTE CARLO PASSED")
         destroy_parallel()
@@ -171,7 +217,7 @@ def main():
             from megatron.core.distributed import finalize_model_grads
             policy.model.module.config.finalize_model_grads_func = finalize_model_grads
         for r in (0.0, 0.5):
-            samples, lengths, w_q = make_problem(model, r, r, seed=7)
+            samples, lengths, w_q, _ = make_problem(model, r, r, seed=7)
             denom = losses.full_batch_denominator(agg, num_prompts=B, group_size=G, completion_lengths=lengths,
                                                   prompt_weight=w_q, max_response_length=MAX_NEW)
             ref_loss, ref = reference_grads(model, samples, loss_cfg, denom)
