@@ -1,7 +1,10 @@
-"""Rewards: verifiers run in a fixed pool of worker processes, each check under a timeout.
+"""Rewards: verifiers run in a pool of worker processes, each check under a timeout, every
+failure counted by kind, and a call that fails too often stops the run.
 
-    scorer = RewardScorer("math", timeout_s=5.0, num_workers=4)   # or "exact", or "pkg.mod:fn"
-    rewards, info = scorer.score(completions, answers, records)   # info: timeouts, errors, ...
+    scorer = RewardScorer("math", timeout_s=5.0, num_workers=4, max_error_frac=0.5)
+    rewards, info = scorer.score(completions, answers, records)
+    # info: n, failed, timeouts, errors, seconds, budget_s,
+    #       failures_by_kind {kind: count}, first_failures ["record <id>: <kind>: <message>", ...]
     scorer.close()
 
 Kinds:
@@ -14,11 +17,34 @@ Kinds:
                 data.PromptRecord: id, prompt, messages, answer, extra; None if nothing was passed).
                 It must be importable by module path in a fresh process, and records picklable.
 
+Failures. A failed check gets reward 0.0 and is counted under one kind (FAILURE_KINDS):
+  timeout       the check ran past timeout_s: its worker is killed and replaced
+  raised        the function raised (the message is the exception)
+  non-numeric   it returned something that is not a real number: a string, even "1", is an
+                error, not a reward (a verifier returning text is a bug to show, not to coerce)
+  non-finite    it returned NaN or +-inf
+  worker-died   the worker process exited during the check (os._exit, a segfault in a native
+                parser, the OOM killer): it is replaced and the pool keeps working
+  deadline      the call's time budget ran out before the check finished (or started)
+info["failures_by_kind"] has a count for each kind that occurred, info["first_failures"] the first
+five as "record <id>: <kind>: <message>". If more than max_error_frac of a call's checks failed,
+score() raises RewardFailureError with the counts and those messages: a run must not train for
+hours on rewards that are all zeros because the verifier is broken.
+
+Bounding a whole call. timeout_s bounds one check, but a verifier that hangs on every input would
+still cost timeout_s per completion (ceil(n / num_workers) rounds of it). So each score() call also
+has one deadline across the pool: call_timeout_s if given, else
+    2 * timeout_s + 4 * ceil(n / num_workers) * (mean time of the checks that returned so far)
+i.e. room for one round of hung checks plus four times the pool's measured healthy workload (the
+mean is over this scorer's life and updated as the call runs, so a slow but healthy verifier gets
+its time; time in which no worker is ready, all of them starting, is not charged). When the
+deadline passes, the checks still running are killed (their workers replaced) and the checks not
+yet started are not run: all are counted as "deadline". A verifier that always hangs therefore
+costs about 2 * timeout_s per call, not timeout_s * n / num_workers, and fails the call loudly
+through max_error_frac.
+
 Why processes: math parsing (sympy) can hang or blow up on adversarial model output, and a user
-function can crash its interpreter. A check that outlives `timeout_s` gets reward 0, counts as a
-timeout, and its worker is killed and replaced; a check that raises, returns a non-finite value,
-or kills its process gets 0 and counts as an error. The training step never stalls on a verifier.
-Model-generated text is only ever parsed, never executed.
+function can crash its interpreter. Model-generated text is only ever parsed, never executed.
 
 Start method: "forkserver" by default. The trainer process runs OpenMP/gloo/vLLM threads, and
 fork()ing a multi-threaded process can leave a lock held forever in the child. "spawn" would also
@@ -26,12 +52,24 @@ be safe, but forkserver forks each worker from a small single-threaded server, s
 killed worker costs a fork instead of a fresh interpreter. As with spawn, a script that builds a
 scorer needs the `if __name__ == "__main__":` guard. This module imports nothing heavy at top level
 so that workers start fast.
+
+No worker outlives the trainer: an idle worker exits when its pipe to the trainer closes, and
+every worker asks the kernel (PR_SET_PDEATHSIG) to be killed when its parent dies: the
+forkserver, which exits when the trainer's end of its lifeline pipe closes (workers close the
+copy of that end they inherit, or a hung worker would keep the forkserver alive and the
+forkserver the worker). So a check hung even in native code does not survive a SIGKILL of the
+trainer, and multiprocessing's resource tracker exits once they are all gone.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import multiprocessing as mp
+import numbers
+import os
+import signal
+import sys
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -42,6 +80,16 @@ BUILTIN_KINDS = {
     "exact": "megatron_dppo.rewards:exact_reward",
     "math": "megatron_dppo.rewards:math_reward",
 }
+FAILURE_KINDS = ("timeout", "raised", "non-numeric", "non-finite", "worker-died", "deadline")
+MAX_FIRST_FAILURES = 5
+
+
+class RewardFailureError(RuntimeError):
+    """Too many reward checks of one call failed; `info` is the call's info dict."""
+
+    def __init__(self, message: str, info: dict):
+        super().__init__(message)
+        self.info = info
 
 
 # ---------------------------------------------------------------------------- answer extraction
@@ -128,7 +176,52 @@ def resolve_reward_fn(spec: str):
 
 # ---------------------------------------------------------------------------- worker process
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+    If the parent is already gone (reparented before the call), exit now."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+def _drop_forkserver_lifeline() -> None:
+    """A forkserver child inherits the write end of the pipe by which the forkserver watches the
+    trainer (so that the child could start processes of its own). Holding it, a hung worker would
+    keep the forkserver alive after the trainer dies, and the forkserver (its parent, for
+    PR_SET_PDEATHSIG) would keep the worker alive: close it; workers start no processes."""
+    from multiprocessing import forkserver
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
+def _check_result(value) -> tuple[str, float | str]:
+    """A reward function's return value -> ("ok", reward) or (failure kind, message)."""
+    if not isinstance(value, numbers.Real):  # str "1", None, a tensor, a list: not rewards
+        return "non-numeric", f"returned {type(value).__name__} {str(value)[:60]!r}, expected a real number"
+    value = float(value)
+    if not math.isfinite(value):
+        return "non-finite", f"returned {value}"
+    return "ok", value
+
+
 def _worker_main(conn, spec: str) -> None:
+    _drop_forkserver_lifeline()  # (set only in a forkserver child)
+    die_with_parent()
     try:
         fn = resolve_reward_fn(spec)
         if spec == "math":  # pay sympy's import and grammar set-up before the first timed check
@@ -138,17 +231,20 @@ def _worker_main(conn, spec: str) -> None:
         return
     conn.send(("ready", None))
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
         if msg is None:
             return
         idx, completion, answer, record = msg
         try:
-            r = float(fn(completion, answer, record))
-            if not math.isfinite(r):
-                raise ValueError(f"reward is not finite: {r}")
-            conn.send((idx, "ok", r))
+            status, value = _check_result(fn(completion, answer, record))
         except Exception as e:  # the check failed, the worker is fine
-            conn.send((idx, "error", f"{type(e).__name__}: {e}"[:500]))
+            status, value = "raised", f"{type(e).__name__}: {e}"
+        if status != "ok":
+            value = " ".join(str(value).split())[:300]  # one line
+        conn.send((idx, status, value))
 
 
 class _Worker:
@@ -162,6 +258,7 @@ class _Worker:
         self.ready = False
         self.started = time.monotonic()
         self.task: int | None = None  # index of the completion being checked
+        self.task_started = 0.0
         self.deadline = math.inf
 
     def kill(self) -> None:
@@ -171,23 +268,40 @@ class _Worker:
         self.conn.close()
 
 
+def _record_id(record, idx: int) -> str:
+    rid = getattr(record, "id", None)
+    if rid is None and isinstance(record, dict):
+        rid = record.get("id")
+    return str(rid) if rid is not None else f"#{idx}"
+
+
 class RewardScorer:
     """Scores completions against gold answers in `num_workers` reused processes.
 
-    timeout_s bounds one check, measured from when it is handed to a worker.
-    startup_timeout_s bounds a worker's start (imports); exceeding it, or a reward function that
-    cannot be imported in the worker, raises RuntimeError: that is a setup error, not a bad sample.
+    timeout_s bounds one check, measured from when it is handed to a worker; call_timeout_s (or
+    the adaptive budget in the module docstring) bounds one score() call. max_error_frac: the
+    largest fraction of failed checks a call may have; above it score() raises
+    RewardFailureError (1.0: never). startup_timeout_s bounds a worker's start (imports);
+    exceeding it, or a reward function that cannot be imported in the worker, raises
+    RuntimeError: that is a setup error, not a bad sample.
     """
 
     def __init__(self, kind: str = "exact", timeout_s: float = 5.0, num_workers: int = 2,
-                 start_method: str = "forkserver", startup_timeout_s: float = 120.0):
-        if timeout_s <= 0 or num_workers < 1:
-            raise ValueError(f"need timeout_s > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
+                 start_method: str = "forkserver", startup_timeout_s: float = 120.0,
+                 max_error_frac: float = 0.5, call_timeout_s: float | None = None):
+        if not timeout_s > 0 or num_workers < 1:
+            raise ValueError(f"reward timeout_s must be > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
+        if not 0.0 <= max_error_frac <= 1.0:
+            raise ValueError(f"reward max_error_frac must be in [0, 1], got {max_error_frac}")
+        if call_timeout_s is not None and not call_timeout_s > 0:
+            raise ValueError(f"reward call_timeout_s must be > 0 (or None: adaptive), got {call_timeout_s}")
         resolve_reward_fn(kind)  # fail fast, with a clear error, in the caller's process
         self.kind, self.timeout_s, self.startup_timeout_s = kind, timeout_s, startup_timeout_s
+        self.max_error_frac, self.call_timeout_s = max_error_frac, call_timeout_s
         self._ctx = mp.get_context(start_method)
         self._workers = [_Worker(self._ctx, kind) for _ in range(num_workers)]
-        self.totals = {"checks": 0, "timeouts": 0, "errors": 0, "restarts": 0}
+        self.totals = {"checks": 0, "failed": 0, "restarts": 0, "by_kind": {}}
+        self._returned_n, self._returned_s = 0, 0.0  # checks that returned, and their time
         self._closed = False
         self._wait_ready()
 
@@ -202,8 +316,9 @@ class RewardScorer:
             raise RuntimeError(f"reward worker for {self.kind!r} failed to start: {why}")
         w.ready = True
 
-    def _wait_ready(self) -> None:
-        while not all(w.ready for w in self._workers):
+    def _wait_ready(self, need_all: bool = True) -> None:
+        """Until every worker (need_all) or at least one is ready."""
+        while not (all if need_all else any)(w.ready for w in self._workers):
             for w in self._workers:
                 if not w.ready and time.monotonic() - w.started > self.startup_timeout_s:
                     self.close()
@@ -216,10 +331,20 @@ class RewardScorer:
         self._workers[i] = _Worker(self._ctx, self.kind)
         self.totals["restarts"] += 1
 
+    def _budget_s(self, n: int) -> float:
+        """The call's time budget (module docstring): fixed, or room for one round of hung
+        checks plus 4x the measured healthy workload."""
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        mean = self._returned_s / self._returned_n if self._returned_n else 0.0
+        return 2 * self.timeout_s + 4 * math.ceil(n / len(self._workers)) * mean
+
     def score(self, completions: list[str], answers: list[str], records=None):
         """-> (rewards, info). rewards[i] is in the order of completions; a failed check gives 0.0.
 
-        info: n, timeouts, errors, seconds, and `failures`: the first few (index, kind, message).
+        info: n, failed, timeouts (kind "timeout"), errors (every other kind), seconds, budget_s,
+        failures_by_kind {kind: count} (kinds that occurred), first_failures (up to 5 strings
+        "record <id>: <kind>: <message>"). Raises RewardFailureError when failed / n > max_error_frac.
         """
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
@@ -227,22 +352,27 @@ class RewardScorer:
         if len(answers) != n or (records is not None and len(records) != n):
             raise ValueError(f"score() got {n} completions, {len(answers)} answers, "
                              f"{None if records is None else len(records)} records")
-        t0 = time.monotonic()
         for i, w in enumerate(self._workers):
             if w.task is not None:  # a previous call was interrupted: its late result must not leak in
                 self._replace(i)
+        if n:
+            self._wait_ready(need_all=False)
+        t0 = time.monotonic()
         rewards = [0.0] * n
         pending = deque(range(n))
-        counts = {"timeouts": 0, "errors": 0}
-        failures: list[tuple[int, str, str]] = []
-        remaining = n
+        by_kind: dict[str, int] = {}
+        first: list[str] = []
 
         def fail(idx: int, kind: str, why: str) -> None:
-            counts[kind + "s"] += 1
-            if len(failures) < 5:
-                failures.append((idx, kind, why))
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+            if len(first) < MAX_FIRST_FAILURES:
+                rec = None if records is None else records[idx]
+                first.append(f"record {_record_id(rec, idx)}: {kind}: {why}")
 
+        remaining = n
+        starting_s = 0.0  # time in which no worker was ready (all starting): not charged to the call
         while remaining:
+            call_deadline = t0 + starting_s + self._budget_s(n)
             # Hand one check to each idle, ready worker.
             for i, w in enumerate(self._workers):
                 if w.ready and w.task is None and pending:
@@ -250,14 +380,21 @@ class RewardScorer:
                     msg = (idx, completions[idx], answers[idx], None if records is None else records[idx])
                     try:
                         w.conn.send(msg)
-                    except (BrokenPipeError, OSError):  # died while idle: replace, retry the check
+                    except (BrokenPipeError, ConnectionResetError, EOFError):  # died while idle: retry
                         pending.appendleft(idx)
                         self._replace(i)
                         continue
-                    w.task, w.deadline = idx, time.monotonic() + self.timeout_s
+                    except Exception as e:  # pickling: the caller's record, not the verifier
+                        raise ValueError(f"record {_record_id(msg[3], idx)} cannot be sent to a reward "
+                                         f"worker: {type(e).__name__}: {e}") from None
+                    now = time.monotonic()
+                    w.task, w.task_started, w.deadline = idx, now, now + self.timeout_s
             now = time.monotonic()
-            deadline = min([w.deadline for w in self._workers if w.task is not None] or [now + 1.0])
-            ready = wait([w.conn for w in self._workers], timeout=max(0.0, deadline - now))
+            none_ready = not any(w.ready for w in self._workers)
+            wake = min([w.deadline for w in self._workers if w.task is not None] + [call_deadline, now + 1.0])
+            ready = wait([w.conn for w in self._workers], timeout=max(0.0, wake - now))
+            if none_ready:
+                starting_s += time.monotonic() - now
             for conn in ready:
                 i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
                 w = self._workers[i]
@@ -268,30 +405,55 @@ class RewardScorer:
                     idx, status, value = conn.recv()
                 except (EOFError, OSError):  # the check took the process down with it
                     if w.task is not None:
-                        fail(w.task, "error", f"worker died (exit code {w.proc.exitcode})")
+                        w.proc.join(1)
+                        fail(w.task, "worker-died", f"the worker process exited (code {w.proc.exitcode}) "
+                                                    "during the check")
                         remaining -= 1
                     self._replace(i)
                     continue
+                self._returned_n += 1
+                self._returned_s += time.monotonic() - w.task_started
                 if status == "ok":
                     rewards[idx] = value
                 else:
-                    fail(idx, "error", value)
+                    fail(idx, status, value)
                 w.task, w.deadline = None, math.inf
                 remaining -= 1
             now = time.monotonic()
             for i, w in enumerate(self._workers):
                 if w.task is not None and now >= w.deadline:
-                    fail(w.task, "timeout", f"no result within {self.timeout_s}s")
+                    fail(w.task, "timeout", f"no result within timeout_s={self.timeout_s}s (worker replaced)")
                     remaining -= 1
                     self._replace(i)
                 elif not w.ready and now - w.started > self.startup_timeout_s:
                     self.close()
                     raise RuntimeError(f"replacement reward worker did not start within {self.startup_timeout_s}s")
+            if remaining and now >= t0 + starting_s + self._budget_s(n):  # the call's budget is spent
+                budget = self._budget_s(n)
+                for i, w in enumerate(self._workers):
+                    if w.task is not None:
+                        fail(w.task, "deadline", f"still running when the call's budget of {budget:.1f}s ran out")
+                        remaining -= 1
+                        self._replace(i)
+                for idx in pending:
+                    fail(idx, "deadline", f"not started: the call's budget of {budget:.1f}s ran out")
+                remaining -= len(pending)
+                pending.clear()
 
+        failed = sum(by_kind.values())
         self.totals["checks"] += n
-        self.totals["timeouts"] += counts["timeouts"]
-        self.totals["errors"] += counts["errors"]
-        info = {"n": n, **counts, "seconds": time.monotonic() - t0, "failures": failures}
+        self.totals["failed"] += failed
+        for kind, count in by_kind.items():
+            self.totals["by_kind"][kind] = self.totals["by_kind"].get(kind, 0) + count
+        timeouts = by_kind.get("timeout", 0)
+        info = {"n": n, "failed": failed, "timeouts": timeouts, "errors": failed - timeouts,
+                "seconds": time.monotonic() - t0, "budget_s": self._budget_s(n),
+                "failures_by_kind": by_kind, "first_failures": first}
+        if n and failed / n > self.max_error_frac:
+            kinds = ", ".join(f"{k} {by_kind[k]}" for k in FAILURE_KINDS if k in by_kind)
+            raise RewardFailureError(
+                f"reward {self.kind!r}: {failed} of {n} checks failed ({failed / n:.0%}, over "
+                f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(first), info)
         return rewards, info
 
     def close(self) -> None:
