@@ -37,6 +37,9 @@ class PromptRecord:
     messages: list[dict] | None
     answer: str
     extra: dict = field(default_factory=dict)
+    # Where it came from, for error messages: "line 12" (JSONL) or "row 3" (Parquet); not part of
+    # the record's identity (the same prompt from either file format is the same record).
+    source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,27 +106,39 @@ def parse_record(raw: dict) -> PromptRecord:
 def _raw_records(path: str):
     """Yield (location, raw record or JSON error) in file order; location is 'line N' / 'row N'."""
     ext = os.path.splitext(path)[1].lower()
+    if ext not in (".jsonl", ".parquet"):
+        raise ValueError(f"{path}: unsupported prompt file type {ext!r} (use .jsonl or .parquet)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: prompt file not found")
     if ext == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{path}: cannot read as Parquet: {e}") from None
+        for i, row in enumerate(rows, 1):
             yield f"row {i}", row
-    elif ext == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
+    else:
+        with open(path, "rb") as f:
+            for i, raw_line in enumerate(f, 1):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:line {i}: not UTF-8 text ({e.reason} at byte {e.start})") from None
                 if not line.strip():
                     continue  # blank lines (a trailing newline) are not records
                 try:
                     yield f"line {i}", json.loads(line)
                 except json.JSONDecodeError as e:
                     yield f"line {i}", e
-    else:
-        raise ValueError(f"{path}: unsupported prompt file type {ext!r} (use .jsonl or .parquet)")
 
 
 def load_records(path: str) -> list[PromptRecord]:
-    """All records of a .jsonl or .parquet file. A malformed record is a ValueError naming the
-    file and line (or row); two records with the same explicit id are too (history would mix them)."""
+    """All records of a .jsonl or .parquet file, each knowing its line (or row). A malformed
+    record is a ValueError naming the file and line (or row); two records with the same explicit
+    id are too (history would mix them)."""
     records, where_by_id = [], {}
     for where, raw in _raw_records(path):
         if isinstance(raw, Exception):
@@ -132,6 +147,7 @@ def load_records(path: str) -> list[PromptRecord]:
             rec = parse_record(raw)
         except ValueError as e:
             raise ValueError(f"{path}:{where}: {e}") from None
+        rec.source = where
         if isinstance(raw, dict) and raw.get("id") not in (None, ""):
             if rec.id in where_by_id:
                 raise ValueError(f"{path}:{where}: duplicate id {rec.id!r} (first at {where_by_id[rec.id]})")
@@ -140,6 +156,35 @@ def load_records(path: str) -> list[PromptRecord]:
     if not records:
         raise ValueError(f"{path}: no records")
     return records
+
+
+def check_prompt_lengths(records: list[PromptRecord], renderer: "PromptRenderer", max_prompt_tokens: int,
+                         path: str, skip: bool = False, limit_desc: str = "") -> tuple[list[PromptRecord], int]:
+    """Find prompts longer than max_prompt_tokens when the data loads, not at the step that
+    draws them (where the engine would fail without naming the record). -> (records, skipped).
+
+    skip=False: the first one is a ValueError "<path>:line N (id X): prompt is T tokens, over the
+    limit L (<limit_desc>)". skip=True: they are dropped and counted. limit_desc says where the
+    limit comes from, e.g. "rollout.max_model_len 32 - rollout.max_new_tokens 6".
+    """
+    if max_prompt_tokens < 1:
+        raise ValueError(f"the prompt token limit must be >= 1, got {max_prompt_tokens}"
+                         + (f" ({limit_desc})" if limit_desc else ""))
+    kept, skipped = [], 0
+    for rec in records:
+        n = len(renderer.token_ids(rec))
+        if n <= max_prompt_tokens:
+            kept.append(rec)
+        elif skip:
+            skipped += 1
+        else:
+            why = f" ({limit_desc})" if limit_desc else ""
+            raise ValueError(f"{path}:{rec.source or '?'} (id {rec.id}): prompt is {n} tokens, over the limit "
+                             f"{max_prompt_tokens}{why}")
+    if not kept:
+        raise ValueError(f"{path}: every prompt is over the limit of {max_prompt_tokens} tokens"
+                         + (f" ({limit_desc})" if limit_desc else ""))
+    return kept, skipped
 
 
 class PromptRenderer:
@@ -229,15 +274,27 @@ class PromptSampler:
 
 
 class PromptDataset:
-    """Records of one file plus a sampler over them: `next_batch(n=None)` -> list[PromptRecord]."""
+    """Records of one file plus a sampler over them: `next_batch(n=None)` -> list[PromptRecord].
 
-    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, limit: int = 0):
+    With a renderer and max_prompt_tokens, prompts over the limit are found here, at load
+    (check_prompt_lengths): an error naming the first, or, with skip_long_prompts, dropped and
+    counted in `skipped_long`.
+    """
+
+    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, limit: int = 0,
+                 renderer: PromptRenderer | None = None, max_prompt_tokens: int = 0,
+                 skip_long_prompts: bool = False, limit_desc: str = ""):
         self.path = path
         self.records = load_records(path)
         if limit:  # the first `limit` records: a smaller set is revisited more often (prompt history)
             self.records = self.records[:limit]
+        self.skipped_long = 0
+        if renderer is not None and max_prompt_tokens:
+            self.records, self.skipped_long = check_prompt_lengths(
+                self.records, renderer, max_prompt_tokens, path, skip=skip_long_prompts, limit_desc=limit_desc)
         if len(self.records) < batch_size:
-            raise ValueError(f"{path}: {len(self.records)} prompts, fewer than one batch of {batch_size} "
+            skipped = f" ({self.skipped_long} skipped as too long)" if self.skipped_long else ""
+            raise ValueError(f"{path}: {len(self.records)} prompts{skipped}, fewer than one batch of {batch_size} "
                              "(trainer.prompts_per_step)")
         self.sampler = PromptSampler(len(self.records), batch_size, seed, shuffle)
 

@@ -1,11 +1,12 @@
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_dppo.data import (PromptDataset, PromptRecord, PromptRenderer, PromptSampler, load_records,
-                                parse_record, prompt_id)
+from megatron_dppo.data import (PromptDataset, PromptRecord, PromptRenderer, PromptSampler, check_prompt_lengths,
+                                load_records, parse_record, prompt_id)
 from megatron_dppo.tasks import exact_match, make_splits, write_task_data
 
 
@@ -186,3 +187,82 @@ def test_renderer_raw_and_chat():
     assert chat.text(rec) == "<system>Be brief.<user>1+1=<assistant>"
     assert chat.text(msg) == "<system>Be brief.<user>hi<assistant>"
     assert chat.token_ids(msg)[1] == 0  # the template wrote the special tokens; none added again
+
+
+TINY_MODEL = str(Path(__file__).resolve().parents[1] / "examples" / "tiny" / "model")
+LIMIT_DESC = "rollout.max_model_len 32 - rollout.max_new_tokens 6"
+
+
+@pytest.fixture(scope="module")
+def tiny_renderer():
+    from transformers import AutoTokenizer
+
+    return PromptRenderer(AutoTokenizer.from_pretrained(TINY_MODEL), "raw")
+
+
+def test_records_remember_their_line_or_row(tmp_path):
+    recs = load_records(_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}, "",
+                                                            {"prompt": "b", "answer": "2"}]))
+    assert [r.source for r in recs] == ["line 1", "line 3"]
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]),
+                   tmp_path / "p.parquet")
+    assert [r.source for r in load_records(str(tmp_path / "p.parquet"))] == ["row 1", "row 2"]
+
+
+def test_long_prompts_are_found_at_load_naming_file_line_and_id(tmp_path, tiny_renderer):
+    long_prompt = "123+456=" * 4
+    rows = [{"id": "ok1", "prompt": "1+2="}, "", {"id": "long1", "prompt": long_prompt}, {"id": "ok2", "prompt": "3+4="},
+            {"prompt": long_prompt + "1"}]
+    path = _write_jsonl(tmp_path / "p.jsonl", [r if isinstance(r, str) else dict(r, answer="3") for r in rows])
+    recs = load_records(path)
+    # The reference count: the tokenizer itself (the tiny tokenizer adds <bos>).
+    n_long = len(tiny_renderer.tokenizer(long_prompt)["input_ids"])
+    limit = 26
+    assert n_long > limit and len(tiny_renderer.tokenizer("1+2=")["input_ids"]) <= limit
+    with pytest.raises(ValueError) as e:
+        check_prompt_lengths(recs, tiny_renderer, limit, path, limit_desc=LIMIT_DESC)
+    assert str(e.value) == (f"{path}:line 3 (id long1): prompt is {n_long} tokens, over the limit {limit} "
+                            f"({LIMIT_DESC})")
+    kept, skipped = check_prompt_lengths(recs, tiny_renderer, limit, path, skip=True)
+    assert [r.id for r in kept] == ["ok1", "ok2"] and skipped == 2
+    # Exactly at the limit is allowed.
+    assert check_prompt_lengths(recs, tiny_renderer, n_long + 1, path) == (recs, 0)
+    with pytest.raises(ValueError, match=r"p\.jsonl: every prompt is over the limit of 2 tokens"):
+        check_prompt_lengths(recs, tiny_renderer, 2, path, skip=True)
+
+
+def test_dataset_checks_lengths_once_at_load(tmp_path, tiny_renderer):
+    paths = write_task_data("add3", str(tmp_path), n_train=40, n_test=4, seed=3)
+    with open(paths["train"], "a") as f:
+        f.write(json.dumps({"id": "too-long", "prompt": "999+999=" * 5, "answer": "0"}) + "\n")
+    with pytest.raises(ValueError, match=r"train\.jsonl:line 41 \(id too-long\): prompt is \d+ tokens, over the limit 26"):
+        PromptDataset(paths["train"], batch_size=8, renderer=tiny_renderer, max_prompt_tokens=26)
+    ds = PromptDataset(paths["train"], batch_size=8, renderer=tiny_renderer, max_prompt_tokens=26,
+                       skip_long_prompts=True)
+    assert len(ds) == 40 and ds.skipped_long == 1 and "too-long" not in {r.id for r in ds.records}
+    # When skipping leaves less than one batch, the error says how many were skipped.
+    rows = [json.loads(line) for line in open(paths["train"])]
+    for r in rows[3:]:
+        r["prompt"] = r["prompt"] * 5
+    _write_jsonl(tmp_path / "mostly_long.jsonl", rows)
+    with pytest.raises(ValueError, match=r"mostly_long\.jsonl: 3 prompts \(38 skipped as too long\), fewer than "
+                                         r"one batch of 8"):
+        PromptDataset(str(tmp_path / "mostly_long.jsonl"), batch_size=8, renderer=tiny_renderer,
+                      max_prompt_tokens=26, skip_long_prompts=True)
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("bad.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n',
+     r"bad\.jsonl:line 2: not UTF-8 text \(invalid start byte at byte 12\)"),
+    ("bad.parquet", b"PAR1 this is not a parquet file", r"bad\.parquet: cannot read as Parquet: "),
+    ("bad.csv", b"prompt,answer\n", r"bad\.csv: unsupported prompt file type '\.csv'"),
+])
+def test_unreadable_files_are_named(tmp_path, name, content, needle):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=needle):
+        load_records(str(tmp_path / name))
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: prompt file not found"):
+        load_records(str(tmp_path / "nope.jsonl"))
