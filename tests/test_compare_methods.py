@@ -35,7 +35,7 @@ def _resolved(method, quick=False):
     from megatron_dppo.config import load_config
     args = _args(*(["--quick"] if quick else []))
     args.threads = 1
-    run = next(r for r in cm.plan_runs(args, cm.select_methods(None), [0], Path("/tmp/x")) if r.method == method)
+    run = next(r for r in cm.plan_runs(args, cm.METHODS, [0], Path("/tmp/x")) if r.method == method)
     return load_config(str(REPO / CONFIG), run.overrides)
 
 
@@ -46,7 +46,8 @@ def test_every_method_is_planned_and_its_config_is_valid(capsys):
     assert "30 runs (15 methods x 2 seeds), all configs valid" in out
     for name in REQUIRED:
         assert f"{name}-s0 " in out and f"{name}-s1 " in out
-    assert cm.main(["--config", CONFIG, "--dry-run", "--quick", "--methods", "grpo-nofilter"]) == 0
+    assert cm.main(["--config", CONFIG, "--dry-run", "--quick", "--methods",
+                    "grpo-nofilter,cppo-group-0.5,greso-simple-0.5"]) == 0
 
 
 def test_methods_resolve_to_what_their_names_say():
@@ -61,7 +62,18 @@ def test_methods_resolve_to_what_their_names_say():
     assert _resolved("dppo-0.5-0.5-padded").trainer.packing == "padded"
     assert _resolved("reverse-0.5-0.5").pruning.strategy == "reverse"
     assert (_resolved("cppo-0.5").pruning.strategy, _resolved("cppo-0.5").pruning.r_o) == ("cppo", 0.5)
-    assert (_resolved("greso-0.5").pruning.strategy, _resolved("greso-0.5").pruning.r_q) == ("greso", 0.5)
+    greso = _resolved("greso-0.5")
+    assert (greso.pruning.strategy, greso.pruning.r_q, greso.algorithm.dynamic_sampling) == ("greso", 0.5, True)
+    assert (greso.algorithm.clip_high, greso.algorithm.loss_agg) == (0.2, "token-mean")  # GRPO's, as their scripts
+    assert _resolved("cppo-group-0.5").pruning.strategy == "cppo-group"
+    assert _resolved("greso-simple-0.5").pruning.strategy == "greso-simple"
+    # --quick: CPPO draws 2B = 16 and GRESO 1.5B = 12 prompts a round, so their training set is one draw.
+    from megatron_dppo.algorithms.pruning import get_strategy
+    for name in ("cppo-0.5", "greso-0.5", "grpo"):
+        q = _resolved(name, quick=True)
+        draw = get_strategy(q.pruning.strategy).prompts_to_draw(q.trainer.prompts_per_step, q.pruning.r_q,
+                                                                q.pruning.r_o)
+        assert q.data.train_size == max(8, draw), name
     dapo = _resolved("dapo-dppo-0.5-0.5")
     assert dapo.algorithm.dynamic_sampling and dapo.algorithm.clip_high == 0.28
     assert dapo.algorithm.loss_agg == "token-mean" and dapo.pruning.strategy == "dppo"
@@ -202,7 +214,14 @@ def test_quick_pipeline_end_to_end(tmp_path):
         assert r["speedup"] == pytest.approx(train_time("grpo") / train_time(name))
         assert r["tokens_generated"] > 0 and 0 <= r["acc_final"] <= 1 and r["acc_initial"] is not None
     assert rows["grpo"]["speedup"] == pytest.approx(1.0)
-    assert rows["greso-0.5"]["prompts_kept_frac"] <= 1.0
+    # Pruning fractions: the report's against the runs' own metrics, and step 1 (no prompt has a
+    # history yet) skips nothing whatever the method.
+    for name, r in rows.items():
+        with open(tmp_path / f"{name}-s0" / "metrics.jsonl") as f:
+            steps = [row for row in map(json.loads, f) if "time/step" in row]
+        kept = [row["prune/prompts_kept_frac"] for row in steps]
+        assert kept[0] == 1.0, name
+        assert r["prompts_kept_frac"] == pytest.approx(sum(kept) / len(kept)), name
     assert rows["dppo-0.5-0.5-padded"]["prompts_kept_frac"] < 1.0  # step 2 saw step 1's prompts, skipped some
     md = (tmp_path / "results.md").read_text()
     for m in QUICK_SUBSET:

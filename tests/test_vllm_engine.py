@@ -17,6 +17,8 @@ from megatron_dppo.rollout import RolloutEngine, hf_completion_logprobs, request
 from megatron_dppo.rollout.vllm_engine import _executor_backend
 
 REPO = Path(__file__).resolve().parents[1]
+# torch's own function, taken before any engine exists (vLLM is imported by RolloutEngine only)
+_SET_NUM_THREADS_BEFORE_VLLM = torch.set_num_threads
 EOS = 2
 SHORT = [[4, 5, 13, 6, 16], [7, 8, 9], [30, 31]]
 # Longer than one 32-token KV block: its first block lands in vLLM's prefix cache.
@@ -161,12 +163,18 @@ def test_context_wraps_generation_and_weight_loads(engine, tiny):
 
 
 def test_set_num_threads_still_works(engine):
+    """vLLM on CPU replaces torch.set_num_threads by a no-op; the engine must put it back. Setting
+    the count the process already has (1 under OMP_NUM_THREADS=1) would pass with the no-op too,
+    so the test sets a different one and compares with the function torch had before vLLM."""
+    assert torch.set_num_threads is _SET_NUM_THREADS_BEFORE_VLLM
     n = torch.get_num_threads()
+    other = 2 if n == 1 else 1
     try:
-        torch.set_num_threads(1)
-        assert torch.get_num_threads() == 1
+        torch.set_num_threads(other)
+        assert torch.get_num_threads() == other
     finally:
-        torch.set_num_threads(n)
+        _SET_NUM_THREADS_BEFORE_VLLM(n)
+    assert torch.get_num_threads() == n
 
 
 def test_refuses_torchrun_without_process_group(monkeypatch):

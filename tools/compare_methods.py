@@ -82,12 +82,26 @@ METHODS = [
      "overrides": {"pruning.strategy": "reverse", "pruning.r_q": 0.5, "pruning.r_o": 0.5}},
     {"name": "dppo-0.5-0.5-padded", "label": "DPPO (0.5, 0.5), no dense packing",
      "overrides": {**_dppo(0.5, 0.5), "trainer.packing": "padded"}},
-    {"name": "cppo-0.5", "label": "CPPO (P = 0.5)", "overrides": {"pruning.strategy": "cppo", "pruning.r_o": 0.5}},
-    {"name": "greso-0.5", "label": "GRESO (p = 0.5)", "overrides": {"pruning.strategy": "greso", "pruning.r_q": 0.5}},
+    # The baselines as their authors' code runs them (docs/algorithm.md): CPPO's verl recipe draws
+    # B / (1 - P) prompts and keeps the top (1 - P) of all completions by |A|; GRESO skips easy/hard
+    # prompts with adaptive p (starting at 1 - r_q = 0.5) inside DAPO-style dynamic sampling.
+    # "quick": on top of --quick's budget: one draw of these two is 2B / 1.5B prompts, more than
+    # --quick's 8-prompt training set, so they get a set of one draw (still revisited at step 2).
+    {"name": "cppo-0.5", "label": "CPPO (P = 0.5)", "overrides": {"pruning.strategy": "cppo", "pruning.r_o": 0.5},
+     "quick": {"data.train_size": 16}},
+    {"name": "greso-0.5", "label": "GRESO (p0 = 0.5)",
+     "overrides": {"pruning.strategy": "greso", "pruning.r_q": 0.5, "algorithm.dynamic_sampling": True},
+     "quick": {"data.train_size": 12}},
     {"name": "dapo", "label": "DAPO", "overrides": dict(DAPO)},
     {"name": "dapo-dppo-0.5-0.5", "label": "DAPO + DPPO (0.5, 0.5)", "overrides": {**DAPO, **_dppo(0.5, 0.5)}},
     {"name": "gspo", "label": "GSPO", "overrides": dict(GSPO)},
     {"name": "gspo-dppo-0.5-0.5", "label": "GSPO + DPPO (0.5, 0.5)", "overrides": {**GSPO, **_dppo(0.5, 0.5)}},
+    # The earlier, weaker variants of the two baselines (per-group CPPO without over-sampling; GRESO
+    # with one streak, fixed p, no refill), kept to show what the faithful versions change.
+    {"name": "cppo-group-0.5", "label": "CPPO per group (P = 0.5), weaker variant", "default": False,
+     "overrides": {"pruning.strategy": "cppo-group", "pruning.r_o": 0.5}},
+    {"name": "greso-simple-0.5", "label": "GRESO one streak (p = 0.5), weaker variant", "default": False,
+     "overrides": {"pruning.strategy": "greso-simple", "pruning.r_q": 0.5}},
     # A paper-like GRPO baseline: also trains the all-equal-reward groups (zero gradient, full cost).
     {"name": "grpo-nofilter", "label": "GRPO, zero-variance groups trained", "default": False,
      "overrides": {"pruning.drop_zero_variance": False}},
@@ -183,6 +197,8 @@ def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> lis
         ordered = methods if k % 2 == 0 else list(reversed(methods))
         for m in ordered:
             ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(budget)
+            if args.quick:
+                ov += overrides_list(m.get("quick", {}))
             ov += [f"trainer.seed={seed}", f"trainer.output_dir={out_dir}",
                    f"trainer.run_name={m['name']}-s{seed}"] + list(args.override or [])
             runs.append(Run(m["name"], seed, ov, out_dir / f"{m['name']}-s{seed}", order=len(runs)))
