@@ -2,6 +2,7 @@
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -74,3 +75,134 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
         FileSystemReader(str(tmp_path)).read_metadata()
     assert not (tmp_path / "pwned").exists()
+
+
+# ---- pruning, and corrupt or incomplete checkpoints (one real save, many corruptions) -------------
+def _fake_old_run_step(root, step):
+    """What an older run in the same dir left: a step dir with its own run_id."""
+    d = root / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    (d / "trainer_state.json").write_text(json.dumps({"step": step, "run_id": "older-run"}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A checkpoint root where an older run left steps 0 and 4 (and `latest` -> step 4); a new
+    run saves steps 1, 2, 3 (keep_last=2), is resumed, and saves 999998, 999999, 1000000."""
+    from conftest import run_workers
+
+    root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    old = [_fake_old_run_step(root, 0), _fake_old_run_step(root, 4)]
+    (root / "latest").write_text("step_000004\n")
+    first = run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "1,2,3")
+    _ok(first)
+    after_first = sorted(p.name for p in root.glob("step_*"))
+    latest_first = (root / "latest").read_text().strip()
+    second = run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--resume",
+                         "--save-steps", "999998,999999,1000000")
+    _ok(second)
+    return {"root": root, "old": old, "after_first": after_first, "latest_first": latest_first,
+            "second_out": second.stdout}
+
+
+def test_pruning_orders_by_step_number_and_touches_only_this_runs_checkpoints(saved_run):
+    root = saved_run["root"]
+    # The older run's step 4 neither outranked nor deleted the new run's steps 2 and 3.
+    assert saved_run["after_first"] == ["step_000000", "step_000002", "step_000003", "step_000004"]
+    assert saved_run["latest_first"] == "step_000003"
+    assert "resumed step 3" in saved_run["second_out"]
+    # The resumed run is the same run: its steps 2 and 3 were pruned. By name, step_1000000 sorts
+    # before step_999998 and would have been the one deleted.
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000000", "step_000004", "step_1000000", "step_999999"]
+    assert (root / "latest").read_text().strip() == "step_1000000"
+    for d in saved_run["old"]:
+        assert json.loads((d / "trainer_state.json").read_text())["run_id"] == "older-run"
+
+
+def _corrupt_copy(src, dst, how):
+    """Copy checkpoint src to dst and damage it as `how` says; ", no manifest" first turns the
+    copy into a checkpoint without a manifest (converted, or written by an older version)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    model = dst / "model_optim"
+    if how.endswith(", no manifest"):
+        how = how.removesuffix(", no manifest")
+        (dst / "manifest.json").unlink()
+        state = json.loads((dst / "trainer_state.json").read_text())
+        del state["manifest"]
+        (dst / "trainer_state.json").write_text(json.dumps(state))
+    damage = {
+        "truncated .metadata": lambda: _truncate(model / ".metadata"),
+        "truncated common.pt": lambda: _truncate(model / "common.pt"),
+        "truncated shard": lambda: _truncate(model / "__0_0.distcp"),
+        "missing shard": lambda: (model / "__0_1.distcp").unlink(),
+        "missing history": lambda: (dst / "history.json").unlink(),
+        "missing rng": lambda: (dst / "rng" / "rank_0.safetensors").unlink(),
+        "missing manifest": lambda: (dst / "manifest.json").unlink(),
+        "truncated trainer_state": lambda: _truncate(dst / "trainer_state.json"),
+    }
+    damage[how]()
+    return dst
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("truncated .metadata", r"model_optim/\.metadata is \d+ bytes, but \d+ were written"),
+    ("truncated common.pt", r"model_optim/common\.pt is \d+ bytes, but \d+ were written"),
+    ("truncated shard", r"model_optim/__0_0\.distcp is \d+ bytes, but \d+ were written \(model and optimizer"),
+    ("missing shard", r"model_optim/__0_1\.distcp is missing \(model and optimizer weights\)"),
+    ("missing history", r"history\.json is missing \(the prompt history\): the checkpoint's manifest lists it"),
+    ("missing rng", r"rng/rank_0\.safetensors is missing \(the RNG state\)"),
+    ("missing manifest", r"manifest\.json is missing, but .*trainer_state\.json says the save wrote it"),
+    ("truncated trainer_state", r"trainer_state\.json: truncated or corrupt trainer state \(invalid JSON"),
+    # Without a manifest, the dist checkpoint's own index still finds the damage.
+    ("truncated .metadata, no manifest", r"model_optim/\.metadata: truncated or corrupt shard index"),
+    ("truncated common.pt, no manifest", r"model_optim/common\.pt: truncated or corrupt \("),
+    ("truncated shard, no manifest", r"model_optim/__0_0\.distcp is \d+ bytes, but .*\.metadata indexes data up"),
+    ("missing shard, no manifest", r"model_optim/__0_1\.distcp is missing: .*\.metadata indexes tensors in it"),
+])
+def test_corrupt_or_incomplete_checkpoint_is_a_one_line_error_naming_the_file(saved_run, tmp_path, how, needle):
+    from megatron_dppo.megatron.checkpoint import CheckpointError, check_checkpoint
+
+    intact = saved_run["root"] / "step_1000000"
+    assert check_checkpoint(str(intact))["step"] == 1000000  # the reference passes
+    bad = _corrupt_copy(intact, tmp_path / "step_1000000", how)
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(str(bad))
+    msg = str(e.value)
+    assert "\n" not in msg and str(bad) in msg, msg
+    assert re.search(needle, msg), msg
+
+
+def test_latest_file_errors(tmp_path):
+    from megatron_dppo.megatron.checkpoint import CheckpointError, latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path)) is None  # nothing saved yet
+    (tmp_path / "step_000007").mkdir()
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(CheckpointError, match=r"latest is empty: expected the name of a checkpoint directory"):
+        latest_checkpoint(str(tmp_path))
+    (tmp_path / "latest").write_text("step_000009\n")
+    with pytest.raises(CheckpointError, match=r"latest names 'step_000009', which is not a directory under .*"
+                                              r"\(checkpoints there: step_000007\)"):
+        latest_checkpoint(str(tmp_path))
+
+
+def test_load_checks_before_reading(saved_run, tmp_path):
+    """load_checkpoint itself refuses a checkpoint whose RNG file is missing (a real load in a
+    worker), instead of resuming with a fresh RNG."""
+    from conftest import run_workers
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    _corrupt_copy(saved_run["root"] / "step_1000000", root / "step_1000000", "missing rng")
+    (root / "latest").write_text("step_1000000\n")
+    res = run_workers(WORKER, 1, "--phase", "load", "--ckpt", root)
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "CheckpointError: " in res.stdout and "rng/rank_0.safetensors is missing (the RNG state)" in res.stdout

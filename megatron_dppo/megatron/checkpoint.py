@@ -1,16 +1,39 @@
-"""Resumable checkpoints: Megatron dist checkpoints, written atomically, loaded at any TP/PP.
+"""Resumable checkpoints: Megatron dist checkpoints, written atomically, checked, loaded at any TP/PP.
 
 Layout of <root>/:
     step_000012/            one complete checkpoint
         model_optim/        megatron.core.dist_checkpointing (torch_dist): model + optimizer
-        trainer_state.json  step, scheduler, data order, anything JSON the trainer adds
+        trainer_state.json  step, scheduler, data order, run_id, anything JSON the trainer adds
         history.json        the prompt-history store
         rng/rank_<r>.safetensors   per-rank torch RNG states
+        manifest.json       every file above with its size, written last
     latest                  text: name of the newest complete checkpoint
 
 Atomicity: everything is written under .tmp-step_000012/; only when every rank has finished
-does rank 0 rename it to step_000012/ and then replace `latest` (write + os.replace). A save
-killed at any point leaves `latest` naming the previous complete checkpoint.
+does rank 0 list the files into manifest.json, rename the dir to step_000012/ and then replace
+`latest` (write + os.replace). A save killed at any point leaves `latest` naming the previous
+complete checkpoint.
+
+Checking (check_checkpoint, run by load_checkpoint before anything is read): every file of the
+manifest must exist with its recorded size, the DCP `.metadata` must unpickle, every shard must
+hold the bytes `.metadata` says it does, and common.pt must load. A failure is a one-line
+CheckpointError naming the file and what was expected: a checkpoint without one of its files
+(history.json, an RNG file) is an error, never a resume that silently differs. Converted
+checkpoints (tools/convert_hf_to_megatron.py) and checkpoints of older versions have no
+manifest; they get the other checks.
+
+Writer processes: Megatron-Core 0.16.1's torch_dist save forks `thread_count` writer processes
+per rank from the (multi-threaded) trainer and collects their results through a
+multiprocessing Manager, a spawned server process that lives as long as the trainer. A forked
+child can block forever on a lock another thread held at fork() time, and neither the writers
+nor the Manager die with a SIGKILLed trainer (one was seen stuck 12 minutes on a futex holding
+600 MB). Here the same files are written by threads of the saving process (_InProcessTorchDistSave):
+file writes release the GIL, so the writes still overlap, and nothing outlives the trainer.
+
+Pruning (keep_last) orders checkpoints by step number, not name, and deletes only checkpoints
+of this run (the run_id in trainer_state.json: a fresh id for a new run, the loaded
+checkpoint's for a resumed one) at or below the step just saved: a leftover higher step of an
+older run in the same dir neither outranks nor deletes the new run's checkpoints.
 
 Loading never runs pickled code: tensors come from torch_dist shards and safetensors, the
 common state through torch.load(weights_only=True) (the torch default Megatron relies on), and
@@ -19,21 +42,41 @@ metadata classes (see _restricted_metadata_pickle).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
+import queue
+import re
 import shutil
 import tempfile
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megatron_dppo.megatron.sharded_state import fit_to_checkpoint  # TE's _extra_state vs local-spec checkpoints
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+MODEL_DIR = "model_optim"
+_STEP_DIR = re.compile(r"step_(\d+)")
+# What a missing file costs, for the error message.
+_WHAT = {"history.json": "the prompt history", "rng/": "the RNG state",
+         MODEL_DIR + "/": "model and optimizer weights", TRAINER_STATE: "the step, scheduler and data order"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what was expected."""
 
 
 # ---- safe metadata unpickling -------------------------------------------------------------
@@ -74,16 +117,31 @@ def step_dir_name(step: int) -> str:
 
 
 def latest_checkpoint(root: str) -> str | None:
-    """Path of the newest complete checkpoint under root, or None."""
+    """Path of the newest complete checkpoint under root, or None when there is no `latest`."""
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
         return None
     with open(path) as f:
         name = f.read().strip()
+    if not name:
+        raise CheckpointError(f"{path} is empty: expected the name of a checkpoint directory such as "
+                              f"{step_dir_name(12)} (write the newest complete step_* dir's name into it)")
     full = os.path.join(root, name)
     if not os.path.isdir(full):
-        raise FileNotFoundError(f"{path} names {name!r}, which is not a directory under {root}")
+        have = ", ".join(d for _, d in _step_dirs(root)[-3:]) or "none"
+        raise CheckpointError(f"{path} names {name!r}, which is not a directory under {root} "
+                              f"(checkpoints there: {have})")
     return full
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, name) of every step_<N> dir under root, by step NUMBER (step_1000000 > step_999999)."""
+    found = []
+    for d in os.listdir(root) if os.path.isdir(root) else []:
+        m = _STEP_DIR.fullmatch(d)
+        if m and os.path.isdir(os.path.join(root, d)):
+            found.append((int(m.group(1)), d))
+    return sorted(found)
 
 
 def _write_text_atomic(path: str, text: str) -> None:
@@ -99,6 +157,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -110,7 +172,77 @@ def _sharded_state(policy, is_loading: bool) -> dict:
             "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-# ---- save / load ----------------------------------------------------------------------------
+# ---- run identity (pruning touches only this run's checkpoints) -----------------------------
+_run_ids: dict[str, str] = {}  # realpath(root) -> run_id of the run saving there from this process
+
+
+def _run_id(root: str) -> str:
+    return _run_ids.setdefault(os.path.realpath(root), uuid.uuid4().hex[:12])
+
+
+def _read_run_id(step_dir: str) -> str | None:
+    try:
+        with open(os.path.join(step_dir, TRAINER_STATE)) as f:
+            return json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None  # unreadable: not provably ours, never deleted
+
+
+# ---- in-process shard writing -----------------------------------------------------------------
+def _write_buckets_in_threads(transforms, rank, write_buckets, results_queue) -> None:
+    """Stands in for FileSystemWriterAsync.write_preloaded_data_multiproc: the same per-bucket
+    writer, in one thread per bucket instead of one forked process per bucket; the results go
+    to results_queue in the shape retrieve_write_results() expects ({bucket: results} or an exception)."""
+    results, done = queue.Queue(), queue.Queue()
+    for i in range(len(write_buckets)):
+        done.put(i)  # the writer marks each bucket done with get() + task_done()
+
+    def write(i):
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data(
+            transforms, i, write_buckets[i], results, done, use_fsync=True)
+
+    with ThreadPoolExecutor(max(1, len(write_buckets)), thread_name_prefix="ckpt-writer") as pool:
+        list(pool.map(write, range(len(write_buckets))))
+    out = {}
+    while not results.empty():
+        i, res = results.get()
+        if isinstance(res, Exception):
+            results_queue.put(res)
+            return
+        out[i] = res
+    results_queue.put(out)
+
+
+class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+    """torch_dist saving whose shard files are written by threads of this process (module docstring)."""
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+        if request.async_fn is None:  # nothing to write on this rank
+            return request
+        transforms = [writer.transforms] if hasattr(writer, "transforms") else []
+        return request._replace(async_fn=partial(_write_buckets_in_threads, transforms))
+
+
+@contextlib.contextmanager
+def _no_results_manager():
+    """FileSystemWriterAsync asks for a Manager().Queue() (a server process) for its results;
+    the writes here are in-process, so a plain queue does."""
+    original = filesystem_async._get_write_results_queue
+    filesystem_async._get_write_results_queue = queue.Queue
+    try:
+        yield
+    finally:
+        filesystem_async._get_write_results_queue = original
+
+
+def save_sharded(sharded_state: dict, directory: str) -> None:
+    """Collective: dist_checkpointing.save in the torch_dist format, written in-process."""
+    with _no_results_manager():
+        dist_checkpointing.save(sharded_state, directory, sharded_strategy=_InProcessTorchDistSave("torch_dist", 1))
+
+
+# ---- save ---------------------------------------------------------------------------------------
 def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2,
                     extra_files: dict | None = None) -> str:
     """Collective. Writes <root>/step_<step> atomically and points `latest` at it.
@@ -121,17 +253,18 @@ def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=N
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
-        os.makedirs(os.path.join(tmp, "model_optim"))
+        os.makedirs(os.path.join(tmp, MODEL_DIR))
         os.makedirs(os.path.join(tmp, "rng"))
     _barrier()
-    dist_checkpointing.save(_sharded_state(policy, is_loading=False), os.path.join(tmp, "model_optim"))
+    save_sharded(_sharded_state(policy, is_loading=False), os.path.join(tmp, MODEL_DIR))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().cpu()
     save_file(rng, os.path.join(tmp, "rng", f"rank_{_rank()}.safetensors"))
     if _rank() == 0:
-        state = dict(trainer_state, step=step, scheduler=policy.scheduler.state_dict())
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        state = dict(trainer_state, step=step, scheduler=policy.scheduler.state_dict(), run_id=_run_id(root),
+                     world_size=_world_size(), manifest=MANIFEST)
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
         if history is not None:
             history.save(os.path.join(tmp, "history.json"))
@@ -139,29 +272,136 @@ def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=N
             shutil.copyfile(src, os.path.join(tmp, name))
     _barrier()
     if _rank() == 0:
+        _write_manifest(tmp)
         if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_text_atomic(os.path.join(root, LATEST), step_dir_name(step) + "\n")
-        _prune_old(root, keep_last)
+        _prune_old(root, keep_last, step, _run_id(root))
     _barrier()
     return final
 
 
-def _prune_old(root: str, keep_last: int) -> None:
-    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
-    for d in steps[:-keep_last] if keep_last > 0 else []:
+def _write_manifest(ckpt: str) -> None:
+    files = {}
+    for dirpath, _, names in os.walk(ckpt):
+        for name in names:
+            full = os.path.join(dirpath, name)
+            files[os.path.relpath(full, ckpt).replace(os.sep, "/")] = os.path.getsize(full)
+    with open(os.path.join(ckpt, MANIFEST), "w") as f:
+        json.dump({"files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prune_old(root: str, keep_last: int, saved_step: int, run_id: str) -> None:
+    """Delete this run's checkpoints at or below saved_step beyond the newest keep_last (module
+    docstring); other runs' checkpoints and anything unreadable are left alone."""
+    if keep_last <= 0:
+        return
+    mine = [d for step, d in _step_dirs(root)
+            if step <= saved_step and _read_run_id(os.path.join(root, d)) == run_id]
+    for d in mine[:-keep_last]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
-def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
-    """Collective. Loads model (+ optimizer, scheduler) into `policy`, whatever TP/PP it was
-    saved at; returns the trainer state (with 'history_path' when one was saved)."""
-    state_path = os.path.join(path, "trainer_state.json")
+# ---- check ----------------------------------------------------------------------------------
+def _what(rel: str) -> str:
+    for prefix, what in _WHAT.items():
+        if rel == prefix or rel.startswith(prefix):
+            return f" ({what})"
+    return ""
+
+
+def _read_json(path: str, what: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: truncated or corrupt {what} (invalid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object ({what}), got {type(data).__name__}")
+    return data
+
+
+def check_checkpoint(path: str) -> dict:
+    """Check a checkpoint dir's files without loading tensors (module docstring); -> trainer state.
+    Raises CheckpointError (one line, naming the file) for anything missing, truncated or corrupt."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: checkpoint directory does not exist")
+    state_path = os.path.join(path, TRAINER_STATE)
     if not os.path.exists(state_path):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: {state_path} is missing")
-    with open(state_path) as f:
-        state = json.load(f)
+        raise CheckpointError(f"{path} is not a complete checkpoint: {state_path} is missing")
+    state = _read_json(state_path, "trainer state")
+    if state.get("manifest"):  # written by save_checkpoint: every file it wrote must be intact
+        manifest_path = os.path.join(path, state["manifest"])
+        if not os.path.exists(manifest_path):
+            raise CheckpointError(f"{manifest_path} is missing, but {state_path} says the save wrote it: "
+                                  "the checkpoint is incomplete")
+        files = _read_json(manifest_path, "checkpoint manifest").get("files", {})
+        for rel, size in files.items():
+            full = os.path.join(path, rel)
+            if not os.path.exists(full):
+                raise CheckpointError(f"{full} is missing{_what(rel)}: the checkpoint's manifest lists it, "
+                                      "so the checkpoint is incomplete and would not resume the same run")
+            have = os.path.getsize(full)
+            if have != size:
+                raise CheckpointError(f"{full} is {have} bytes, but {size} were written{_what(rel)}: "
+                                      "truncated or overwritten")
+    _check_dist_files(os.path.join(path, MODEL_DIR))
+    return state
+
+
+def _check_dist_files(model_dir: str) -> None:
+    """The dist checkpoint's own files: metadata.json, `.metadata`, every shard's bytes, common.pt."""
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"{model_dir} is missing (model and optimizer weights)")
+    if not os.path.exists(os.path.join(model_dir, "metadata.json")):
+        raise CheckpointError(f"{model_dir}/metadata.json is missing: not a complete Megatron dist checkpoint")
+    meta_path = os.path.join(model_dir, ".metadata")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{meta_path} is missing (the index of the tensor shards)")
+    try:
+        with open(meta_path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        if "refusing to load it" in str(e):
+            raise
+        raise CheckpointError(f"{meta_path}: truncated or corrupt shard index ({e})") from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise CheckpointError(f"{meta_path}: truncated or corrupt shard index ({type(e).__name__}: {e})") from None
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise CheckpointError(f"{meta_path}: not a torch.distributed.checkpoint metadata file")
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        shard = os.path.join(model_dir, rel)
+        if not os.path.exists(shard):
+            raise CheckpointError(f"{shard} is missing: {meta_path} indexes tensors in it")
+        have = os.path.getsize(shard)
+        if have < size:
+            raise CheckpointError(f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: "
+                                  "truncated shard")
+    common = os.path.join(model_dir, "common.pt")
+    if not os.path.exists(common):
+        raise CheckpointError(f"{common} is missing (the checkpoint's non-tensor state)")
+    try:
+        torch.load(common, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch's zip reader names no file: name it
+        why = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"{common}: truncated or corrupt ({type(e).__name__}: {why})") from None
+
+
+# ---- load -----------------------------------------------------------------------------------
+def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
+    """Collective. Checks the checkpoint (check_checkpoint), loads model (+ optimizer,
+    scheduler) into `policy`, whatever TP/PP it was saved at; returns the trainer state (with
+    'history_path' when one was saved). Later saves under the same root continue its run_id."""
+    state = check_checkpoint(path)
+    if state.get("run_id"):
+        _run_ids[os.path.realpath(os.path.dirname(os.path.abspath(path)))] = state["run_id"]
     # A converted checkpoint (tools/convert_hf_to_megatron.py) holds only the model: start the
     # optimizer and scheduler fresh.
     load_optimizer = load_optimizer and not state.get("model_only", False)
@@ -171,8 +411,12 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         # Not even built: the optimizer's sharded_state_dict(is_loading=True) initialises Adam
         # state (exp_avg, exp_avg_sq without 'step'), and the next optimizer step then fails.
         sharded = {"model": policy.model.module.sharded_state_dict()}
-    model_dir = os.path.join(path, "model_optim")
-    loaded = dist_checkpointing.load(fit_to_checkpoint(sharded, model_dir), model_dir)
+    model_dir = os.path.join(path, MODEL_DIR)
+    try:
+        loaded = dist_checkpointing.load(fit_to_checkpoint(sharded, model_dir), model_dir)
+    except Exception as e:  # e.g. a checkpoint of another model: say which checkpoint
+        why = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{model_dir}: cannot load into this model ({type(e).__name__}: {why})") from e
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:
         policy.optimizer.load_state_dict(loaded["optimizer"])
@@ -180,11 +424,18 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     else:
         policy.optimizer.reload_model_params()
     rng_path = os.path.join(path, "rng", f"rank_{_rank()}.safetensors")
-    if os.path.exists(rng_path):  # absent when resuming at a larger world size
-        rng = load_file(rng_path)
+    saved_world = state.get("world_size")
+    if os.path.exists(rng_path):
+        try:
+            rng = load_file(rng_path)
+        except SafetensorError as e:
+            raise CheckpointError(f"{rng_path}: truncated or corrupt RNG state ({e})") from None
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+    elif saved_world is not None and _rank() < saved_world:  # (a larger world has ranks with none)
+        raise CheckpointError(f"{rng_path} is missing (the RNG state): the checkpoint was saved by "
+                              f"{saved_world} ranks, so rank {_rank()} wrote one")
     history = os.path.join(path, "history.json")
     if os.path.exists(history):
         state["history_path"] = history

@@ -1,0 +1,70 @@
+"""Faults: a trainer killed with SIGKILL leaves no process behind (checkpoint writers, the reward
+pool and its forkserver, multiprocessing's resource tracker). Real processes, real kills."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "dist_step", "ckpt_check.py")
+
+
+def session_processes(sid: int) -> list[str]:
+    """Live (non-zombie) processes of session `sid` other than its leader: everything a process
+    started with start_new_session=True forked or spawned, wherever it was reparented to."""
+    found = []
+    for p in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if p.info["pid"] != sid and os.getsid(p.info["pid"]) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(f"{p.info['pid']}: {' '.join(p.info['cmdline'] or [])[:160]}")
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return found
+
+
+def _wait_for(cond, timeout: float, every: float = 0.2):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    return cond()
+
+
+def test_sigkill_during_checkpoint_save_leaves_no_process_behind(tmp_path):
+    """The worker starts a reward pool with a check hung in it, then saves a checkpoint whose
+    shard writer blocks (a disk that stops answering); SIGKILL it there. Megatron's own writer
+    would be a forked child here (plus a Manager server process), both outliving the kill."""
+    marker = tmp_path / "writer_pids"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with open(tmp_path / "out.txt", "w+") as out:
+        proc = subprocess.Popen([sys.executable, WORKER, "--phase", "hold-save", "--ckpt", str(tmp_path / "ckpt"),
+                                 "--out", str(marker)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        try:
+            started = _wait_for(lambda: marker.exists() or proc.poll() is not None, timeout=300)
+            if proc.poll() is not None or not started:
+                out.seek(0)
+                pytest.fail(f"the worker never reached the shard write (exit {proc.poll()}):\n{out.read()[-5000:]}")
+            time.sleep(0.5)
+            before = session_processes(proc.pid)
+            writer_pids = {int(x) for x in marker.read_text().split()}
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            survivors = _wait_for(lambda: not session_processes(proc.pid), timeout=30) or session_processes(proc.pid)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the assertions say, leave nothing running
+            except ProcessLookupError:
+                pass
+    # The shards were being written by the saving process itself, not by a child of it.
+    assert writer_pids == {proc.pid}, (writer_pids, proc.pid, before)
+    # The pool was really there to kill: the forkserver and its two workers (one hung; forked
+    # from the server, they show its command line), and the resource tracker.
+    assert sum("forkserver" in p for p in before) == 3 and sum("resource_tracker" in p for p in before) == 1, before
+    assert survivors is True, f"still alive 30 s after SIGKILL of the trainer: {survivors}"
