@@ -4,11 +4,93 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Every process a test starts inherits these (exec'd or forked, in whatever session): how the
+# harness finds a test's processes after their parent died and they were reparented to init.
+SESSION_VAR, RUN_VAR = "MEGATRON_DPPO_TEST_SESSION", "MEGATRON_DPPO_TEST_RUN"
+
+
+def processes_with_env(var: str, value: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose initial environment has var=value."""
+    needle = f"{var}={value}".encode() + b"\0"
+    found = []
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read():
+                    proc = psutil.Process(pid)
+                    if proc.status() != psutil.STATUS_ZOMBIE:
+                        found.append(proc)
+        except (OSError, psutil.Error):
+            pass
+    return found
+
+
+_LEFTOVERS: list[str] = []  # processes that outlived their launch (run_workers), reported at session end
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill_leftovers(procs: list[psutil.Process], what: str, grace_s: float = 10.0) -> None:
+    """Give processes that end with their parent a moment, then kill and record the rest."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(_alive(p) for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        try:
+            if _alive(p):
+                _LEFTOVERS.append(f"  {p.pid} (from {what[:120]}): {' '.join(p.cmdline())[:200]}")
+                p.kill()
+        except psutil.Error:
+            pass
+
+
+def _ends_with_pytest(p: psutil.Process) -> bool:
+    """pytest's own multiprocessing helpers (a RewardScorer in a test: forkserver, its workers,
+    the resource tracker) watch a pipe to pytest and exit with it."""
+    try:
+        return any("from multiprocessing.forkserver import" in a or "from multiprocessing.resource_tracker import" in a
+                   for a in p.cmdline())
+    except psutil.Error:
+        return True
+
+
+def pytest_configure(config):
+    os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No process a test started may outlive the session: anything carrying this session's mark
+    (but pytest and its own multiprocessing helpers, which end with it), and anything run_workers
+    had to kill after its launch ended, is reported, killed, and fails the run."""
+    token = os.environ.get(SESSION_VAR)
+    if not token or hasattr(session.config, "workerinput"):
+        return
+    me = psutil.Process()
+    ours = {me.pid} | {p.pid for p in me.children(recursive=True) if _ends_with_pytest(p)}
+    _kill_leftovers([p for p in processes_with_env(SESSION_VAR, token) if p.pid not in ours], "the session", 15.0)
+    if not _LEFTOVERS:
+        return
+    message = (f"{len(_LEFTOVERS)} process(es) started by the tests outlived them (now killed):\n"
+               + "\n".join(_LEFTOVERS))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _free_port() -> int:
@@ -19,15 +101,16 @@ def _free_port() -> int:
 
 def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a worker script (under torchrun on a free port when nproc > 1) in its own process
-    group. Output goes to files, not pipes, and the whole group is killed afterwards: a worker
-    that dies by SIGKILL can leave children (dist_checkpointing's multiprocessing manager)
-    holding inherited pipes open forever."""
+    group. Output goes to files, not pipes, and everything it started is killed afterwards: its
+    process group, and every process carrying its RUN_VAR mark (torchrun starts each worker in a
+    session of its own, out of reach of the group kill, and a killed torchrun leaves them running)."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    run_token = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env, start_new_session=True)
         try:
@@ -38,6 +121,7 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
             except ProcessLookupError:
                 pass
             proc.wait()
+            _kill_leftovers(processes_with_env(RUN_VAR, run_token), " ".join(map(str, cmd[-len(args) - 1:])))
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())

@@ -68,3 +68,26 @@ def test_sigkill_during_checkpoint_save_leaves_no_process_behind(tmp_path):
     # from the server, they show its command line), and the resource tracker.
     assert sum("forkserver" in p for p in before) == 3 and sum("resource_tracker" in p for p in before) == 1, before
     assert survivors is True, f"still alive 30 s after SIGKILL of the trainer: {survivors}"
+
+
+def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tmp_path):
+    """The harness itself (tests/conftest.py): a test that leaves a process running fails the run,
+    and the process is killed; a RewardScorer closed properly leaves nothing."""
+    (tmp_path / "test_leaky.py").write_text(
+        "import subprocess, sys\n"
+        "from megatron_dppo.rewards import RewardScorer\n"
+        "def test_clean():\n"
+        "    with RewardScorer('exact', num_workers=1) as s:\n"
+        "        assert s.score(['1'], ['1'])[0] == [1.0]\n"
+        "def test_leaks():\n"
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_DPPO_TEST_")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO])
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_leaky.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and "2 passed" in out, out[-3000:]
+    assert "1 process(es) started by the tests outlived them (now killed)" in out and "time.sleep(600)" in out, out
+    pid = int(out.split("outlived them (now killed):")[1].split()[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
