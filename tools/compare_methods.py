@@ -281,6 +281,11 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def run_log(run: Run) -> Path:
+    """The training process's stdout and stderr: <out-dir>/<method>-s<seed>.log."""
+    return run.run_dir.parent / f"{run.name}.log"
+
+
 class Launched:
     """One training process. While it runs, `sample` notes the process's CPU time each time its
     metrics.jsonl gains a step: with 1 thread per run, a step's CPU time measures its work whatever
@@ -288,11 +293,13 @@ class Launched:
 
     def __init__(self, run: Run, config: str, threads: int):
         self.run = run
-        run.run_dir.mkdir(parents=True, exist_ok=True)
+        # The trainer refuses an existing run dir unless told to start it again (--overwrite, which
+        # deletes it): so the process's log lives beside the run dir, not in it.
+        run.run_dir.parent.mkdir(parents=True, exist_ok=True)
         (run.run_dir / DONE_FILE).unlink(missing_ok=True)
         (run.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-        self.log = open(run.run_dir / "run.log", "w")
-        self.cmd = [PYTHON, "-m", "megatron_dppo.cli", "train", "--config", config, *run.overrides]
+        self.log = open(run_log(run), "w")
+        self.cmd = [PYTHON, "-m", "megatron_dppo.cli", "train", "--config", config, *run.overrides, "--overwrite"]
         self.load_start = os.getloadavg()
         self.code = code_version()
         self.t0 = time.time()
@@ -392,11 +399,11 @@ def execute(runs: list[Run], config: str, parallel: int, threads: int, max_steps
                 log(msg)
                 if info["returncode"] != 0:
                     if attempts[job.run.name] <= retries:  # e.g. a package being reinstalled under us
-                        log(f"    failed (rc={info['returncode']}), will retry: see {job.run.run_dir / 'run.log'}")
+                        log(f"    failed (rc={info['returncode']}), will retry: see {run_log(job.run)}")
                         queue.append(job.run)
                     else:
                         failed.append(job.run.name)
-                        log(f"    FAILED: see {job.run.run_dir / 'run.log'}")
+                        log(f"    FAILED: see {run_log(job.run)}")
     except BaseException:
         for job in active:
             job.kill()
