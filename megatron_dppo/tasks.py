@@ -3,8 +3,17 @@
 They make the tiny CPU main job possible (DESIGN.md): a task that a 0.74M-parameter model can
 partly solve after a short warm-up, with a verifier that is a plain string comparison.
 
-A problem is a record {id, prompt, answer}: "123+456=" -> "579". Every character of a prompt and
-an answer is in the tiny model's character vocabulary (tools/make_tiny_model.py).
+Two kinds:
+  ArithmeticTask       {id, prompt, answer}: "123+456=" -> "579". The completion IS the answer
+                       (reward kind "exact"); every completion is a few tokens long.
+  WorkedMultiplication {id, prompt, answer, solution}: "47*4=" -> "2:94,3:141,4:188", the
+                       running multiples of a up to b*a, one "j:j*a" step per line of work. The
+                       answer is the last number (reward kind "megatron_dppo.tasks:final_answer_reward").
+                       The number of steps b-1 is drawn with P(b) ~ 1/(b-1), so completion
+                       lengths are long-tailed like RL reasoning traces (most short, a few 6x
+                       the median) and longer problems are harder: what dense packing is for.
+Every character of a prompt and a solution is in the task's `alphabet`, which the tiny model's
+character vocabulary covers (tools/make_tiny_model.py).
 Pure Python on purpose: no torch, so reward workers and data tools import it cheaply.
 """
 from __future__ import annotations
@@ -40,6 +49,63 @@ class ArithmeticTask:
     def num_problems(self) -> int:
         return (self.hi - self.lo + 1) ** 2
 
+    alphabet = "0123456789+-*="
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        return rng.randint(self.lo, self.hi), rng.randint(self.lo, self.hi)
+
+    def record(self, a: int, b: int) -> dict:
+        return {"prompt": self.prompt(a, b), "answer": self.answer(a, b)}
+
+    def score(self, completion: str, answer: str) -> float:
+        return exact_match(completion, answer)
+
+
+@dataclass(frozen=True)
+class WorkedMultiplication:
+    """a*b by running sums: "a*b=" -> "2:2a,3:3a,...,b:ba"; the answer is b*a.
+
+    a is uniform in [lo, hi]; b in [2, max_b] with P(b) proportional to 1/(b-1), so half the
+    problems take one or two steps and the longest take max_b - 1. Each step adds a to the
+    previous sum (a is at the start of the prompt, the previous sum right before), and its
+    counter j says when to stop (j == b): local work a small model can learn, and errors
+    compound with the number of steps.
+    """
+
+    name: str
+    lo: int
+    hi: int
+    max_b: int
+
+    alphabet = "0123456789*=:,"
+
+    def solution(self, a: int, b: int) -> str:
+        return ",".join(f"{j}:{j * a}" for j in range(2, b + 1))
+
+    def answer(self, a: int, b: int) -> str:
+        return str(a * b)
+
+    def prompt(self, a: int, b: int) -> str:
+        return f"{a}*{b}="
+
+    @property
+    def num_problems(self) -> int:
+        return (self.hi - self.lo + 1) * (self.max_b - 1)
+
+    @property
+    def max_solution_chars(self) -> int:
+        return len(self.solution(self.hi, self.max_b))
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        steps = range(1, self.max_b)
+        return rng.randint(self.lo, self.hi), 1 + rng.choices(steps, weights=[1 / k for k in steps])[0]
+
+    def record(self, a: int, b: int) -> dict:
+        return {"prompt": self.prompt(a, b), "answer": self.answer(a, b), "solution": self.solution(a, b)}
+
+    def score(self, completion: str, answer: str) -> float:
+        return 1.0 if final_answer(completion) == str(answer).strip() else 0.0
+
 
 # "add3" is the one DESIGN.md measured (the tiny main job); the others are there for variety.
 # add2 is too easy to show a difference between methods (60% -> 90% in seconds).
@@ -48,10 +114,12 @@ TASKS = {
     "add2": ArithmeticTask("add2", "+", 10, 99),
     "sub3": ArithmeticTask("sub3", "-", 100, 999),
     "mul2": ArithmeticTask("mul2", "*", 10, 99),
+    # The long-tailed task (examples/tiny/longtail.yaml): 2-4 digit a, up to 15 steps.
+    "mulsteps": WorkedMultiplication("mulsteps", 10, 9999, 16),
 }
 
 
-def get_task(name: str) -> ArithmeticTask:
+def get_task(name: str) -> ArithmeticTask | WorkedMultiplication:
     try:
         return TASKS[name]
     except KeyError:
@@ -65,6 +133,19 @@ def exact_match(completion: str, answer: str) -> float:
     reward cannot be gamed by emitting several candidates.
     """
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def final_answer(completion: str) -> str:
+    """The number a worked solution ends with: the text after its last ':' (the whole text when
+    there is none), stripped. "2:94,3:141" -> "141"."""
+    return completion.rsplit(":", 1)[-1].strip()
+
+
+def final_answer_reward(completion: str, answer: str, record=None) -> float:
+    """Reward function for worked tasks (reward kind "megatron_dppo.tasks:final_answer_reward"):
+    1.0 iff the completion's final number is the answer. Only the end is checked, as a
+    reasoning-RL verifier checks a final answer and not the steps that led to it."""
+    return 1.0 if final_answer(completion) == str(answer).strip() else 0.0
 
 
 def make_splits(task: str, seed: int = 0, **sizes: int) -> dict[str, list[dict]]:
@@ -84,14 +165,14 @@ def make_splits(task: str, seed: int = 0, **sizes: int) -> dict[str, list[dict]]
     seen: set[tuple[int, int]] = set()
     pairs: list[tuple[int, int]] = []
     while len(pairs) < total:
-        p = (rng.randint(t.lo, t.hi), rng.randint(t.lo, t.hi))
+        p = t.draw(rng)
         if p not in seen:
             seen.add(p)
             pairs.append(p)
     out, start = {}, 0
     for split, n in sizes.items():
         prefix = f"{task}-" if split == "train" else f"{task}-{split}-"
-        out[split] = [{"id": f"{prefix}{i:06d}", "prompt": t.prompt(a, b), "answer": t.answer(a, b)}
+        out[split] = [{"id": f"{prefix}{i:06d}", **t.record(a, b)}
                       for i, (a, b) in enumerate(pairs[start:start + n])]
         start += n
     return out
