@@ -2,6 +2,7 @@
 tools end to end on the tiny CPU model (profile_throughput: 2 steps per method)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -153,4 +154,13 @@ def test_profile_throughput_tiny_grpo_vs_dppo(tmp_path):
     assert dppo["completions_pruned_frac"] > 0
     # every prompt comes back from step 2 on (train_size = prompts_per_step): DPPO prunes prompts then
     assert min(s["prune/prompts_kept_frac"] for s in r["per_step"]["dppo"][1:]) < 1
-    assert r["speedup"] > 0 and "GRPO/DPPO step time" in res.stdout
+    # The speedups from the per-step records (warm-up 0, the traced step left out), independently.
+    measured = {n: [s["time/step"] for s in r["per_step"][n] if not s["traced"]] for n in ("grpo", "dppo")}
+    assert len(measured["grpo"]) == len(measured["dppo"]) == 2
+    mean = {n: sum(t) / len(t) for n, t in measured.items()}
+    assert r["speedup"] == pytest.approx(mean["grpo"] / mean["dppo"])
+    assert r["speedup_median"] == pytest.approx(statistics.median(measured["grpo"]) /
+                                                statistics.median(measured["dppo"]))
+    pairs = [a / b for a, b in zip(measured["grpo"], measured["dppo"])]
+    assert r["speedup_paired_median"] == pytest.approx(statistics.median(pairs))
+    assert f"GRPO/DPPO step time: {r['speedup']:.2f}x mean" in res.stdout
