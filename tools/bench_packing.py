@@ -1,34 +1,53 @@
-"""Packing density and speed on RL-like length distributions (DPPO.md section 6).
+"""Dense packing, measured: density of the packers, packed-attention speed, and the trainer's
+train phase with packed vs padded micro-batches (DPPO.md section 6, docs/packing.md).
 
-A rollout batch: B prompts of 80-300 tokens (uniform), G completions each with log-normal
-lengths (long tail) clipped to the max response length, then a random half of each group's
-completions pruned as DPPO does (r_o = 0.5). Sequences arrive group by group.
-For each capacity it prints, side by side: padded batching (rows padded to the batch's
-longest; and per-micro-batch padding), first-fit-decreasing and the window greedy at several
-windows: micro-batches, density, packing time, and the dp imbalance (max/mean estimated cost)
-after balance_packs.
+Every comparison is side by side in ONE run, interleaved (A B A B ...), and printed as a ratio:
+timings on a shared machine drift too much to compare across runs.
 
-    .venv/bin/python tools/bench_packing.py [--prompts 1024] [--json out.json]
+    .venv/bin/python tools/bench_packing.py                      # all sections
+    .venv/bin/python tools/bench_packing.py --sections attention # one layer's attention only
+    .venv/bin/python tools/bench_packing.py --sections trainer --trainer-steps 6 --rounds 2
+
+Sections:
+  density    padded batching (rows padded to the batch's longest; and per micro-batch), first-fit-
+             decreasing and the window greedy at several windows on RL-shaped lengths (B prompts
+             of 80-300 tokens, G log-normal completions, half of each group pruned): micro-batches,
+             density, packing time, and the DP imbalance after balance_packs.
+  attention  one layer's core attention, forward + backward, per REAL token, through
+             megatron/attention.py's kernels: the per-sequence loop, the length buckets, and
+             padded rows (the [rows, longest] batch `trainer.packing=padded` runs); on a uniform
+             micro-batch (the addition task's lengths) and a long-tailed one (the mulsteps
+             task's), tiny-model heads (4 query / 2 KV x 32).
+  profile    torch.profiler over MegatronPolicy.train_step on one process (the trainer's packed
+             micro-batches of the addition and the long-tailed task): the top ops by self CPU
+             time, and how much of the step is not inside an ATen kernel (Python, autograd,
+             dispatch) per micro-batch; and the same forward/backward with the CPU shim's
+             device-rewriting TorchFunctionMode lifted (megatron/cpu_compat.py), to price it.
+  trainer    `megatron-dppo train` through the CLI, interleaved, same seed: time/train per step
+             (runs/<name>/metrics.jsonl, first step dropped) with trainer.packing=window vs
+             padded, and window packing with the per-sequence loop attention (the code before
+             the buckets: MEGATRON_DPPO_THD_ATTENTION=loop) vs the default, on the addition and
+             the long-tailed task.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
 
-from megatron_dppo.packing import balance_packs, density, dp_imbalance, pack, pack_ffd, pack_padded
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from megatron_dppo.packing import balance_packs, density, dp_imbalance, pack, pack_ffd, pack_padded  # noqa: E402
 
-
-def rollout_lengths(rng, prompts, group, max_response, median, sigma, keep_frac):
-    prompt = rng.integers(80, 301, size=prompts)
-    completion = np.clip(rng.lognormal(np.log(median), sigma, size=(prompts, group)), 1, max_response)
-    lengths = []
-    for q in range(prompts):
-        kept = np.sort(rng.choice(group, size=int(round(group * keep_frac)), replace=False))
-        lengths += [int(prompt[q] + completion[q, i]) for i in kept]
-    return lengths
+TASK_CONFIGS = {"addition": "examples/tiny/addition.yaml", "longtail": "examples/tiny/longtail.yaml"}
 
 
 def timed(fn, *args, repeat=3):
@@ -41,8 +60,278 @@ def timed(fn, *args, repeat=3):
     return out, best
 
 
+# ------------------------------------------------------------------------------------ density
+
+def rollout_lengths(rng, prompts, group, max_response, median, sigma, keep_frac):
+    prompt = rng.integers(80, 301, size=prompts)
+    completion = np.clip(rng.lognormal(np.log(median), sigma, size=(prompts, group)), 1, max_response)
+    lengths = []
+    for q in range(prompts):
+        kept = np.sort(rng.choice(group, size=int(round(group * keep_frac)), replace=False))
+        lengths += [int(prompt[q] + completion[q, i]) for i in kept]
+    return lengths
+
+
+def section_density(args) -> dict:
+    lengths = rollout_lengths(np.random.default_rng(args.seed), args.prompts, args.group,
+                              args.max_response, args.median, args.sigma, args.keep)
+    n = len(lengths)
+    print(f"== density: {n} sequences ({args.prompts} prompts x {args.group}, keep {args.keep}); length "
+          f"mean {np.mean(lengths):.0f} median {np.median(lengths):.0f} max {max(lengths)}, "
+          f"{sum(lengths)} tokens; dp={args.dp}")
+    methods = [("padded", lambda c: pack_padded(lengths, c)),
+               ("padded/mb", lambda c: pack_padded(lengths, c, per_microbatch=True)),
+               ("ffd", lambda c: pack_ffd(lengths, c))]
+    methods += [(f"window={w}", lambda c, w=w: pack(lengths, c, w)) for w in args.windows]
+    methods += [("window=all", lambda c: pack(lengths, c, n))]
+    results = []
+    for cap in args.capacities:
+        print(f"\ncapacity {cap}")
+        print(f"  {'method':<12}{'micro-batches':>14}{'density':>9}{'pack ms':>9}{'mb/rank':>9}{'dp imbalance':>14}")
+        for name, fn in methods:
+            packs, ms = timed(fn, cap)
+            ranks = balance_packs(packs, lengths, args.dp)
+            row = dict(capacity=cap, method=name, micro_batches=len(packs), density=density(lengths, packs, cap),
+                       pack_ms=ms, mb_per_rank=len(ranks[0]), dp_imbalance=dp_imbalance(ranks, lengths))
+            results.append(row)
+            print(f"  {name:<12}{row['micro_batches']:>14}{row['density']:>9.4f}{ms:>9.1f}"
+                  f"{row['mb_per_rank']:>9}{row['dp_imbalance']:>14.4f}")
+    big = rollout_lengths(np.random.default_rng(args.seed + 1), 2500, args.group, args.max_response,
+                          args.median, args.sigma, args.keep)
+    timing = {w: timed(pack, big, args.capacities[0], w)[1] for w in [*args.windows, len(big)]}
+    print(f"\npack() on {len(big)} sequences, capacity {args.capacities[0]}: "
+          + ", ".join(f"window={w if w < len(big) else 'all'} {ms:.0f} ms" for w, ms in timing.items()))
+    return dict(num_sequences=n, results=results, pack_ms_10k={str(w): ms for w, ms in timing.items()})
+
+
+# ---------------------------------------------------------------------------------- attention
+
+def task_lengths(task: str, rng: random.Random, n: int) -> list[int]:
+    """Sequence lengths (<bos> + prompt + completion + <eos>) of n problems of a bundled task,
+    completions at their worked-solution / answer length (what a warmed-up model emits)."""
+    from megatron_dppo.tasks import get_task
+
+    t = get_task(task)
+    out = []
+    for _ in range(n):
+        a, b = t.draw(rng)
+        r = t.record(a, b)
+        out.append(1 + len(r["prompt"]) + len(r.get("solution", r["answer"])) + 1)
+    return out
+
+
+def fill(lengths, capacity):
+    """The first sequences that fit one micro-batch of `capacity` tokens."""
+    out, used = [], 0
+    for n in lengths:
+        if used + n > capacity:
+            break
+        out.append(n)
+        used += n
+    return out
+
+
+def section_attention(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_dppo.megatron.attention import BUCKET_CALL_COST, PackedRow, bucketed_attention, loop_attention
+
+    torch.set_num_threads(args.threads)
+    hq, hk, d = 4, 2, 32
+    rng = random.Random(args.seed)
+    cases = {"uniform (add3)": fill(task_lengths("add3", rng, 4000), args.attn_capacity),
+             "long-tailed (mulsteps)": fill(task_lengths("mulsteps", rng, 4000), args.attn_capacity)}
+    print(f"\n== attention: one layer, forward + backward, {hq} query / {hk} KV heads x {d}, fp32, "
+          f"{args.threads} thread(s), micro-batch of <= {args.attn_capacity} tokens; "
+          f"median of {args.rounds * 5} interleaved timings (process CPU time), microseconds per real token")
+    results = {}
+    for name, lengths in cases.items():
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        row = PackedRow.from_cu(cu, None, total)
+        width = max(lengths)
+
+        def padded(q, k, v, rows=len(lengths), width=width):
+            # [rows, width] right-padded rows under a causal mask, as build_padded_batch lays them out
+            qs, ks, vs = (x.unflatten(0, (rows, width)).transpose(1, 2) for x in (q, k, v))
+            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+
+        impls = {"loop": (lambda q, k, v: loop_attention(q, k, v, row, scale=d ** -0.5), total),
+                 "bucketed": (lambda q, k, v: bucketed_attention(q, k, v, row, scale=d ** -0.5), total),
+                 "padded rows": (padded, len(lengths) * width)}
+        inputs = {}
+        for impl, (_, tokens) in impls.items():
+            g = torch.Generator().manual_seed(0)
+            inputs[impl] = [torch.randn(tokens, h, d, generator=g).requires_grad_() for h in (hq, hk, hk)]
+        times = {impl: [] for impl in impls}
+        for r in range(args.rounds * 5):
+            order = list(impls) if r % 2 == 0 else list(reversed(impls))
+            for impl in order:
+                fn, _ = impls[impl]
+                qkv = inputs[impl]
+                if r == 0:
+                    fn(*qkv).sum().backward()  # warm-up
+                t0 = time.process_time()  # CPU time: other jobs on a shared machine do not count
+                fn(*qkv).sum().backward()
+                times[impl].append(time.process_time() - t0)
+        per_token = {impl: 1e6 * statistics.median(t) / total for impl, t in times.items()}
+        buckets = len(row.bucket_plan("cpu", BUCKET_CALL_COST / (hq * d)).shapes)
+        print(f"  {name}: {len(lengths)} sequences, {total} real tokens, lengths median "
+              f"{statistics.median(lengths):.0f} max {width}; {buckets} bucket(s); padded rows hold "
+              f"{len(lengths) * width} tokens")
+        for impl, us in per_token.items():
+            print(f"    {impl:<12} {us:8.3f} us/token   {us / per_token['bucketed']:6.2f}x bucketed")
+        results[name] = dict(sequences=len(lengths), real_tokens=total, max_len=width, buckets=buckets,
+                             us_per_real_token=per_token,
+                             loop_over_bucketed=per_token["loop"] / per_token["bucketed"],
+                             padded_over_bucketed=per_token["padded rows"] / per_token["bucketed"])
+    return results
+
+
+# ------------------------------------------------------------------------------------ profile
+
+def tiny_train_batches(task: str, hf_dir: str, vocab: int, packing: str, capacity: int, seed: int):
+    """The micro-batches a DPPO step of the tiny job trains: 32 prompts x 8 completions at the
+    task's lengths, a random half of each group kept (r_o = 0.5), packed as the trainer does."""
+    from megatron_dppo import packing as pk
+
+    rng = random.Random(seed)
+    samples = []
+    for q in range(32):
+        group = task_lengths(task, rng, 8)
+        for i in sorted(rng.sample(range(8), 4)):
+            n = group[i]
+            prompt = min(n - 1, 9)
+            samples.append(pk.Sample(tokens=[rng.randint(3, vocab - 1) for _ in range(n)], prompt_len=prompt,
+                                     advantage=rng.uniform(-1, 1), weight=2.0, seq_id=len(samples)))
+    lengths = [len(s.tokens) for s in samples]
+    if packing == "padded":
+        return [pk.build_padded_batch([samples[i] for i in p]) for p in pk.pack_padded(lengths, capacity)]
+    return [pk.build_thd_batch([samples[i] for i in p]) for p in pk.pack(lengths, capacity, 16)]
+
+
+def section_profile(args) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig
+
+    from megatron_dppo.config import OptimConfig
+    from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat
+    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
+
+    torch.set_num_threads(args.threads)
+    initialize_parallel(1, 1, args.seed)
+    results = {}
+    for task, hf_dir in (("add3", "examples/tiny/model"), ("mulsteps", "examples/tiny/longtail/model")):
+        cfg = AutoConfig.from_pretrained(os.path.join(REPO, hf_dir))
+        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-6), LossConfig())
+        batches = tiny_train_batches(task, hf_dir, cfg.vocab_size, "window", 1024, args.seed)
+        tokens = sum(int(b.tokens.numel()) for b in batches)
+        policy.train_step(batches, denominator=float(tokens))  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()  # wall, like the profiler's own times
+            for _ in range(3):
+                policy.train_step(batches, denominator=float(tokens))
+            step_s = (time.perf_counter() - t0) / 3
+        events = prof.key_averages()
+        aten_s = sum(e.self_cpu_time_total for e in events if e.key.startswith(("aten::", "c10d::"))) / 1e6 / 3
+        calls = sum(e.count for e in events if e.key.startswith("aten::")) / 3
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top_ops]
+        print(f"\n== profile: MegatronPolicy.train_step, {task}, {len(batches)} packed micro-batch(es) of <= 1024 "
+              f"tokens ({tokens} tokens), {args.threads} thread(s)")
+        print(f"  step {1e3 * step_s:.1f} ms (profiled); inside ATen/c10d ops {1e3 * aten_s:.1f} ms "
+              f"({100 * aten_s / step_s:.0f}%); the rest (Python, autograd, dispatch, the CPU shim) "
+              f"{1e3 * (step_s - aten_s) / len(batches):.1f} ms per micro-batch; {calls / len(batches):.0f} "
+              f"ATen calls per micro-batch")
+        total = sum(e.self_cpu_time_total for e in events)
+        for e in top:
+            print(f"    {e.key[:60]:<60} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count // 3:6d} calls/step")
+        # The device-rewriting TorchFunctionMode runs Python on every torch call. The model's
+        # forward needs no device rewriting once the model is built (the schedule around it
+        # does: it allocates with device="cuda"), so price the mode by lifting it there.
+        forward = policy.model.forward
+
+        def lifted(*a, **k):
+            with suspend_cpu_compat():
+                return forward(*a, **k)
+
+        shim = {"with shim": [], "shim lifted": []}
+        for r in range(2 * args.rounds):
+            for mode in (shim if r % 2 == 0 else reversed(list(shim))):
+                policy.model.forward = lifted if mode == "shim lifted" else forward
+                t0 = time.process_time()
+                policy.forward_backward(batches, denominator=float(tokens))
+                shim[mode].append(time.process_time() - t0)
+        policy.model.forward = forward
+        fb = {k: statistics.median(v) for k, v in shim.items()}
+        print(f"  forward_backward (CPU time): {1e3 * fb['with shim']:.1f} ms with the CPU shim's TorchFunctionMode "
+              f"in the model's forward, {1e3 * fb['shim lifted']:.1f} ms without it "
+              f"({fb['with shim'] / fb['shim lifted']:.2f}x)")
+        results[task] = dict(step_ms=1e3 * step_s, aten_ms=1e3 * aten_s, micro_batches=len(batches),
+                             overhead_ms_per_microbatch=1e3 * (step_s - aten_s) / len(batches),
+                             aten_calls_per_microbatch=calls / len(batches),
+                             top_ops=[(e.key, e.self_cpu_time_total / total, e.count // 3) for e in top],
+                             forward_backward_ms={k: 1e3 * v for k, v in fb.items()})
+    return results
+
+
+# ------------------------------------------------------------------------------------ trainer
+
+def run_train(config: str, name: str, steps: int, overrides: list[str], env_extra: dict, threads: int) -> list[dict]:
+    """One CLI run; returns its metrics.jsonl records."""
+    out_dir = os.path.join(REPO, "runs", name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    cmd = [os.path.join(REPO, ".venv", "bin", "megatron-dppo"), "train", "--config", config,
+           f"trainer.max_steps={steps}", f"trainer.run_name={name}", "logging.wandb=disabled",
+           "logging.progress=false", "trainer.eval_every=0", f"trainer.save_every={10 * steps}",
+           f"trainer.threads={threads}", "trainer.max_time_s=0", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **env_extra)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def section_trainer(args) -> dict:
+    variants = {  # name -> (config overrides, environment)
+        "window": (["trainer.packing=window"], {}),
+        "padded": (["trainer.packing=padded"], {}),
+        "window+loop-attention": (["trainer.packing=window"], {"MEGATRON_DPPO_THD_ATTENTION": "loop"}),
+    }
+    print(f"\n== trainer: {args.trainer_steps} steps a run (step 1 dropped), {args.rounds} interleaved "
+          f"round(s), {args.threads} thread(s), seed 0; time/train summed over the kept steps")
+    results = {}
+    for task in args.tasks:
+        config = TASK_CONFIGS[task]
+        totals = {v: [] for v in variants}
+        density_of = {v: [] for v in variants}
+        for r in range(args.rounds):
+            order = list(variants) if r % 2 == 0 else list(reversed(variants))
+            for v in order:
+                overrides, env = variants[v]
+                name = f"bench-packing-{task}-{v.replace('+', '-')}"
+                records = run_train(config, name, args.trainer_steps, overrides, env, args.threads)[1:]
+                totals[v].append(sum(m["time/train"] for m in records))
+                density_of[v].append(statistics.mean(m["pack/density"] for m in records))
+                print(f"  {task} round {r + 1} {v:<22} time/train {totals[v][-1]:7.3f} s  "
+                      f"pack/density {density_of[v][-1]:.3f}", flush=True)
+        padded_ratio = [p / w for p, w in zip(totals["padded"], totals["window"])]
+        loop_ratio = [lp / w for lp, w in zip(totals["window+loop-attention"], totals["window"])]
+        print(f"  {task}: padded / window = {statistics.median(padded_ratio):.2f}x "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in padded_ratio)}); "
+              f"loop attention / buckets = {statistics.median(loop_ratio):.2f}x "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in loop_ratio)})")
+        results[task] = dict(time_train_s=totals, density=density_of, padded_over_window=padded_ratio,
+                             loop_over_bucketed=loop_ratio)
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", default=["density", "attention", "profile", "trainer"],
+                    choices=["density", "attention", "profile", "trainer"])
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-response", type=int, default=4096)
@@ -52,51 +341,23 @@ def main():
     ap.add_argument("--capacities", type=int, nargs="+", default=[4608, 8192, 16384])
     ap.add_argument("--windows", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--attn-capacity", type=int, default=1024, help="tokens of the attention micro-batch")
+    ap.add_argument("--tasks", nargs="+", default=list(TASK_CONFIGS), choices=list(TASK_CONFIGS))
+    ap.add_argument("--trainer-steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--top-ops", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
 
-    lengths = rollout_lengths(np.random.default_rng(args.seed), args.prompts, args.group,
-                              args.max_response, args.median, args.sigma, args.keep)
-    n = len(lengths)
-    print(f"{n} sequences ({args.prompts} prompts x {args.group}, keep {args.keep}); length "
-          f"mean {np.mean(lengths):.0f} median {np.median(lengths):.0f} max {max(lengths)}, "
-          f"{sum(lengths)} tokens; dp={args.dp}")
-
-    methods = [("padded", lambda c: pack_padded(lengths, c)),
-               ("padded/mb", lambda c: pack_padded(lengths, c, per_microbatch=True)),
-               ("ffd", lambda c: pack_ffd(lengths, c))]
-    methods += [(f"window={w}", lambda c, w=w: pack(lengths, c, w)) for w in args.windows]
-    methods += [("window=all", lambda c: pack(lengths, c, n))]
-
-    results = []
-    for cap in args.capacities:
-        print(f"\ncapacity {cap}")
-        print(f"  {'method':<12}{'micro-batches':>14}{'density':>9}{'pack ms':>9}"
-              f"{'mb/rank':>9}{'dp imbalance':>14}")
-        for name, fn in methods:
-            packs, ms = timed(fn, cap)
-            ranks = balance_packs(packs, lengths, args.dp)
-            row = dict(capacity=cap, method=name, micro_batches=len(packs),
-                       density=density(lengths, packs, cap), pack_ms=ms,
-                       mb_per_rank=len(ranks[0]), dp_imbalance=dp_imbalance(ranks, lengths))
-            results.append(row)
-            print(f"  {name:<12}{row['micro_batches']:>14}{row['density']:>9.4f}{ms:>9.1f}"
-                  f"{row['mb_per_rank']:>9}{row['dp_imbalance']:>14.4f}")
-
-    # Speed at the size the docs promise (~10k sequences).
-    big = rollout_lengths(np.random.default_rng(args.seed + 1), 2500, args.group, args.max_response,
-                          args.median, args.sigma, args.keep)
-    timing = {}
-    for w in [*args.windows, len(big)]:
-        timing[w] = timed(pack, big, args.capacities[0], w)[1]
-    print(f"\npack() on {len(big)} sequences, capacity {args.capacities[0]}: "
-          + ", ".join(f"window={w if w < len(big) else 'all'} {ms:.0f} ms" for w, ms in timing.items()))
-
+    out = {"args": vars(args)}
+    for section in args.sections:
+        out[section] = {"density": section_density, "attention": section_attention, "profile": section_profile,
+                        "trainer": section_trainer}[section](args)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), num_sequences=n, results=results,
-                           pack_ms_10k={str(w): ms for w, ms in timing.items()}), f, indent=2)
+            json.dump(out, f, indent=2)
         print(f"wrote {args.json}")
 
 

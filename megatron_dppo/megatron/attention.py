@@ -161,13 +161,20 @@ def bucket_sequences(lengths, call_cost_pairs: float) -> list[list[int]]:
 
 
 @dataclasses.dataclass
-class Bucket:
-    """One batched SDPA call: `rows` sequences padded to `width` tokens."""
-    rows: int
-    width: int
-    start: int                        # first token, when the bucket is one sequence (no gather)
-    index: torch.Tensor | None        # [rows * width] row-token index; padding slots repeat the
-                                      # row's last real token (only padding queries see them)
+class BucketPlan:
+    """How one packed row maps onto its buckets' padded [rows, width] batches.
+
+    The buckets' slots are laid out one after another (bucket b: `shapes[b]` = (rows, width),
+    row-major), S slots in all. A slot is real (holds token t of its sequence) or padding.
+      gather   [S]  slot -> token; a padding slot repeats its row's last real token (it sits after
+                    the row's real tokens, so only padding queries ever see it)
+      scatter  [S]  slot -> token for real slots, -> T (a zero row) for padding slots
+      inverse  [T]  token -> its real slot; tokens outside every sequence -> S (a zero row)
+    """
+    shapes: list[tuple[int, int]]
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    inverse: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -202,27 +209,28 @@ class PackedRow:
     def has_padding(self) -> bool:
         return sum(self.lengths) != self.total
 
-    def buckets(self, device, call_cost_pairs: float) -> tuple[list[Bucket], torch.Tensor]:
-        """(buckets, inverse): inverse[t] is token t's row in the concatenated bucket outputs,
-        or the zero row appended after them (padding tokens)."""
+    def bucket_plan(self, device, call_cost_pairs: float) -> BucketPlan:
         key = ("buckets", str(device), call_cost_pairs)
         if key not in self._cache:
             groups = bucket_sequences(self.lengths, call_cost_pairs)
-            slots = sum(len(g) * self.lengths[g[0]] for g in groups)
+            shapes = [(len(g), self.lengths[g[0]]) for g in groups]
+            slots = sum(rows * width for rows, width in shapes)
+            gather, scatter = [], []
             inverse = torch.full((self.total,), slots, dtype=torch.long)
-            buckets, offset = [], 0
-            for g in groups:
-                width = self.lengths[g[0]]
+            offset = 0
+            for g, (rows, width) in zip(groups, shapes):
                 starts = torch.tensor([self.starts[i] for i in g])[:, None]
                 lens = torch.tensor([self.lengths[i] for i in g])[:, None]
                 pos = torch.arange(width)[None]
-                index = starts + torch.minimum(pos, lens - 1)
+                token = starts + torch.minimum(pos, lens - 1)
                 real = pos < lens
-                inverse[index[real]] = offset + torch.arange(len(g) * width).view(len(g), width)[real]
-                buckets.append(Bucket(len(g), width, self.starts[g[0]],
-                                      None if len(g) == 1 else index.flatten().to(device)))
-                offset += len(g) * width
-            self._cache[key] = (buckets, inverse.to(device))
+                gather.append(token.flatten())
+                scatter.append(torch.where(real, token, self.total).flatten())
+                inverse[token[real]] = offset + torch.arange(rows * width).view(rows, width)[real]
+                offset += rows * width
+            as_tensor = (lambda parts: torch.cat(parts)) if gather else (lambda parts: torch.zeros(0, dtype=torch.long))
+            self._cache[key] = BucketPlan(shapes, as_tensor(gather).to(device), as_tensor(scatter).to(device),
+                                          inverse.to(device))
         return self._cache[key]
 
     def varlen_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -303,23 +311,54 @@ def loop_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0):
     return torch.cat(pieces).reshape(t, heads * hn)
 
 
+class _ToBuckets(torch.autograd.Function):
+    """[T, h, d] token-ordered -> one [rows * width, h, d] tensor per bucket.
+
+    Backward gathers instead of scatter-adding (what index_select's own backward does, with a
+    zero fill of [T, h, d] per call): each token's gradient comes from its one real slot, because
+    a padding slot's gradient is exactly zero under the causal mask (its query output is dropped
+    and only padding queries see its key/value)."""
+
+    @staticmethod
+    def forward(ctx, x, plan: BucketPlan):
+        ctx.plan = plan
+        return x.index_select(0, plan.gather).split([r * w for r, w in plan.shapes])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = torch.cat([*grads, grads[0].new_zeros(1, *grads[0].shape[1:])])
+        return g.index_select(0, ctx.plan.inverse), None
+
+
+class _FromBuckets(torch.autograd.Function):
+    """One [rows * width, n] output per bucket -> [T, n] token-ordered, zeros outside sequences.
+    Backward hands each padding slot a zero gradient (the zero row after the T tokens)."""
+
+    @staticmethod
+    def forward(ctx, plan: BucketPlan, *outs):
+        ctx.plan = plan
+        return torch.cat([*outs, outs[0].new_zeros(1, outs[0].size(1))]).index_select(0, plan.inverse)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = torch.cat([grad, grad.new_zeros(1, grad.size(1))]).index_select(0, ctx.plan.scatter)
+        return None, *g.split([r * w for r, w in ctx.plan.shapes])
+
+
 def bucketed_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0,
                        call_cost: float = BUCKET_CALL_COST):
     """One causal SDPA per bucket of similar lengths: [t, np, hn] -> [t, np*hn], zeros on padding."""
     t, heads, hn = query.shape
-    buckets, inverse = row.buckets(query.device, call_cost / (heads * hn))
+    plan = row.bucket_plan(query.device, call_cost / (heads * hn))
+    if not plan.shapes:  # no tokens in any sequence
+        return query.new_zeros(t, heads * hn)
+    parts = [_ToBuckets.apply(x, plan) for x in (query, key, value)]
     outs = []
-    for b in buckets:
-        if b.index is None:  # a lone sequence: a view, no gather
-            parts = [x[b.start:b.start + b.width] for x in (query, key, value)]
-        else:
-            parts = [x.index_select(0, b.index) for x in (query, key, value)]
-        # splitting the token dim is a view even of a strided value tensor
-        q, k, v = (x.unflatten(0, (b.rows, b.width)).transpose(1, 2) for x in parts)
+    for b, (rows, width) in enumerate(plan.shapes):
+        q, k, v = (x[b].unflatten(0, (rows, width)).transpose(1, 2) for x in parts)
         out = _sdpa(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)  # [rows, np, width, hn]
-        outs.append(out.transpose(1, 2).reshape(b.rows * b.width, heads * hn))
-    outs.append(query.new_zeros(1, heads * hn))  # what padding tokens read
-    return torch.cat(outs).index_select(0, inverse)
+        outs.append(out.transpose(1, 2).reshape(rows * width, heads * hn))
+    return _FromBuckets.apply(plan, *outs)
 
 
 def varlen_attention(query, key, value, row: PackedRow, *, scale):

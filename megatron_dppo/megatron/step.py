@@ -265,14 +265,20 @@ class MegatronPolicy:
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
-        from megatron_dppo.megatron.attention import packed_seq_params  # local: keeps this edit inside the method
+        # (imported here to keep this edit inside the method)
+        from megatron_dppo.megatron.attention import packed_seq_params
+        from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
 
         batch = next(data_iterator)
         dev = _device()
         # None for a padded [rows, L] batch; the row layout is read on the host here, once.
         psp = packed_seq_params(batch, dev)
-        output = model(input_ids=batch.tokens.to(dev), position_ids=batch.position_ids.to(dev),
-                       attention_mask=None, packed_seq_params=psp)
+        ids, pos = batch.tokens.to(dev), batch.position_ids.to(dev)
+        # On CPU, the shim's device-rewriting mode runs Python on every torch call; the built
+        # model's forward allocates nothing on "cuda", so it runs without it (8% of an addition
+        # step's forward_backward, tools/bench_packing.py --sections profile). No-op on GPUs.
+        with suspend_cpu_compat():
+            output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
         return output, partial(self._loss, batch, mode, denominator)
 
     def _loss(self, batch, mode, denominator, logits):
