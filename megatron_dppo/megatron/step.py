@@ -129,7 +129,9 @@ class MegatronPolicy:
 
     # ---- weights ---------------------------------------------------------------------------
     def load_hf_state_dict(self, hf_sd: dict, into_reference: bool = True) -> None:
-        """Load HF-named full tensors (every rank passes the same dict) into this rank's shard."""
+        """Load HF-named full tensors (every rank passes the same dict) into this rank's shard.
+        Holds the whole model on every rank: for small models and tests. From an HF directory,
+        megatron_dppo.megatron.hf_load.load_hf_into_policy reads only this rank's slices."""
         full = mapping.hf_to_megatron(hf_sd, self.layout)
         local = mapping.shard_for_rank(full, self.layout, parallel_state.get_tensor_model_parallel_rank(),
                                        self.tp_size, parallel_state.get_pipeline_model_parallel_rank(),
@@ -146,6 +148,22 @@ class MegatronPolicy:
                 for name, tensor in local.items():
                     params[name].copy_(tensor)
         self.optimizer.reload_model_params()  # the fp32 main copy of a bf16 model, if any
+
+    def copy_policy_to_reference(self) -> bool:
+        """The KL reference := the policy's current weights, shard by shard on every rank (both
+        models have the same TP/PP layout, so no communication). For model.init_checkpoint: the
+        reference must start where the policy starts, not at the HF weights. Returns False (and
+        does nothing) when the policy was built without a reference."""
+        if self.reference is None:
+            return False
+        src = dict(self.model.module.named_parameters())
+        dst = dict(self.reference.named_parameters())
+        if src.keys() != dst.keys():
+            raise ValueError(f"policy and reference differ in their parameters: {sorted(src.keys() ^ dst.keys())[:5]}")
+        with torch.no_grad():
+            for name, p in dst.items():
+                p.copy_(src[name])
+        return True
 
     def _full_units(self, tensors: dict):
         """Local megatron-named tensors -> full (TP-merged) tensors of every PP stage, on every
