@@ -91,3 +91,22 @@ def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tm
     assert "1 process(es) started by the tests outlived them (now killed)" in out and "time.sleep(600)" in out, out
     pid = int(out.split("outlived them (now killed):")[1].split()[0])
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_soak_tool_growth_figures_match_an_independent_fit():
+    """tools/soak.py's summary (RSS growth after warm-up, least-squares slope) against numpy."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(REPO, "tools"))
+    from soak import MemoryLog
+
+    log = MemoryLog(every=50, warmup=100, steps=1000, trace=False, trim_every=0)
+    rng = np.random.default_rng(0)
+    steps = [1, 50] + list(range(100, 1001, 50))
+    rss = [700.0, 760.0] + [800 + 0.02 * (s - 100) + float(rng.normal(0, 2)) for s in steps[2:]]
+    log.rows = [{"step": s, "rss_mb": r, "py_objects": 1} for s, r in zip(steps, rss)]
+    summary = log.summary()
+    growth = (rss[-1] - rss[2]) / rss[2]
+    slope = np.polyfit(steps[2:], rss[2:], 1)[0]
+    assert f"{growth:+.1%} over 900 steps" in summary and f"slope {slope * 100:+.2f} MB per 100 steps" in summary, summary
+    assert "step" in log.table().splitlines()[0] and len(log.table().splitlines()) == len(steps) + 1
