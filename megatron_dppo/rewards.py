@@ -181,7 +181,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def die_with_parent() -> None:
     """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
-    If the parent is already gone (reparented before the call), exit now."""
+    If the parent died during the call, exit now (a parent that died before it is noticed by
+    the worker loop: its pipe to the trainer reads EOF)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -190,7 +191,7 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent or parent == 1:
+    if os.getppid() != parent:
         os._exit(1)
 
 
