@@ -1,47 +1,41 @@
 """The DPPO training loop. One step, top to bottom, is `Trainer.step`:
 
-    prompts -> prune prompts (history) -> rollout (vLLM) -> rewards -> group advantages
-    -> prune completions -> history update -> pack (THD) -> old/ref log-probs
-    -> optimizer step(s) -> weight sync to vLLM -> log
+    prompts -> prune prompts (history) -> rollout (vLLM) -> rewards -> [refill] -> group advantages
+    -> prune completions -> pack (THD) -> old/ref log-probs -> optimizer step(s) -> weight sync -> log
 
 Everything distributed is decided identically on every rank: the prompt batch (same sampler
-seed), the pruning masks (a generator seeded by (seed, step)), the packs. Each rank generates
-for its slice of the prompts, the groups are gathered, and then each data-parallel rank trains
-on its own share of the packs. Megatron details live in megatron_dppo/megatron/.
+seed), the pruning masks (a generator seeded by (seed, step)), the packs, and each completion's
+sampling seed (from its prompt's place in the step, never from a rank). The prompts of a round
+are split over the vLLM engines (one per `parallel.rollout_tp` ranks); every rank of an engine
+generates the same slice, its first rank scores it, and the groups are gathered once. Each
+data-parallel rank then trains on its share of the packs. Megatron details live in
+megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
 """
 from __future__ import annotations
 
-import dataclasses
+import json
 import math
 import os
+import shutil
+import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from megatron_dppo import distributed as mdist
 from megatron_dppo import packing
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import drop_zero_variance_groups, get_strategy
-from megatron_dppo.config import Config, save_config
+from megatron_dppo.algorithms.refill import take_until_full
+from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, load_records
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.run_log import RunLogger
-
-
-@dataclass
-class Rollout:
-    """Every group of one step, gathered on every rank. Row q is a rolled-out prompt."""
-    records: list            # PromptRecord per group
-    batch_pos: list          # its position in the step's prompt batch (mini-batch assignment)
-    prompt_ids: list         # token ids per group
-    completions: list        # [q][i] token ids
-    rewards: torch.Tensor    # [P, G]
-    prompt_weight: torch.Tensor  # [P] w_q from prompt pruning
-    info: dict = field(default_factory=dict)
+from megatron_dppo.rollout.records import (Group, RolloutCounts, rollout_metrics, set_completion_weights,
+                                           stack_rewards)
+from megatron_dppo.run_log import RunLogger, phase_summary
 
 
 class PhaseTimer:
@@ -55,236 +49,303 @@ class PhaseTimer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
-def _world():
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The pruning masks' generator: the same on every rank, a new stream every step."""
+    from megatron_dppo.rollout.vllm_engine import request_seed
+    return torch.Generator().manual_seed(request_seed("masks", seed, step))
 
 
-def _gather_lists(local: list) -> list:
-    """Concatenate every rank's list, in rank order (small python objects: token ids, floats)."""
-    rank, world = _world()
-    if world == 1:
-        return local
-    parts = [None] * world
-    dist.all_gather_object(parts, local)
-    return [x for part in parts for x in part]
-
-
-def _my_slice(n: int) -> range:
-    rank, world = _world()
-    per = math.ceil(n / world)
-    return range(min(rank * per, n), min((rank + 1) * per, n))
-
-
-def _step_generator(seed: int, step: int) -> torch.Generator:
-    """The same generator on every rank: pruning masks must agree across ranks."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+class StopRequested(Exception):
+    """SIGTERM / SIGINT arrived: the loop saves a checkpoint and exits non-zero."""
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False):
-        from transformers import AutoConfig, AutoTokenizer
+    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False):
+        from transformers import AutoTokenizer
 
-        from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat, validate_layout
+        from megatron_dppo.megatron import data_parallel_rank_and_size, initialize_parallel, suspend_cpu_compat
+        from megatron_dppo.megatron.hf_load import check_hf_model_dir
         from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
         from megatron_dppo.rollout import RolloutEngine
 
-        self.cfg = cfg
         tc, pc, rc, ac = cfg.trainer, cfg.parallel, cfg.rollout, cfg.algorithm
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        self.hf_config = AutoConfig.from_pretrained(cfg.model.hf_dir)
+        self.model_dir = check_hf_model_dir(cfg.model.hf_dir)  # one-line errors, before anything slow
+        self.hf_config = self.model_dir.config
+        self.data = PromptDataset(cfg.data.train, tc.prompts_per_step, seed=tc.seed, limit=cfg.data.train_size)
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        validate_layout(world, pc.tp, pc.pp, self.hf_config.num_attention_heads,
-                        self.hf_config.num_key_value_heads, self.hf_config.num_hidden_layers)
-        if tc.max_tokens_per_microbatch < rc.max_model_len:
-            raise ValueError(
-                f"trainer.max_tokens_per_microbatch ({tc.max_tokens_per_microbatch}) is below "
-                f"rollout.max_model_len ({rc.max_model_len}), the longest sequence a rollout can produce: "
-                "raise the micro-batch budget or lower rollout.max_model_len")
-        initialize_parallel(pc.tp, pc.pp, seed=tc.seed)
-        from megatron.core import parallel_state
-        self.ps = parallel_state
-        self.rank, self.world = _world()
-        self.is_main = self.rank == 0
+        # One resolution step: from here on the config is complete and is what runs.
+        hf = self.hf_config
+        resolve(cfg, world_size=world, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+                num_layers=hf.num_hidden_layers, ffn_hidden_size=hf.intermediate_size,
+                num_train_records=len(self.data), cuda=torch.cuda.is_available(), threads=torch.get_num_threads())
+        self.cfg = cfg
         self.run_dir = os.path.join(tc.output_dir, tc.run_name)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
+        fresh_dir_taken = os.path.exists(self.run_dir) and bool(os.listdir(self.run_dir))
+        if fresh_dir_taken and not (resume or overwrite):
+            raise FileExistsError(f"run dir {self.run_dir} already exists: pass --resume to continue that run, "
+                                  "or --overwrite to delete it and start again (or set trainer.run_name)")
+
+        initialize_parallel(pc.tp, pc.pp, seed=tc.seed)
+        self.rank, self.world = mdist.world()
+        self.is_main = self.rank == 0
+        if overwrite and fresh_dir_taken and not resume:
+            if self.is_main:
+                shutil.rmtree(self.run_dir)
+            mdist.all_reduce_sum([0])  # a barrier: no rank writes into the dir before it is gone
+        self.dp_rank, self.dp_size = data_parallel_rank_and_size()
+        # Rollout engines: ranks [kR, (k+1)R) share engine k (vLLM tensor parallel over them).
+        self.engine_index, self.num_engines = self.rank // pc.rollout_tp, self.world // pc.rollout_tp
+        self.engine_leader = self.rank % pc.rollout_tp == 0  # scores its engine's completions
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         self.policy = MegatronPolicy(
-            self.hf_config,
-            dataclasses.replace(cfg.optim, decay_steps=cfg.optim.decay_steps or tc.max_steps * tc.minibatches_per_step),
+            self.hf_config, cfg.optim,
             LossConfig(loss_agg=ac.loss_agg, clip_low=ac.clip_low, clip_high=ac.clip_high,
                        ratio_type=ac.ratio_type, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator,
                        temperature=rc.temperature),
             params_dtype=dtype, attention=cfg.model.attention, with_reference=ac.kl_coef > 0,
             sequence_parallel=pc.sequence_parallel, recompute=pc.recompute,
             distributed_optimizer=pc.distributed_optimizer)
-        self.policy.load_hf_state_dict(_load_hf_weights(cfg.model.hf_dir))
-        if cfg.model.init_checkpoint:
-            from megatron_dppo.megatron.checkpoint import load_checkpoint
-            load_checkpoint(cfg.model.init_checkpoint, self.policy, load_optimizer=False)
+        self._load_initial_weights(resume)
 
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
-        self.data = PromptDataset(cfg.data.train, tc.prompts_per_step, seed=tc.seed, limit=cfg.data.train_size)
         self.eval_records = load_records(cfg.data.eval)[:tc.eval_size] if cfg.data.eval else []
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.strategy = get_strategy(cfg.pruning.strategy)
-        self.scorer = RewardScorer(cfg.reward.kind, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
-        self.drop_zero_var = (ac.kl_coef == 0) if cfg.pruning.drop_zero_variance is None else cfg.pruning.drop_zero_variance
+        self.scorer = RewardScorer(cfg.reward.kind, timeout_s=cfg.reward.timeout_s,
+                                   num_workers=cfg.reward.num_workers, max_error_frac=cfg.reward.max_error_frac)
         self.pad_multiple = packing.thd_pad_multiple(pc.tp, 1, pc.sequence_parallel)
 
         self.first_step = 1
         if resume:
             self._resume()
-        # The engine starts from the policy's current weights (HF dir, then synced below).
         t0 = time.perf_counter()
+        synced_at_start = resume or bool(cfg.model.init_checkpoint)
         self.engine = RolloutEngine(
-            cfg.model.hf_dir, dtype=rc.dtype or cfg.model.dtype, max_model_len=rc.max_model_len, seed=tc.seed,
+            cfg.model.hf_dir, dtype=rc.dtype, max_model_len=rc.max_model_len, seed=tc.seed,
             kv_cache_memory_bytes=int(rc.kv_cache_gb * (1 << 30)) if not torch.cuda.is_available() else None,
             gpu_memory_utilization=rc.gpu_memory_utilization, tensor_parallel_size=pc.rollout_tp,
-            context=suspend_cpu_compat)
+            context=suspend_cpu_compat,
+            # The policy's weights are synced right below: do not read the HF files for vLLM too.
+            load_format="dummy" if synced_at_start else "auto")
         self.engine_init_s = time.perf_counter() - t0
-        torch.manual_seed(tc.seed + self.rank)  # vLLM reseeded the global generators
-        if tc.threads:
-            torch.set_num_threads(tc.threads)
-        if resume or cfg.model.init_checkpoint:
+        torch.manual_seed(tc.seed)  # vLLM reseeded the global generators
+        torch.set_num_threads(tc.threads)
+        if synced_at_start:
             self._sync_weights()
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.logger = RunLogger(self.run_dir, cfg, tc.max_steps, self.first_step, enabled=self.is_main)
 
+    def _load_initial_weights(self, resume: bool) -> None:
+        """The policy (and the KL reference) start from model.init_checkpoint when given, else from
+        the HF safetensors; each rank reads only its own shard. A resumed run without a KL term
+        reads neither: its checkpoint overwrites the policy anyway."""
+        from megatron_dppo.megatron.hf_load import load_hf_into_policy
+        if resume and self.policy.reference is None:
+            return
+        if self.cfg.model.init_checkpoint:
+            from megatron_dppo.megatron.checkpoint import load_checkpoint
+            load_checkpoint(self.cfg.model.init_checkpoint, self.policy, load_optimizer=False)
+            self.policy.copy_policy_to_reference()  # the KL reference is where the policy starts
+        else:
+            load_hf_into_policy(self.policy, self.model_dir)
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         timer = PhaseTimer()
         t_step = time.perf_counter()
-        gen = _step_generator(tc.seed, step)
+        gen = step_generator(tc.seed, step)
 
-        rollout = self._collect_rollouts(step, gen, timer)                      # prune prompts, generate, reward
+        groups, rolled, counts = self._collect_groups(step, gen, timer)       # prompts .. rewards [.. refill]
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
-        P, G = rollout.rewards.shape
-        adv = group_advantages(rollout.rewards, cfg.algorithm.advantage)        # on the FULL group
-        keep_o, w_o = self.strategy.prune_completions(adv, cfg.pruning.r_o, gen)  # prune completions
-        trained = keep_o.clone()
-        if self.drop_zero_var:  # all-zero-advantage groups: exactly zero loss and gradient
-            trained &= drop_zero_variance_groups(adv)[:, None]
-        self.history.update([r.id for r in rollout.records], rollout.rewards)
-
-        metrics = {}
-        n_mini = tc.minibatches_per_step
-        per_mini = tc.prompts_per_step // n_mini
-        for k in range(n_mini):                                                  # pack, log-probs, update
-            rows = [q for q in range(P) if rollout.batch_pos[q] // per_mini == k]
-            samples = [packing.Sample(tokens=rollout.prompt_ids[q] + rollout.completions[q][i],
-                                      prompt_len=len(rollout.prompt_ids[q]), advantage=float(adv[q, i]),
-                                      weight=float(rollout.prompt_weight[q] * w_o[q, i]), seq_id=q * G + i)
-                       for q in rows for i in range(G) if trained[q, i]]
-            if not samples:  # nothing informative survived: no gradient, no optimizer step
-                continue
-            lengths = torch.tensor([[len(c) for c in rollout.completions[q]] for q in rows]).reshape(len(rows), G)
-            denominator = losses.full_batch_denominator(
-                cfg.algorithm.loss_agg, num_prompts=per_mini, group_size=G, completion_lengths=lengths,
-                prompt_weight=rollout.prompt_weight[rows], max_response_length=cfg.rollout.max_new_tokens)
-            microbatches, density = self._pack(samples)
-            if n_mini > 1 or cfg.algorithm.kl_coef > 0:
-                with timer("logprob"):
-                    self._attach_logprobs(microbatches, old=n_mini > 1, ref=cfg.algorithm.kl_coef > 0)
-            with timer("train"):
-                m = self.policy.train_step(microbatches, denominator)
-            for key, v in m.items():
-                metrics.setdefault(f"train/{key}", []).append(v)
-            metrics.setdefault("pack/density", []).append(density)
-            metrics.setdefault("tokens/trained", []).append(sum(len(s.tokens) for s in samples))
+        metrics = {"step": step, **rollout_metrics(groups, rolled, counts)}
+        if groups:
+            adv = group_advantages(stack_rewards(groups), cfg.algorithm.advantage)   # on the FULL group
+            keep_o, w_o = self.strategy.prune_completions(adv, cfg.pruning.r_o, gen)  # prune completions
+            if cfg.pruning.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
+                w_o = w_o * drop_zero_variance_groups(adv)[:, None]
+            set_completion_weights(groups, adv, w_o * keep_o)
+            metrics["prune/completions_kept_frac"] = float((w_o * keep_o > 0).float().mean())
+            metrics["prune/completions_pruned_frac"] = float((~keep_o).float().mean())
+        minibatches = self._pack_minibatches(groups, counts.prompts_drawn)     # pack (THD), per mini-batch
+        if minibatches and (len(minibatches) > 1 or tc.epochs_per_step > 1 or cfg.algorithm.kl_coef > 0):
+            with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
+                for mb in minibatches:
+                    self._attach_logprobs(mb["batches"], old=tc.minibatches_per_step > 1 or tc.epochs_per_step > 1,
+                                          ref=cfg.algorithm.kl_coef > 0)
+        train = []
+        with timer("train"):
+            for _ in range(tc.epochs_per_step):                                # update
+                for mb in minibatches:
+                    train.append(self.policy.train_step(mb["batches"], mb["denominator"]))
         with timer("sync"):
-            self._sync_weights()                                                 # push weights to vLLM
+            self._sync_weights()                                               # push weights to vLLM
 
-        out = {"step": step}
-        for key, vals in metrics.items():
-            out[key] = sum(vals) if key == "tokens/trained" else sum(vals) / len(vals)
-        out["train/optimizer_steps"] = len(metrics.get("train/loss", []))
-        for key in ("tokens/trained", "pack/density", "train/loss", "train/grad_norm"):
-            out.setdefault(key, 0)  # nothing was trained this step (every group uninformative)
-        r = rollout.rewards
-        out.update({
-            "reward/mean": float(r.mean()), "reward/accuracy": float((r >= 1.0 - 1e-6).float().mean()),
-            "prune/prompts_kept_frac": rollout.info["prompts_kept"] / rollout.info["prompts_drawn"],
-            "prune/completions_kept_frac": float(trained.float().mean()) if P else 0.0,
-            "prune/completions_pruned_frac": float((~keep_o).float().mean()) if P else 0.0,
-            "groups/zero_variance_frac": float((~drop_zero_variance_groups(adv)).float().mean()) if P else 0.0,
-            "tokens/generated": rollout.info["generated_tokens"],
-            "reward/timeouts": rollout.info.get("timeouts", 0), "reward/errors": rollout.info.get("errors", 0),
-            "completion/mean_length": rollout.info["generated_tokens"] / max(P * G, 1),
-        })
-        for name in ("rollout", "reward", "logprob", "train", "sync"):
-            out[f"time/{name}"] = timer.times.get(name, 0.0)
-        out["time/step"] = time.perf_counter() - t_step
-        return out
+        metrics.update(_train_metrics(train, minibatches))
+        metrics.update({f"time/{name}": timer.times.get(name, 0.0)
+                        for name in ("rollout", "reward", "logprob", "train", "sync")})
+        metrics["time/step"] = time.perf_counter() - t_step
+        if counts.first_failures and self.is_main:
+            self.logger.message(f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
+                                f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures))
+        if cfg.logging.rollouts and self.is_main:
+            self._write_rollouts(step, rolled)
+        return metrics
 
     # ---- the parts of a step ---------------------------------------------------------------------
-    def _collect_rollouts(self, step, gen, timer) -> Rollout:
-        """Draw prompts, prune them BEFORE generation, roll out G completions each, score them.
-        With DAPO dynamic sampling, zero-variance groups are dropped and more prompts drawn until
-        the batch is refilled (or the round limit is hit)."""
-        cfg = self.cfg
-        want = cfg.trainer.prompts_per_step
-        acc = Rollout([], [], [], [], torch.zeros(0, cfg.rollout.group_size), torch.zeros(0),
-                      {"prompts_drawn": 0, "prompts_kept": 0, "generated_tokens": 0, "timeouts": 0, "errors": 0})
-        rounds = 1 + (cfg.algorithm.max_resample_rounds if cfg.algorithm.dynamic_sampling else 0)
-        for rnd in range(rounds):
-            records = self.data.next_batch()
-            keep_q, w_q = self.strategy.prune_prompts(self.history.stats([r.id for r in records]),
-                                                      cfg.pruning.r_q, gen)
-            kept = keep_q.nonzero().flatten().tolist()
-            acc.info["prompts_drawn"] += len(records)
-            acc.info["prompts_kept"] += len(kept)
-            part = self._rollout([records[i] for i in kept], seed=step * 101 + rnd, timer=timer)
-            pos = kept
-            if cfg.algorithm.dynamic_sampling:
-                informative = (part["rewards"].std(dim=1) > 0).tolist() if len(kept) else []
-                sel = [j for j, ok in enumerate(informative) if ok][: want - len(acc.records)]
-                pos = [len(acc.records) + n for n in range(len(sel))]
-            else:
-                sel = list(range(len(kept)))
-            acc.records += [records[kept[j]] for j in sel]
-            acc.batch_pos += pos
-            acc.prompt_ids += [part["prompt_ids"][j] for j in sel]
-            acc.completions += [part["completions"][j] for j in sel]
-            acc.rewards = torch.cat([acc.rewards, part["rewards"][sel]])
-            acc.prompt_weight = torch.cat([acc.prompt_weight, w_q[kept][sel]])
-            for key in ("generated_tokens", "timeouts", "errors"):
-                acc.info[key] += part[key]
-            if not cfg.algorithm.dynamic_sampling or len(acc.records) >= want:
-                break
-        return acc
+    def _collect_groups(self, step, gen, timer):
+        """Draw prompts, prune them BEFORE generation, roll out G completions each, score them, record
+        every rolled-out prompt in the history. With refill (DAPO dynamic sampling, or a strategy that
+        replaces what it skips) zero-variance groups are dropped and more prompts are drawn until the
+        kept groups' weights reach B (algorithms/refill.py says why weights, not counts).
 
-    def _rollout(self, records, seed, timer) -> dict:
-        """Each rank generates and scores its slice of `records`; the groups are gathered."""
-        G = self.cfg.rollout.group_size
-        mine = [records[i] for i in _my_slice(len(records))]
-        prompt_ids = [self.renderer.token_ids(r) for r in mine]
+        Returns (the groups the step trains on, every rolled-out group, counts)."""
+        cfg, B = self.cfg, self.cfg.trainer.prompts_per_step
+        refill = cfg.algorithm.dynamic_sampling or self.strategy.refills
+        drop_uninformative = cfg.algorithm.dynamic_sampling or self.strategy.filters_zero_variance
+        counts, trained, rolled, filled = RolloutCounts(), [], [], 0.0
+        rounds = 1 + (cfg.algorithm.max_resample_rounds if refill else 0)
+        for rnd in range(rounds):
+            records, keep_q, w_q = self._draw_round(gen)
+            kept = keep_q.nonzero().flatten().tolist()
+            counts.prompts_drawn += len(records)
+            counts.prompts_rolled += len(kept)
+            groups = self._rollout(step, rnd, [(records[i], i, float(w_q[i])) for i in kept], counts, timer)
+            self.history.update([g.record.id for g in groups], stack_rewards(groups)) if groups else None
+            rolled += groups
+            candidates = [g for g in groups if g.informative()] if drop_uninformative else groups
+            if not refill:
+                n = self.cfg.trainer.minibatches_per_step
+                for g in candidates:  # the prompt's place in the draw decides its mini-batch
+                    g.minibatch = g.slot * n // len(records)
+                trained = candidates
+                break
+            # Refill: each group counts with its weight (a kept candidate stands for the prompts
+            # pruning skipped), so skipped prompts are not also replaced by new draws.
+            for g, w in zip(candidates, take_until_full([g.prompt_weight for g in candidates], B, filled)):
+                if w > 0:
+                    g.prompt_weight = w
+                    g.minibatch = min(int(filled * cfg.trainer.minibatches_per_step / B),
+                                      cfg.trainer.minibatches_per_step - 1)
+                    trained.append(g)
+                    filled += w
+            if filled >= B - 1e-9:
+                break
+        if rolled:
+            self.strategy.observe([g.record.id for g in rolled], stack_rewards(rolled))
+        return trained, rolled, counts
+
+    def _draw_round(self, gen):
+        """One round's prompts and the strategy's decision on each, before rollout. A strategy that
+        replaces what it skips (GRESO) keeps drawing until prompts_to_draw prompts survive, as its
+        authors' code does; the survivors past that number are left for another step."""
+        cfg, B = self.cfg, self.cfg.trainer.prompts_per_step
+        want = self.strategy.prompts_to_draw(B, cfg.pruning.r_q, cfg.pruning.r_o)
+        records, keeps, weights = [], [], []
+        while True:
+            batch = self.data.next_batch(B if self.strategy.refills else want)
+            keep, weight = self.strategy.prune_prompts(self.history.stats([r.id for r in batch]), cfg.pruning.r_q, gen)
+            records += batch
+            keeps.append(keep)
+            weights.append(weight)
+            if not self.strategy.refills or int(sum(k.sum() for k in keeps)) >= want \
+                    or len(records) >= 16 * want:  # a bound: almost everything skipped
+                break
+        keep, weight = torch.cat(keeps), torch.cat(weights)
+        beyond = keep.cumsum(0) > want
+        keep, weight = keep & ~beyond, torch.where(beyond, torch.zeros_like(weight), weight)
+        return records, keep, weight
+
+    def _rollout(self, step, rnd, items, counts: RolloutCounts, timer) -> list[Group]:
+        """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
+        slice (every rank of an engine the same slice, with the same seeds), its leader scores it, and
+        the groups are gathered in slot order."""
+        G, rc = self.cfg.rollout.group_size, self.cfg.rollout
+        per = math.ceil(len(items) / self.num_engines)
+        mine = items[self.engine_index * per:(self.engine_index + 1) * per]
+        prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
         with timer("rollout"):
-            outs = self.engine.generate(prompt_ids, n=G, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                        temperature=self.cfg.rollout.temperature, top_p=self.cfg.rollout.top_p,
-                                        seed=seed * 7919 + self.rank) if mine else []
-        completions = [[c.token_ids for c in group] for group in outs]
-        with timer("reward"):
-            texts = [self.tokenizer.decode(c, skip_special_tokens=True) for group in completions for c in group]
-            answers = [r.answer for r in mine for _ in range(G)]
-            recs = [r for r in mine for _ in range(G)]
-            rewards, info = self.scorer.score(texts, answers, recs) if texts else ([], {})
-        local = [(p, c, rewards[q * G:(q + 1) * G]) for q, (p, c) in enumerate(zip(prompt_ids, completions))]
-        counts = [sum(len(c) for g in completions for c in g), int(info.get("timeouts", 0)), int(info.get("errors", 0))]
-        merged = _gather_lists(local)
-        totals = _gather_lists([counts])
-        return {"prompt_ids": [m[0] for m in merged], "completions": [m[1] for m in merged],
-                "rewards": torch.tensor([m[2] for m in merged], dtype=torch.float32).reshape(len(merged), G),
-                "generated_tokens": sum(t[0] for t in totals), "timeouts": sum(t[1] for t in totals),
-                "errors": sum(t[2] for t in totals)}
+            outs = self.engine.generate(
+                prompt_ids, n=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine]) if mine else []
+        local, error = [], None
+        if self.engine_leader and mine:
+            completions = [[c.token_ids for c in group] for group in outs]
+            with timer("reward"):
+                texts = [self.tokenizer.decode(c, skip_special_tokens=True) for group in completions for c in group]
+                recs = [rec for rec, _, _ in mine for _ in range(G)]
+                try:
+                    rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
+                except Exception as e:  # every rank must learn of it, or the others hang in the gather
+                    rewards, info, error = [0.0] * len(texts), {}, str(e)
+            local = [(slot, p, c, rewards[q * G:(q + 1) * G])
+                     for q, ((_, slot, _), p, c) in enumerate(zip(mine, prompt_ids, completions))]
+            local_counts = (sum(len(c) for g in completions for c in g), len(texts),
+                            info.get("failures_by_kind", {}), info.get("first_failures", []))
+        else:
+            local_counts = (0, 0, {}, [])
+        parts = mdist.all_gather_objects((local, local_counts, error))
+        errors = [e for _, _, e in parts if e]
+        if errors:
+            raise RuntimeError(errors[0])
+        by_slot = {slot: (w_q, rec) for rec, slot, w_q in items}
+        groups = []
+        for part, (tokens, checks, failures, first), _ in parts:
+            counts.generated_tokens += tokens
+            counts.reward_checks += checks
+            counts.add_failures(failures, first)
+            for slot, p, c, r in part:
+                w_q, rec = by_slot[slot]
+                groups.append(Group(record=rec, round=rnd, slot=slot, prompt_ids=p, completions=c,
+                                    rewards=[float(x) for x in r], prompt_weight=w_q))
+        return sorted(groups, key=lambda g: g.slot)
+
+    def _pack_minibatches(self, trained: list[Group], drawn: int) -> list[dict]:
+        """Each mini-batch's THD micro-batches for this rank and its full-batch denominator."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        out = []
+        for k in range(tc.minibatches_per_step):
+            groups = [g for g in trained if g.minibatch == k]
+            samples = [s for n, g in enumerate(groups) for s in g.samples(first_seq_id=n * g.group_size)]
+            if not samples:  # nothing informative survived: no gradient, no optimizer step
+                continue
+            batches, density = self._pack(samples)
+            out.append({"batches": batches, "density": density, "denominator": self._denominator(k, groups, drawn),
+                        "tokens": sum(len(s.tokens) for s in samples),
+                        "completion_tokens": sum(len(s.tokens) - s.prompt_len for s in samples)})
+        return out
+
+    def _denominator(self, k: int, groups: list[Group], drawn: int) -> float:
+        """The aggregation's normaliser of mini-batch k of the batch the UNPRUNED method trains
+        (docs/algorithm.md). Without refill: the mini-batch's share of the drawn prompts (exact),
+        token-mean estimated over its rolled-out groups with their prompt weights. With refill: the
+        trained groups' weights (their sum is B when refill succeeds). A strategy that normalises
+        over what it kept (CPPO as published) counts the kept completions instead."""
+        cfg = self.cfg
+        G, agg, lmax = cfg.rollout.group_size, cfg.algorithm.loss_agg, cfg.rollout.max_new_tokens
+        # groups: every group of mini-batch k the unpruned method would train (zero-variance ones
+        # too, unless the method filters them); all their completions were generated.
+        lengths = torch.tensor([g.completion_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
+        weights = torch.tensor([g.prompt_weight for g in groups], dtype=torch.float64)
+        if self.strategy.denominator == "kept":
+            seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64) * weights[:, None]
+            return losses.kept_denominator(agg, seq_weight, lengths, lmax)
+        if cfg.algorithm.dynamic_sampling or self.strategy.refills:
+            return losses.refill_denominator(agg, weights, lengths, G, lmax)
+        count = sum(1 for slot in range(drawn) if slot * cfg.trainer.minibatches_per_step // drawn == k)
+        return losses.full_batch_denominator(agg, num_prompts=count, group_size=G, completion_lengths=lengths,
+                                             prompt_weight=weights, max_response_length=lmax)
 
     def _pack(self, samples):
-        """Pack all retained sequences, spread the packs over DP ranks, build this rank's THD batches."""
+        """Pack the mini-batch's sequences, spread the packs over DP ranks, build this rank's THD batches."""
         tc = self.cfg.trainer
         lengths = [packing.round_up(len(s.tokens), self.pad_multiple) for s in samples]
         capacity = tc.max_tokens_per_microbatch
@@ -295,8 +356,7 @@ class Trainer:
         else:
             packs = packing.pack(lengths, capacity, tc.pack_window)
         density = packing.density(lengths, packs, capacity)
-        dp_rank, dp_size = self.ps.get_data_parallel_rank(), self.ps.get_data_parallel_world_size()
-        mine = packing.balance_packs(packs, lengths, dp_size)[dp_rank]
+        mine = packing.balance_packs(packs, lengths, self.dp_size)[self.dp_rank]
         pad_id = self.tokenizer.pad_token_id or 0
         # An empty slot (fewer sequences than slots) still runs: every rank must step together.
         filler = packing.Sample(tokens=[pad_id, pad_id], prompt_len=2, weight=0.0)
@@ -325,22 +385,35 @@ class Trainer:
         self.engine.load_weights(self.policy.hf_weight_buckets())
         self.engine.wake_up(["kv_cache"])
 
+    def _write_rollouts(self, step: int, rolled: list[Group]) -> None:
+        path = os.path.join(self.run_dir, "rollouts", f"step_{step:06d}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            for g in rolled:
+                f.write(json.dumps({"id": g.record.id, "round": g.round, "slot": g.slot, "prompt_ids": g.prompt_ids,
+                                    "completions": g.completions, "rewards": g.rewards,
+                                    "prompt_weight": g.prompt_weight}) + "\n")
+
     def evaluate(self) -> float:
-        """Greedy pass@1 on the held-out prompts."""
+        """Greedy pass@1 on the held-out prompts, split over the engines like a rollout."""
         if not self.eval_records:
             return float("nan")
-        mine = [self.eval_records[i] for i in _my_slice(len(self.eval_records))]
+        per = math.ceil(len(self.eval_records) / self.num_engines)
+        mine = self.eval_records[self.engine_index * per:(self.engine_index + 1) * per]
         outs = self.engine.generate([self.renderer.token_ids(r) for r in mine], n=1,
                                     max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0) if mine else []
-        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in outs]
-        rewards, _ = self.scorer.score(texts, [r.answer for r in mine], mine) if texts else ([], {})
-        allr = _gather_lists([float(x) for x in rewards])
-        return sum(1.0 for x in allr if x >= 1.0 - 1e-6) / len(allr)
+        correct = 0
+        if self.engine_leader and mine:
+            texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in outs]
+            rewards, _ = self.scorer.score(texts, [r.answer for r in mine], mine)
+            correct = sum(1 for x in rewards if x >= 1.0 - 1e-6)
+        return sum(mdist.all_gather_objects(correct)) / len(self.eval_records)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, step: int) -> None:
         from megatron_dppo.megatron.checkpoint import save_checkpoint
-        save_checkpoint(self.ckpt_dir, step, self.policy, {"data": self.data.state_dict()}, self.history,
+        save_checkpoint(self.ckpt_dir, step, self.policy,
+                        {"data": self.data.state_dict(), "strategy": self.strategy.state_dict()}, self.history,
                         keep_last=self.cfg.trainer.keep_checkpoints,
                         extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")})
 
@@ -351,96 +424,103 @@ class Trainer:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
         state = load_checkpoint(path, self.policy)
         self.data.load_state_dict(state["data"])
-        if "history_path" in state:
-            self.history = PromptHistory.load(state["history_path"])
+        self.strategy.load_state_dict(state.get("strategy", {}))
+        self.history = PromptHistory.load(state["history_path"])
         self.first_step = state["step"] + 1
 
     # ---- the loop --------------------------------------------------------------------------------
     def train(self) -> list[dict]:
         tc = self.cfg.trainer
-        history = []
+        rows = []
         t0 = time.perf_counter()
         if self.is_main:
-            self.logger.message(f"run dir {self.run_dir}; rollout engine started in {self.engine_init_s:.1f}s")
+            self.logger.message(f"run dir {self.run_dir}; {self.world} process(es); "
+                                f"rollout engine started in {self.engine_init_s:.1f}s")
         if self.first_step == 1 and tc.eval_every:
             acc = self.evaluate()
             self.logger.log({"step": 0, "eval/accuracy": acc})
-            history.append({"step": 0, "eval/accuracy": acc})
-        last = self.first_step - 1
-        for step in range(self.first_step, tc.max_steps + 1):
-            m = self.step(step)
-            last = step
-            out_of_time = tc.max_time_s and time.perf_counter() - t0 > tc.max_time_s
-            final = step == tc.max_steps or out_of_time
-            if tc.eval_every and (step % tc.eval_every == 0 or final):
-                t_eval = time.perf_counter()
-                m["eval/accuracy"] = self.evaluate()
-                m["time/eval"] = time.perf_counter() - t_eval
-            self.logger.log(m)
-            history.append(m)
-            if (tc.save_every and step % tc.save_every == 0) or final:
-                self.save(step)
-            if _agree(bool(out_of_time)):
-                self.logger.message(f"stopping after step {step}: trainer.max_time_s={tc.max_time_s} reached")
-                break
+            rows.append({"step": 0, "eval/accuracy": acc})
+        self.last_step = self.first_step - 1
+        with _stop_on_signals() as stop:
+            for step in range(self.first_step, tc.max_steps + 1):
+                m = self.step(step)
+                self.last_step = step
+                out_of_time = bool(tc.max_time_s and time.perf_counter() - t0 > tc.max_time_s)
+                signalled = mdist.all_reduce_max([stop.requested])[0] > 0  # any rank's signal stops all
+                final = step == tc.max_steps or mdist.agree(out_of_time) or signalled
+                if tc.eval_every and (step % tc.eval_every == 0 or final) and not signalled:
+                    t_eval = time.perf_counter()
+                    m["eval/accuracy"] = self.evaluate()
+                    m["time/eval"] = time.perf_counter() - t_eval
+                self.logger.log(m)
+                rows.append(m)
+                if (tc.save_every and step % tc.save_every == 0) or final:
+                    self.save(step)
+                if signalled:
+                    self.logger.message(f"stopping after step {step} on {stop.name}: checkpoint saved; "
+                                        "continue with --resume")
+                    raise StopRequested(stop.name)
+                if final:
+                    if step < tc.max_steps:
+                        self.logger.message(f"stopping after step {step}: trainer.max_time_s={tc.max_time_s} reached")
+                    break
         if self.is_main:
-            self.logger.message(_phase_summary(history))
+            self.logger.message(phase_summary(rows))
         self.logger.close()
-        self.last_step = last
-        return history
+        return rows
 
     def close(self) -> None:
         from megatron_dppo.megatron import destroy_parallel
         self.scorer.close()
         self.engine.close()
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()
         destroy_parallel()
 
 
-def _agree(flag: bool) -> bool:
-    """Rank 0's decision, on every rank (wall-clock budgets differ slightly across ranks)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)])
-    dist.broadcast(t, 0)
-    return bool(t.item())
+class _SignalFlag:
+    def __init__(self):
+        self.requested, self.name = False, ""
 
 
-def _phase_summary(history: list[dict]) -> str:
-    steps = [h for h in history if "time/step" in h]
-    if not steps:
-        return "no training steps run"
-    total = sum(h["time/step"] for h in steps)
-    parts = ", ".join(f"{name} {sum(h.get(f'time/{name}', 0) for h in steps):.1f}s"
-                      for name in ("rollout", "reward", "logprob", "train", "sync"))
-    evals = [h["eval/accuracy"] for h in history if "eval/accuracy" in h]
-    acc = f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else ""
-    return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"
+@contextmanager
+def _stop_on_signals():
+    """SIGTERM (what SLURM and torchrun send before a kill) and SIGINT set a flag; the loop finishes
+    the step in progress, saves a checkpoint and exits non-zero. A second signal stops at once."""
+    flag = _SignalFlag()
+
+    def handler(signum, frame):
+        if flag.requested:
+            raise KeyboardInterrupt
+        flag.requested, flag.name = True, signal.Signals(signum).name
+        print(f"{flag.name} received: finishing the current step, then saving a checkpoint "
+              "(send it again to stop at once)", flush=True)
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
-def _load_hf_weights(hf_dir: str) -> dict:
-    """HF safetensors (single file or sharded with an index) -> {name: tensor}; no pickles."""
-    import json
-
-    from safetensors.torch import load_file
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
-    sd = {}
-    for name in files:
-        path = os.path.join(hf_dir, name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{index} names {name}, which is missing from {hf_dir}")
-        sd.update(load_file(path))
-    sd.pop("lm_head.weight", None) if _tied(hf_dir) else None
-    return sd
+def _rollout_seed(seed: int, step: int, rnd: int, slot: int) -> int:
+    """A prompt's sampling seed: from (trainer.seed, step, round, its slot in the draw) only, so a
+    completion is the same whatever rank or engine generates it (completion k adds k in vLLM)."""
+    from megatron_dppo.rollout.vllm_engine import request_seed
+    return request_seed("rollout", seed, step, rnd, slot)
 
 
-def _tied(hf_dir: str) -> bool:
-    import json
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return bool(json.load(f).get("tie_word_embeddings", False))
+def _train_metrics(train: list[dict], minibatches: list[dict]) -> dict:
+    """Optimizer-step metrics averaged over the step's updates (max for the max), and the packing."""
+    out = {"train/optimizer_steps": len(train)}
+    if not train:  # nothing was trained this step (every group uninformative)
+        return {**out, "train/loss": 0.0, "train/grad_norm": 0.0, "pack/density": 0.0, "tokens/trained": 0}
+    for key in train[0]:
+        vals = [m[key] for m in train]
+        out[f"train/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+    out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
+    out["pack/density"] = sum(mb["density"] for mb in minibatches) / len(minibatches)
+    out["tokens/trained"] = sum(mb["tokens"] for mb in minibatches)
+    out["tokens/trained_completion"] = sum(mb["completion_tokens"] for mb in minibatches)
+    return out

@@ -130,38 +130,12 @@ def _token_loss_jacobian(cfg, adv, lengths, gen):
     return J, seq_index, seq_len
 
 
-def kept_denominator(loss_agg: str, seq_weight: torch.Tensor, lengths: torch.Tensor, max_len: int) -> float:
-    """CPPO's normaliser: what was kept (sequences with weight > 0), not the full batch."""
-    kept = seq_weight.flatten() > 0
-    n = float(kept.sum())
-    if loss_agg == "token-mean":
-        n = float(lengths.flatten()[kept].sum())
-    elif loss_agg == "seq-mean-token-sum-norm":
-        n *= max_len
-    if n <= 0:
-        raise ValueError("kept denominator is 0: nothing was kept")
-    return n
-
-
-def refill_denominator(loss_agg: str, group_weight: torch.Tensor, lengths: torch.Tensor, group_size: int,
-                       max_len: int) -> float:
-    """The DAPO + DPPO rule (docs/algorithm.md): the aggregation's normaliser of the unpruned
-    batch, estimated with the trained groups' weights W_g: G * sum W, G * Lmax * sum W, or
-    sum_g W_g * tokens_g (lengths [groups, G], all G completions of each trained group)."""
-    if loss_agg == "token-mean":
-        return losses.full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size,
-                                             completion_lengths=lengths, prompt_weight=group_weight)
-    per_group = losses.full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size,
-                                              max_response_length=max_len)
-    return per_group * float(group_weight.double().sum())
-
-
 def _gradient(cfg, keep_q, w_q, keep_o, w_o, lengths, seq_index, seq_len, J, kept_norm=False):
     B, G = lengths.shape
     seq_w = (w_q[:, None] * w_o).flatten().double()  # 0 for skipped prompts / dropped completions
     rolled = keep_q.nonzero().flatten()
     if kept_norm:
-        denom = kept_denominator(cfg.loss_agg, seq_w, lengths, cfg.max_len)
+        denom = losses.kept_denominator(cfg.loss_agg, seq_w, lengths, cfg.max_len)
     else:
         denom = losses.full_batch_denominator(cfg.loss_agg, num_prompts=B, group_size=G,
                                               completion_lengths=lengths[rolled], prompt_weight=w_q[rolled],
@@ -322,7 +296,7 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
         first = order[informative[order]][:B]
         w = torch.zeros(n_stream, dtype=torch.float64)
         w[first] = 1.0
-        denom = refill_denominator(cfg.loss_agg, w[first], lengths[first], G, cfg.max_len)
+        denom = losses.refill_denominator(cfg.loss_agg, w[first], lengths[first], G, cfg.max_len)
         last_pos = int((order == first[-1]).nonzero())
         return gradient(w[:, None].expand(n_stream, G), denom), math.ceil((last_pos + 1) / B) * B
 
@@ -340,7 +314,7 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
             seq_w[trained] = W[trained, None] * w_o.double()
         total = float(W.sum())
         if cfg.refill_by == "weight":
-            denom = refill_denominator(cfg.loss_agg, W[trained], lengths[trained], G, cfg.max_len)
+            denom = losses.refill_denominator(cfg.loss_agg, W[trained], lengths[trained], G, cfg.max_len)
         else:  # the old trainer's denominators: B*G, B*G*Lmax, Horvitz-Thompson tokens of what it kept
             denom = losses.full_batch_denominator(cfg.loss_agg, num_prompts=B, group_size=G,
                                                   completion_lengths=lengths[trained], prompt_weight=W[trained],

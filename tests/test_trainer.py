@@ -3,6 +3,7 @@ a hanging verifier, and the tiny run's accuracy rising. Each run is a subprocess
 Megatron CPU shim and vLLM change process-wide state)."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,22 +93,113 @@ def test_killed_run_resumes_and_prompt_pruning_removes_generation(tmp_path):
     assert abs(gen_ratio - kept) < 0.15, (gen_ratio, kept)
 
 
-def test_hanging_verifier_times_out_without_stalling(tmp_path):
+def test_reward_failures_are_counted_shown_and_stop_the_run(tmp_path):
+    """A user reward that raises or hangs is an error counted by kind and shown with the record id,
+    not a 0, and a hanging check does not stall the step; past reward.max_error_frac the run stops
+    with a one-line message."""
     t0 = time.time()
-    run(train_cmd(tmp_path, "hang", "trainer.max_steps=2", "reward.kind=reward_fixtures:hang_on_leading_one",
-                  "reward.timeout_s=0.5", "reward.num_workers=2"))
-    m = metrics(tmp_path, "hang")
-    assert sum(m[s]["reward/timeouts"] for s in m) > 0
+    res = run(train_cmd(tmp_path, "faulty", "trainer.max_steps=2", "reward.kind=trainer_rewards:raise_on_one_hang_on_nine",
+                        "reward.timeout_s=0.5", "reward.num_workers=2", "reward.max_error_frac=1.0"))
     assert time.time() - t0 < 240
+    m = metrics(tmp_path, "faulty")
+    kinds = {k: sum(m[s].get(k, 0) for s in (1, 2)) for k in {k for s in (1, 2) for k in m[s]}
+             if k.startswith("reward/failures/")}
+    assert sum(kinds.values()) == sum(m[s]["reward/failures"] for s in (1, 2)) > 0, kinds
+    assert any("raise" in k or "error" in k for k in kinds), kinds
+    assert any("timeout" in k or "deadline" in k for k in kinds), kinds
+    assert "reward checks failed" in res.stdout + res.stderr and "record " in res.stdout + res.stderr
+    bad = subprocess.run(train_cmd(tmp_path, "nan", "trainer.max_steps=2", "reward.kind=trainer_rewards:always_nan"),
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 1
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert "max_error_frac" in lines[-1] and lines[-1].startswith("error:"), bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr
 
 
-def test_dapo_dynamic_sampling_refills_with_informative_groups(tmp_path):
-    run(train_cmd(tmp_path, "dapo", "trainer.max_steps=2", "algorithm.dynamic_sampling=true",
-                  "algorithm.clip_high=0.28", "data.train_size=64"))
+def test_dapo_refill_by_weight_records_every_rolled_out_prompt(tmp_path):
+    """DAPO + DPPO: zero-variance groups are dropped and more prompts drawn; the trained groups'
+    weights add up to B exactly (no double counting of pruned prompts), and every rolled-out
+    prompt, informative or not, is in the history."""
+    run(train_cmd(tmp_path, "dapo", "trainer.max_steps=4", "algorithm.dynamic_sampling=true",
+                  "algorithm.clip_high=0.28", "data.train_size=24", "pruning.r_q=0.5", "pruning.r_o=0.5",
+                  "algorithm.max_resample_rounds=8", "logging.rollouts=true", "trainer.save_every=4"))
     m = metrics(tmp_path, "dapo")
-    for s in (1, 2):
-        assert m[s]["groups/zero_variance_frac"] == 0.0  # every kept group is informative
-        assert m[s]["prune/prompts_kept_frac"] == 1.0
+    assert any(m[s]["rollout/prompts_drawn"] > 8 for s in range(1, 5))  # refill happened
+    assert any(m[s]["prune/prompts_kept_frac"] < 1.0 for s in range(2, 5))  # and prompt pruning with it
+    for s in range(1, 5):
+        assert abs(m[s]["groups/trained_weight"] - 8) < 1e-6, (s, m[s]["groups/trained_weight"])
+    rolled = {json.loads(line)["id"] for p in (tmp_path / "dapo" / "rollouts").glob("*.jsonl")
+              for line in open(p)}
+    history = json.loads((tmp_path / "dapo" / "checkpoints" / "step_000004" / "history.json").read_text())
+    assert rolled == set(history["prompts"]), "a rolled-out prompt is missing from the history"
+
+
+def test_minibatches_and_epochs_train_against_the_rollout_policy(tmp_path):
+    """pi_old is the rollout policy for every mini-batch and epoch: the first update's ratio is 1
+    (the separate old-log-prob pass equals the training forward), later ones differ and clip."""
+    run(train_cmd(tmp_path, "mini", "trainer.max_steps=1", "trainer.minibatches_per_step=4",
+                  "trainer.epochs_per_step=2", "optim.lr=0.01", "pruning.strategy=none", "pruning.r_q=0",
+                  "pruning.r_o=0", "pruning.drop_zero_variance=false", "trainer.prompts_per_step=16"))
+    m = metrics(tmp_path, "mini")[1]
+    assert m["train/optimizer_steps"] == 8
+    assert m["train/first_update_ratio_dev_max"] < 1e-5, m
+    assert m["train/ratio_dev_max"] > 1e-3 and m["train/clip_frac"] > 0, m
+    assert m["time/logprob"] > 0
+
+
+def test_kl_reference_is_the_policy_the_run_started_from(tmp_path):
+    """With kl_coef > 0 the reference log-probs are computed (KL 0 at the first update, > 0 after);
+    a run started from model.init_checkpoint has that checkpoint as its reference, not the HF weights."""
+    run(train_cmd(tmp_path, "kl", "trainer.max_steps=2", "algorithm.kl_coef=0.1", "optim.lr=1e-3",
+                  "pruning.r_q=0", "pruning.r_o=0"))
+    m = metrics(tmp_path, "kl")
+    assert m[1]["train/kl"] < 1e-7 and m[2]["train/kl"] > 1e-5, (m[1]["train/kl"], m[2]["train/kl"])
+    ckpt = tmp_path / "kl" / "checkpoints" / "step_000002"
+    run(train_cmd(tmp_path, "kl-init", "trainer.max_steps=1", "algorithm.kl_coef=0.1", f"model.init_checkpoint={ckpt}"))
+    assert metrics(tmp_path, "kl-init")[1]["train/kl"] < 1e-7
+
+
+def test_rollouts_depend_on_the_seed_only(tmp_path):
+    same_prompts = ["trainer.max_steps=1", "logging.rollouts=true", "data.train_size=8"]  # one batch: all 8
+    run(train_cmd(tmp_path, "s0", *same_prompts))
+    run(train_cmd(tmp_path, "s0-again", *same_prompts))
+    run(train_cmd(tmp_path, "s1", *same_prompts, "trainer.seed=1"))
+
+    def completions(name):
+        return {r["id"]: r["completions"] for r in map(json.loads, open(tmp_path / name / "rollouts" / "step_000001.jsonl"))}
+    assert completions("s0") == completions("s0-again")
+    a, b = completions("s0"), completions("s1")
+    assert a.keys() == b.keys() and a != b  # same 8 prompts (train_size 8), other samples
+
+
+def test_existing_run_dir_needs_resume_or_overwrite(tmp_path):
+    run(train_cmd(tmp_path, "again", "trainer.max_steps=2"))
+    res = subprocess.run(train_cmd(tmp_path, "again", "trainer.max_steps=1"), cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "--resume" in res.stderr and "--overwrite" in res.stderr, res.stderr[-2000:]
+    run(train_cmd(tmp_path, "again", "trainer.max_steps=1") + ["--overwrite"])
+    assert sorted(metrics(tmp_path, "again")) == [1]
+    assert sorted(os.listdir(tmp_path / "again" / "checkpoints")) == ["latest", "step_000001"]
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
+    """What SLURM sends before a kill: the step in progress finishes, a checkpoint is saved, the
+    exit status says so, and --resume continues with no step lost or repeated."""
+    cmd = train_cmd(tmp_path, "term", "trainer.max_steps=200", "trainer.save_every=0")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    path = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (path.exists() and len(path.read_text().splitlines()) >= 2):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 143, out[-3000:]
+    assert "continue with --resume" in out
+    done = max(metrics(tmp_path, "term"))
+    assert 2 <= done < 200
+    assert (tmp_path / "term" / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
+    run(train_cmd(tmp_path, "term", f"trainer.max_steps={done + 2}", "trainer.save_every=0", resume=True))
+    assert sorted(metrics(tmp_path, "term")) == list(range(1, done + 3))
 
 
 def test_tiny_run_accuracy_rises(tmp_path):
@@ -121,14 +213,18 @@ def test_tiny_run_accuracy_rises(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("parallel.tp=3", "world size 1 is not a multiple of tp\\*pp"),
-    ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch \\(16\\) is below rollout.max_model_len"),
+    ("parallel.tp=3", "parallel.tp x parallel.pp = 3 x 1 does not divide the world size 1"),
+    ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
     ("pruning.r_o=1.0", "pruning.r_o"),
     ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
+    ("trainer.max_steps=-1", "trainer.max_steps"),
+    ("optim.lr=-1e-5", "optim.lr"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("parallel.rollout_tp=3", "parallel.rollout_tp=3 must divide"),
 ])
 def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path, override, message):
     res = subprocess.run(train_cmd(tmp_path, "bad", override), cwd=REPO, env=_env(), capture_output=True,
                          text=True, timeout=300)
-    assert res.returncode != 0
-    import re
+    assert res.returncode == 1
     assert re.search(message, res.stderr), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr  # one line, naming the key (a traceback only with --debug)

@@ -133,7 +133,7 @@ def worker(args) -> int:
     cfg = load_config(args.config, [*args.overrides, f"trainer.max_steps={total}", "trainer.max_time_s=0"])
     trainer = Trainer(cfg)
     rec = Recorder(trainer)
-    mp = trainer.ps.get_tensor_model_parallel_world_size() * trainer.ps.get_pipeline_model_parallel_world_size()
+    mp = trainer.cfg.parallel.tp * trainer.cfg.parallel.pp
     if rank == 0:
         (hs / f"ready-{name}").write_text(json.dumps({"world": trainer.world, "model_parallel": mp,
                                                        "engine_init_s": trainer.engine_init_s}))

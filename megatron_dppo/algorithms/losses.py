@@ -139,3 +139,28 @@ def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
     if total <= 0:
         raise ValueError("token-mean denominator is 0: no completion tokens were generated")
     return total
+
+
+def kept_denominator(loss_agg: str, seq_weight: torch.Tensor, lengths: torch.Tensor, max_len: int) -> float:
+    """CPPO's normaliser: what was kept (sequences with weight > 0), not the full batch."""
+    kept = seq_weight.flatten() > 0
+    n = float(kept.sum())
+    if loss_agg == "token-mean":
+        n = float(lengths.flatten()[kept].sum())
+    elif loss_agg == "seq-mean-token-sum-norm":
+        n *= max_len
+    if n <= 0:
+        raise ValueError("kept denominator is 0: nothing was kept")
+    return n
+
+
+def refill_denominator(loss_agg: str, group_weight: torch.Tensor, lengths: torch.Tensor, group_size: int,
+                       max_len: int) -> float:
+    """The DAPO + DPPO rule (docs/algorithm.md): the aggregation's normaliser of the unpruned
+    batch, estimated with the trained groups' weights W_g: G * sum W, G * Lmax * sum W, or
+    sum_g W_g * tokens_g (lengths [groups, G], all G completions of each trained group)."""
+    if loss_agg == "token-mean":
+        return full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size,
+                                      completion_lengths=lengths, prompt_weight=group_weight)
+    per_group = full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size, max_response_length=max_len)
+    return per_group * float(group_weight.double().sum())

@@ -317,7 +317,8 @@ class MegatronPolicy:
         seq_index = picked(batch.seq_index)
         # No old log-probs: the batch is trained right after it was generated, in one optimizer
         # step, so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
-        # old-log-prob pass would recompute the same numbers.
+        # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs
+        # the trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
         old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
         token_loss, stats = losses.policy_loss(
             logp[mask], old_logp, picked(batch.advantages),
@@ -328,9 +329,16 @@ class MegatronPolicy:
                                          cfg.loss_agg, denominator)
         loss = losses.aggregate(token_loss, coef)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
+        with torch.no_grad():
+            log_ratio = (logp[mask] - old_logp).double()
+            ratio_dev = (stats["ratio"].double() - 1).abs()
         report = {"loss": loss.detach().double(), "tokens": n_tokens.double(),
                   "clip_frac_sum": stats["clip_frac"].sum().double(),
-                  "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero}
+                  "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero,
+                  "ratio_dev_sum": ratio_dev.sum(),
+                  "ratio_dev_max": ratio_dev.max() if ratio_dev.numel() else zero,
+                  # k3 estimate of KL(pi_old || pi) from the tokens sampled by pi_old
+                  "approx_kl_sum": (log_ratio.exp() - 1 - log_ratio).sum()}
         return loss, n_tokens, report
 
     def _run(self, model, microbatches, mode, denominator=None, forward_only=False):
@@ -374,12 +382,19 @@ class MegatronPolicy:
         return metrics
 
     def _reduce_metrics(self, out) -> dict:
-        """Sum the last stages' reports over DP (TP rank 0 only: TP ranks repeat them)."""
-        keys = ("loss", "tokens", "clip_frac_sum", "kl_sum")
-        vec = torch.zeros(len(keys), dtype=torch.float64, device=_device())
+        """Sum the last stages' reports over DP (TP rank 0 only: TP ranks repeat them); the max
+        |ratio - 1| is reduced with a max."""
+        keys = ("loss", "tokens", "clip_frac_sum", "kl_sum", "ratio_dev_sum", "approx_kl_sum")
+        vec = torch.zeros(len(keys) + 1, dtype=torch.float64, device=_device())
         if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
             for o in out:
-                vec += torch.stack([o[k].to(vec.device) for k in keys])
+                vec[:-1] += torch.stack([o[k].to(vec.device) for k in keys])
+                vec[-1] = torch.maximum(vec[-1], o["ratio_dev_max"].to(vec.device))
+        dev_max = vec[-1:].clone()
+        vec[-1] = 0
         dist.all_reduce(vec)
-        loss, tokens, clip, kl = vec.tolist()
-        return {"loss": loss, "tokens": tokens, "clip_frac": clip / max(tokens, 1), "kl": kl / max(tokens, 1)}
+        dist.all_reduce(dev_max, op=dist.ReduceOp.MAX)
+        loss, tokens, clip, kl, ratio_dev, approx_kl, _ = vec.tolist()
+        n = max(tokens, 1)
+        return {"loss": loss, "tokens": tokens, "clip_frac": clip / n, "kl": kl / n,
+                "ratio_dev_mean": ratio_dev / n, "ratio_dev_max": float(dev_max), "approx_kl": approx_kl / n}

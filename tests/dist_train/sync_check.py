@@ -10,7 +10,7 @@ from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat
 from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
 from megatron_dppo.packing import Sample, build_thd_batch
 from megatron_dppo.rollout import RolloutEngine
-from megatron_dppo.trainer import _load_hf_weights
+from megatron_dppo.megatron.hf_load import load_hf_into_policy
 
 HF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "model")
 PROMPTS = [[1, 4, 5, 6, 13, 7, 8, 9, 15], [1, 12, 3, 4, 13, 5, 5, 5, 15], [1, 9, 9, 9, 13, 3, 3, 3, 15]]
@@ -38,7 +38,7 @@ def main():
     initialize_parallel(1, 1, seed=0)
     cfg = AutoConfig.from_pretrained(HF_DIR)
     policy = MegatronPolicy(cfg, OptimConfig(lr=3e-3), LossConfig(loss_agg="token-mean"))
-    policy.load_hf_state_dict(_load_hf_weights(HF_DIR))
+    load_hf_into_policy(policy, HF_DIR)
     engine = RolloutEngine(HF_DIR, dtype="float32", max_model_len=32, kv_cache_memory_bytes=32 << 20,
                            context=suspend_cpu_compat)
     result = {"initial": max_err(policy, sampled_sequences(engine, 1))}
