@@ -4,10 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import get_args
+
+from megatron_dppo.choices import AdvantageKind, LossAgg, RatioType
 
 
 def _verify_unbiased(args) -> int:
-    from megatron_dppo.algorithms.losses import LOSS_AGGS
     from megatron_dppo.algorithms.pruning import STRATEGIES
     from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
 
@@ -16,7 +18,7 @@ def _verify_unbiased(args) -> int:
     if unknown:
         print(f"verify-unbiased: --strategy must be one of {sorted(STRATEGIES)}, got {unknown[0]!r}", file=sys.stderr)
         return 2
-    aggs = args.loss_agg or (list(LOSS_AGGS) if args.all_aggs else ["seq-mean-token-mean"])
+    aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
     all_ok = True
     for strategy in strategies:
         for agg in aggs:
@@ -94,16 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify-unbiased", help="Monte Carlo check: pruned+reweighted gradient vs full batch")
     v.add_argument("--strategy", action="append",
                    help="pruning strategy, a name of algorithms/pruning.STRATEGIES (repeatable; default dppo)")
-    v.add_argument("--loss-agg", action="append",
-                   choices=["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
+    v.add_argument("--loss-agg", action="append", choices=get_args(LossAgg),
                    help="loss aggregation (repeatable; default seq-mean-token-mean)")
     v.add_argument("--all-aggs", action="store_true", help="check every loss aggregation")
     v.add_argument("--num-prompts", "-B", type=int, default=16)
     v.add_argument("--group-size", "-G", type=int, default=8)
     v.add_argument("--r-q", type=float, default=0.5, help="prompt pruning ratio")
     v.add_argument("--r-o", type=float, default=0.5, help="completion pruning ratio")
-    v.add_argument("--advantage", choices=["grpo", "drgrpo"], default="grpo")
-    v.add_argument("--ratio-type", choices=["token", "sequence"], default="token",
+    v.add_argument("--advantage", choices=get_args(AdvantageKind), default="grpo")
+    v.add_argument("--ratio-type", choices=get_args(RatioType), default="token",
                    help="token: GRPO/DAPO ratio; sequence: GSPO")
     v.add_argument("--kl-coef", type=float, default=0.0)
     v.add_argument("--draws", type=int, default=4000, help="Monte Carlo mask draws")

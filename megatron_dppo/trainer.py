@@ -31,7 +31,7 @@ from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import drop_zero_variance_groups, get_strategy
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.config import Config, resolve, save_config
-from megatron_dppo.data import PromptDataset, PromptRenderer, load_records
+from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
 from megatron_dppo.rewards import RewardScorer
 from megatron_dppo.rollout.records import (Group, RolloutCounts, rollout_metrics, set_completion_weights,
                                            stack_rewards)
@@ -73,7 +73,19 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         self.model_dir = check_hf_model_dir(cfg.model.hf_dir)  # one-line errors, before anything slow
         self.hf_config = self.model_dir.config
-        self.data = PromptDataset(cfg.data.train, tc.prompts_per_step, seed=tc.seed, limit=cfg.data.train_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
+        # Prompts that cannot fit next to max_new_tokens are found now, naming the record.
+        prompt_limit = dict(max_prompt_tokens=rc.max_model_len - rc.max_new_tokens, skip=cfg.data.skip_long_prompts,
+                            limit_desc=f"rollout.max_model_len {rc.max_model_len} - rollout.max_new_tokens "
+                                       f"{rc.max_new_tokens}; data.skip_long_prompts=true skips them")
+        self.data = PromptDataset(cfg.data.train, tc.prompts_per_step, seed=tc.seed, limit=cfg.data.train_size,
+                                  renderer=self.renderer, max_prompt_tokens=prompt_limit["max_prompt_tokens"],
+                                  skip_long_prompts=prompt_limit["skip"], limit_desc=prompt_limit["limit_desc"])
+        self.eval_records = []
+        if cfg.data.eval:
+            self.eval_records, _ = check_prompt_lengths(load_records(cfg.data.eval)[:tc.eval_size], self.renderer,
+                                                        path=cfg.data.eval, **prompt_limit)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # One resolution step: from here on the config is complete and is what runs.
         hf = self.hf_config
@@ -112,9 +124,6 @@ class Trainer:
             distributed_optimizer=pc.distributed_optimizer)
         self._load_initial_weights(resume)
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
-        self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
-        self.eval_records = load_records(cfg.data.eval)[:tc.eval_size] if cfg.data.eval else []
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.scorer = RewardScorer(cfg.reward.kind, timeout_s=cfg.reward.timeout_s,
@@ -434,8 +443,9 @@ class Trainer:
         rows = []
         t0 = time.perf_counter()
         if self.is_main:
+            skipped = f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
             self.logger.message(f"run dir {self.run_dir}; {self.world} process(es); "
-                                f"rollout engine started in {self.engine_init_s:.1f}s")
+                                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}")
         if self.first_step == 1 and tc.eval_every:
             acc = self.evaluate()
             self.logger.log({"step": 0, "eval/accuracy": acc})

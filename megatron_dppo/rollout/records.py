@@ -69,7 +69,6 @@ class RolloutCounts:
     reward_checks: int = 0
     reward_failures: dict = field(default_factory=dict)   # kind -> count
     first_failures: list = field(default_factory=list)    # "record <id>: <kind>: <message>"
-    long_prompts_skipped: int = 0
 
     def add_failures(self, by_kind: dict, first: list) -> None:
         for kind, n in by_kind.items():
