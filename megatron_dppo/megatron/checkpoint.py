@@ -390,7 +390,7 @@ def _check_dist_files(model_dir: str) -> None:
     try:
         torch.load(common, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's zip reader names no file: name it
-        why = " ".join(str(e).split())[:200]
+        why = " ".join(str(e).split()).split(". ")[0][:200]  # torch's first sentence says what broke
         raise CheckpointError(f"{common}: truncated or corrupt ({type(e).__name__}: {why})") from None
 
 
