@@ -153,9 +153,11 @@ def section_attention(args) -> dict:
         width = max(lengths)
 
         def padded(q, k, v, rows=len(lengths), width=width):
-            # [rows, width] right-padded rows under a causal mask, as build_padded_batch lays them out
-            qs, ks, vs = (x.unflatten(0, (rows, width)).transpose(1, 2) for x in (q, k, v))
-            return F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            # [rows, width] right-padded rows under a causal mask, as build_padded_batch lays them
+            # out and PackedDotProductAttention._forward_bshd runs them: Megatron hands [s, b, h, d]
+            qs, ks, vs = (x.unflatten(0, (width, rows)).permute(1, 2, 0, 3) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            return out.permute(2, 0, 1, 3).reshape(width, rows, -1)
 
         impls = {"loop": (lambda q, k, v: loop_attention(q, k, v, row, scale=d ** -0.5), total),
                  "bucketed": (lambda q, k, v: bucketed_attention(q, k, v, row, scale=d ** -0.5), total),

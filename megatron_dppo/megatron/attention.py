@@ -167,14 +167,15 @@ class BucketPlan:
     The buckets' slots are laid out one after another (bucket b: `shapes[b]` = (rows, width),
     row-major), S slots in all. A slot is real (holds token t of its sequence) or padding.
       gather   [S]  slot -> token; a padding slot repeats its row's last real token (it sits after
-                    the row's real tokens, so only padding queries ever see it)
-      scatter  [S]  slot -> token for real slots, -> T (a zero row) for padding slots
+                    the row's real tokens, so only padding queries, whose outputs are dropped,
+                    ever see it: real tokens' outputs and gradients stay exact)
       inverse  [T]  token -> its real slot; tokens outside every sequence -> S (a zero row)
     """
     shapes: list[tuple[int, int]]
+    sizes: list[int]                  # slots of each bucket
     gather: torch.Tensor
-    scatter: torch.Tensor
     inverse: torch.Tensor
+    gaps: bool                        # some token is in no sequence (inverse uses the zero row)
 
 
 @dataclasses.dataclass
@@ -214,9 +215,9 @@ class PackedRow:
         if key not in self._cache:
             groups = bucket_sequences(self.lengths, call_cost_pairs)
             shapes = [(len(g), self.lengths[g[0]]) for g in groups]
-            slots = sum(rows * width for rows, width in shapes)
-            gather, scatter = [], []
-            inverse = torch.full((self.total,), slots, dtype=torch.long)
+            sizes = [rows * width for rows, width in shapes]
+            gather = [torch.zeros(0, dtype=torch.long)]
+            inverse = torch.full((self.total,), sum(sizes), dtype=torch.long)
             offset = 0
             for g, (rows, width) in zip(groups, shapes):
                 starts = torch.tensor([self.starts[i] for i in g])[:, None]
@@ -225,12 +226,10 @@ class PackedRow:
                 token = starts + torch.minimum(pos, lens - 1)
                 real = pos < lens
                 gather.append(token.flatten())
-                scatter.append(torch.where(real, token, self.total).flatten())
                 inverse[token[real]] = offset + torch.arange(rows * width).view(rows, width)[real]
                 offset += rows * width
-            as_tensor = (lambda parts: torch.cat(parts)) if gather else (lambda parts: torch.zeros(0, dtype=torch.long))
-            self._cache[key] = BucketPlan(shapes, as_tensor(gather).to(device), as_tensor(scatter).to(device),
-                                          inverse.to(device))
+            self._cache[key] = BucketPlan(shapes, sizes, torch.cat(gather).to(device), inverse.to(device),
+                                          gaps=sum(self.lengths) < self.total)
         return self._cache[key]
 
     def varlen_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -311,54 +310,25 @@ def loop_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0):
     return torch.cat(pieces).reshape(t, heads * hn)
 
 
-class _ToBuckets(torch.autograd.Function):
-    """[T, h, d] token-ordered -> one [rows * width, h, d] tensor per bucket.
-
-    Backward gathers instead of scatter-adding (what index_select's own backward does, with a
-    zero fill of [T, h, d] per call): each token's gradient comes from its one real slot, because
-    a padding slot's gradient is exactly zero under the causal mask (its query output is dropped
-    and only padding queries see its key/value)."""
-
-    @staticmethod
-    def forward(ctx, x, plan: BucketPlan):
-        ctx.plan = plan
-        return x.index_select(0, plan.gather).split([r * w for r, w in plan.shapes])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        g = torch.cat([*grads, grads[0].new_zeros(1, *grads[0].shape[1:])])
-        return g.index_select(0, ctx.plan.inverse), None
-
-
-class _FromBuckets(torch.autograd.Function):
-    """One [rows * width, n] output per bucket -> [T, n] token-ordered, zeros outside sequences.
-    Backward hands each padding slot a zero gradient (the zero row after the T tokens)."""
-
-    @staticmethod
-    def forward(ctx, plan: BucketPlan, *outs):
-        ctx.plan = plan
-        return torch.cat([*outs, outs[0].new_zeros(1, outs[0].size(1))]).index_select(0, plan.inverse)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = torch.cat([grad, grad.new_zeros(1, grad.size(1))]).index_select(0, ctx.plan.scatter)
-        return None, *g.split([r * w for r, w in ctx.plan.shapes])
-
-
 def bucketed_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0,
                        call_cost: float = BUCKET_CALL_COST):
-    """One causal SDPA per bucket of similar lengths: [t, np, hn] -> [t, np*hn], zeros on padding."""
+    """One causal SDPA per bucket of similar lengths: [t, np, hn] -> [t, np*hn], zeros on padding.
+    (Plain index_select both ways: custom autograd functions whose backward gathers instead of
+    scatter-adding measured no faster on CPU, docs/packing.md.)"""
     t, heads, hn = query.shape
     plan = row.bucket_plan(query.device, call_cost / (heads * hn))
     if not plan.shapes:  # no tokens in any sequence
         return query.new_zeros(t, heads * hn)
-    parts = [_ToBuckets.apply(x, plan) for x in (query, key, value)]
+    parts = [x.index_select(0, plan.gather).split(plan.sizes) for x in (query, key, value)]
     outs = []
     for b, (rows, width) in enumerate(plan.shapes):
+        # splitting the token dim is a view; [rows, width, heads, hn] -> [rows, heads, width, hn]
         q, k, v = (x[b].unflatten(0, (rows, width)).transpose(1, 2) for x in parts)
-        out = _sdpa(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)  # [rows, np, width, hn]
+        out = _sdpa(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)
         outs.append(out.transpose(1, 2).reshape(rows * width, heads * hn))
-    return _FromBuckets.apply(plan, *outs)
+    if plan.gaps:  # what tokens outside every sequence read
+        outs.append(query.new_zeros(1, heads * hn))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, plan.inverse)
 
 
 def varlen_attention(query, key, value, row: PackedRow, *, scale):
