@@ -46,6 +46,11 @@ def _train(args) -> int:
     quiet_libraries(verbose=cfg.logging.verbose)  # before torch is imported (validate imports it)
     validate(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model dirs are local: never wait on a hub
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: stop (and save) if the launcher dies
+        import signal
+
+        from megatron_dppo.process import die_with_parent
+        die_with_parent(signal.SIGTERM)
     from megatron_dppo.trainer import StopRequested, Trainer
     trainer = None
     try:

@@ -62,7 +62,6 @@ trainer, and multiprocessing's resource tracker exits once they are all gone.
 """
 from __future__ import annotations
 
-import ctypes
 import importlib
 import math
 import multiprocessing as mp
@@ -74,6 +73,7 @@ import time
 from collections import deque
 from multiprocessing.connection import wait
 
+from megatron_dppo.process import die_with_parent
 from megatron_dppo.tasks import exact_match
 
 BUILTIN_KINDS = {
@@ -176,25 +176,6 @@ def resolve_reward_fn(spec: str):
 
 # ---------------------------------------------------------------------------- worker process
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
-    If the parent died during the call, exit now (a parent that died before it is noticed by
-    the worker loop: its pipe to the trainer reads EOF)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def _drop_forkserver_lifeline() -> None:
     """A forkserver child inherits the write end of the pipe by which the forkserver watches the
     trainer (so that the child could start processes of its own). Holding it, a hung worker would
@@ -222,7 +203,7 @@ def _check_result(value) -> tuple[str, float | str]:
 
 def _worker_main(conn, spec: str) -> None:
     _drop_forkserver_lifeline()  # (set only in a forkserver child)
-    die_with_parent()
+    die_with_parent(signal.SIGKILL)
     try:
         fn = resolve_reward_fn(spec)
         if spec == "math":  # pay sympy's import and grammar set-up before the first timed check

@@ -32,6 +32,7 @@ from megatron_dppo.algorithms.pruning import drop_zero_variance_groups, get_stra
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
+from megatron_dppo.process import malloc_trim
 from megatron_dppo.rewards import RewardScorer
 from megatron_dppo.rollout.records import (Group, RolloutCounts, rollout_metrics, set_completion_weights,
                                            stack_rewards)
@@ -464,6 +465,8 @@ class Trainer:
                     m["time/eval"] = time.perf_counter() - t_eval
                 self.logger.log(m)
                 rows.append(m)
+                if step % 10 == 0:
+                    malloc_trim()
                 if (tc.save_every and step % tc.save_every == 0) or final:
                     self.save(step)
                 if signalled:

@@ -11,6 +11,7 @@ The model is the warmed-up tiny addition model with a 4th decoder layer appended
 projections are zero (it starts as the identity, so the model keeps its ~25% accuracy and RL
 has signal), because PP=2 needs an even number of layers.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -166,11 +168,40 @@ def test_two_process_run_killed_after_checkpoint_resumes_and_repeats(work, tmp_p
     deadline = time.time() + 400
     while not (latest.exists() and latest.read_text().strip()) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # A crash of the whole job: torchrun and its workers (which run in sessions of their own) at once.
+    job = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    for p in job:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
     proc.wait()
+    psutil.wait_procs(job, timeout=30)
     saved = int(latest.read_text().strip().split("_")[1])
     assert saved < STEPS, f"the run finished before it could be killed (saved step {saved})"
     run(train_cmd(root, "killed", model, 2, "trainer.save_every=1", resume=True))
     got = metrics(root / "killed")
     assert sorted(got) == list(range(1, STEPS + 1))
     assert_same_run(root / "ref", root / "killed", tmp_path, steps=range(saved + 1, STEPS + 1))
+
+
+def test_a_killed_launcher_leaves_no_rank_running(work):
+    """SIGKILL reaches torchrun alone (an OOM kill, a lost node agent): each rank gets SIGTERM from
+    the kernel (PR_SET_PDEATHSIG), finishes its step, saves a checkpoint together with the other
+    rank and exits; nothing of the run is left."""
+    root, model = work
+    proc = subprocess.Popen(train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"),
+                            cwd=REPO, env=_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    path = root / "orphans" / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):
+        time.sleep(0.1)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    assert len([p for p in ranks if "megatron_dppo.cli" in " ".join(p.cmdline())]) == 2
+    proc.kill()
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=180)
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} process(es) of the run outlived its launcher"
+    done = max(metrics(root / "orphans"))
+    assert (root / "orphans" / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"

@@ -131,6 +131,12 @@ class RolloutEngine:
 
             if not on_gpu and tensor_parallel_size > 1:
                 _unique_cpu_shm_names()
+            if not on_gpu:
+                # vLLM's CPU linears cache a oneDNN kernel per batch size (up to 32 per layer): RSS
+                # grew ~0.4 MB a step in RL rollouts of varying sizes (tools/soak.py; 1000 steps
+                # stay flat without it). No environment variable switches it off.
+                import vllm._custom_ops as vllm_ops
+                vllm_ops._supports_onednn = False
 
             self.llm = LLM(
                 model=model_dir,

@@ -207,7 +207,7 @@ def main():
         return
     cases = [("seq-mean-token-mean", "token", 0.0), ("token-mean", "token", 0.1),
              ("seq-mean-token-sum-norm", "token", 0.0), ("seq-mean-token-mean", "sequence", 0.0)]
-    worst = 0.0
+    worst, checked = 0.0, 0
     for agg, ratio_type, kl in cases:
         loss_cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, ratio_type=ratio_type, kl_coef=kl)
         policy = MegatronPolicy(cfg, OptimConfig(lr=1e-3), loss_cfg, with_reference=False,
@@ -232,9 +232,11 @@ def main():
                 assert got.keys() == {k for k in ref if k != "lm_head.weight"}, sorted(got.keys() ^ ref.keys())
                 assert abs(metrics["loss"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (metrics["loss"], ref_loss)
                 assert rel < 1e-5, f"{agg} {ratio_type} kl={kl} r={r} capacity={capacity}: relative grad error {rel}"
+                checked += 1
                 if dist.get_rank() == 0:
                     print(f"ok tp={args.tp} pp={args.pp} dp={dp_size} {agg:24s} {ratio_type:8s} kl={kl} r={r} "
                           f"micro-batches/rank={len(mbs)} loss={metrics['loss']:.6f} rel.grad.err={rel:.2e}")
+    assert checked == 2 * 2 * len(cases), f"only {checked} of the {2 * 2 * len(cases)} comparisons ran"
     if dist.get_rank() == 0:
         print(f"GRAD CHECK PASSED worst relative error {worst:.2e}")
     destroy_parallel()
