@@ -21,8 +21,9 @@ Sections:
   profile    torch.profiler over MegatronPolicy.train_step on one process (the trainer's packed
              micro-batches of the addition and the long-tailed task): the top ops by self CPU
              time, and how much of the step is not inside an ATen kernel (Python, autograd,
-             dispatch) per micro-batch; and the same forward/backward with the CPU shim's
-             device-rewriting TorchFunctionMode lifted (megatron/cpu_compat.py), to price it.
+             dispatch) per micro-batch; and forward_backward with the CPU shim's device-
+             rewriting TorchFunctionMode (megatron/cpu_compat.py) pushed back into the model's
+             forward, which MegatronPolicy._forward_step runs without it, to price that.
   trainer    `megatron-dppo train` through the CLI, interleaved, same seed: time/train per step
              (runs/<name>/metrics.jsonl, first step dropped) with trainer.packing=window vs
              padded, and window packing with the per-sequence loop attention (the code before
@@ -219,7 +220,7 @@ def section_profile(args) -> dict:
     from transformers import AutoConfig
 
     from megatron_dppo.config import OptimConfig
-    from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat
+    from megatron_dppo.megatron import cpu_compat, initialize_parallel
     from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
 
     torch.set_num_threads(args.threads)
@@ -249,26 +250,26 @@ def section_profile(args) -> dict:
         total = sum(e.self_cpu_time_total for e in events)
         for e in top:
             print(f"    {e.key[:60]:<60} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count // 3:6d} calls/step")
-        # The device-rewriting TorchFunctionMode runs Python on every torch call. The model's
-        # forward needs no device rewriting once the model is built (the schedule around it
-        # does: it allocates with device="cuda"), so price the mode by lifting it there.
+        # The CPU shim's device-rewriting TorchFunctionMode runs Python on every torch call.
+        # MegatronPolicy._forward_step lifts it around the model's forward (the built model
+        # allocates nothing on "cuda"); price that by pushing the mode back inside the forward.
         forward = policy.model.forward
 
-        def lifted(*a, **k):
-            with suspend_cpu_compat():
+        def with_shim(*a, **k):
+            with cpu_compat._MODE:
                 return forward(*a, **k)
 
         shim = {"with shim": [], "shim lifted": []}
         for r in range(2 * args.rounds):
             for mode in (shim if r % 2 == 0 else reversed(list(shim))):
-                policy.model.forward = lifted if mode == "shim lifted" else forward
+                policy.model.forward = with_shim if mode == "with shim" else forward
                 t0 = time.process_time()
                 policy.forward_backward(batches, denominator=float(tokens))
                 shim[mode].append(time.process_time() - t0)
         policy.model.forward = forward
         fb = {k: statistics.median(v) for k, v in shim.items()}
         print(f"  forward_backward (CPU time): {1e3 * fb['with shim']:.1f} ms with the CPU shim's TorchFunctionMode "
-              f"in the model's forward, {1e3 * fb['shim lifted']:.1f} ms without it "
+              f"in the model's forward, {1e3 * fb['shim lifted']:.1f} ms without it (what _forward_step does) "
               f"({fb['with shim'] / fb['shim lifted']:.2f}x)")
         results[task] = dict(step_ms=1e3 * step_s, aten_ms=1e3 * aten_s, micro_batches=len(batches),
                              overhead_ms_per_microbatch=1e3 * (step_s - aten_s) / len(batches),
@@ -307,7 +308,7 @@ def section_trainer(args) -> dict:
     results = {}
     for task in args.tasks:
         config = TASK_CONFIGS[task]
-        totals = {v: [] for v in variants}
+        steps = {v: [] for v in variants}  # per round: the kept steps' time/train
         density_of = {v: [] for v in variants}
         for r in range(args.rounds):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
@@ -315,18 +316,26 @@ def section_trainer(args) -> dict:
                 overrides, env = variants[v]
                 name = f"bench-packing-{task}-{v.replace('+', '-')}"
                 records = run_train(config, name, args.trainer_steps, overrides, env, args.threads)[1:]
-                totals[v].append(sum(m["time/train"] for m in records))
+                steps[v].append([m["time/train"] for m in records])
                 density_of[v].append(statistics.mean(m["pack/density"] for m in records))
-                print(f"  {task} round {r + 1} {v:<22} time/train {totals[v][-1]:7.3f} s  "
+                print(f"  {task} round {r + 1} {v:<22} time/train {sum(steps[v][-1]):7.3f} s "
+                      f"(median step {1e3 * statistics.median(steps[v][-1]):6.1f} ms)  "
                       f"pack/density {density_of[v][-1]:.3f}", flush=True)
-        padded_ratio = [p / w for p, w in zip(totals["padded"], totals["window"])]
-        loop_ratio = [lp / w for lp, w in zip(totals["window+loop-attention"], totals["window"])]
-        print(f"  {task}: padded / window = {statistics.median(padded_ratio):.2f}x "
-              f"(rounds: {', '.join(f'{x:.2f}' for x in padded_ratio)}); "
-              f"loop attention / buckets = {statistics.median(loop_ratio):.2f}x "
-              f"(rounds: {', '.join(f'{x:.2f}' for x in loop_ratio)})")
-        results[task] = dict(time_train_s=totals, density=density_of, padded_over_window=padded_ratio,
-                             loop_over_bucketed=loop_ratio)
+
+        def ratio(a, b, how):
+            per_round = [how(x) / how(y) for x, y in zip(steps[a], steps[b])]
+            return statistics.median(per_round), per_round
+
+        # The sum carries the garbage collector's pauses (0.3-0.7 s gen-2 collections land in
+        # random steps of either variant); the median step is robust to them.
+        out = {}
+        for label, a in (("padded / window", "padded"), ("loop attention / buckets", "window+loop-attention")):
+            for how_name, how in (("sum", sum), ("median step", statistics.median)):
+                med, rounds = ratio(a, "window", how)
+                out[f"{label} ({how_name})"] = dict(median=med, rounds=rounds)
+                print(f"  {task}: {label} = {med:.2f}x by {how_name} "
+                      f"(rounds: {', '.join(f'{x:.2f}' for x in rounds)})")
+        results[task] = dict(time_train_s=steps, density=density_of, ratios=out)
     return results
 
 
