@@ -1,7 +1,7 @@
 # Each target installs the CPU environment first (tools/setup_env.sh is a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: env main test
+.PHONY: env main test lint
 env:
 	@bash tools/setup_env.sh
 
@@ -11,3 +11,8 @@ main: env
 
 test: env
 	$(PY) -m pytest -q tests
+
+# ruff: lint and format check (pyproject.toml); `ruff format .` fixes the formatting.
+lint: env
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .

@@ -6,10 +6,11 @@ CLI takes its argparse choices from them. Pruning strategies are the exception: 
 is algorithms/pruning.STRATEGIES (name -> class), which config validation reads.
 Imports nothing, so config parsing stays fast.
 """
+
 from typing import Literal
 
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
-RatioType = Literal["token", "sequence"]          # token: GRPO/DAPO; sequence: GSPO
+RatioType = Literal["token", "sequence"]  # token: GRPO/DAPO; sequence: GSPO
 KlEstimator = Literal["k1", "k3"]
 AdvantageKind = Literal["grpo", "drgrpo"]
 Dtype = Literal["float32", "bfloat16"]

@@ -1,4 +1,5 @@
 """`megatron-dppo` console script: one subcommand per job."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,22 @@ def _verify_unbiased(args) -> int:
     all_ok = True
     for strategy in strategies:
         for agg in aggs:
-            cfg = CheckConfig(strategy=strategy, num_prompts=args.num_prompts, group_size=args.group_size,
-                              r_q=args.r_q, r_o=args.r_o, loss_agg=agg, advantage=args.advantage,
-                              ratio_type=args.ratio_type, kl_coef=args.kl_coef, draws=args.draws,
-                              seed=args.seed, max_resample_rounds=args.max_resample_rounds,
-                              refill_by=args.refill_by, fixed_order=args.fixed_order)
+            cfg = CheckConfig(
+                strategy=strategy,
+                num_prompts=args.num_prompts,
+                group_size=args.group_size,
+                r_q=args.r_q,
+                r_o=args.r_o,
+                loss_agg=agg,
+                advantage=args.advantage,
+                ratio_type=args.ratio_type,
+                kl_coef=args.kl_coef,
+                draws=args.draws,
+                seed=args.seed,
+                max_resample_rounds=args.max_resample_rounds,
+                refill_by=args.refill_by,
+                fixed_order=args.fixed_order,
+            )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
             except ValueError as e:
@@ -50,8 +62,10 @@ def _train(args) -> int:
         import signal
 
         from megatron_dppo.process import die_with_parent
+
         die_with_parent(signal.SIGTERM)
     from megatron_dppo.trainer import StopRequested, Trainer
+
     trainer = None
     try:
         trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -89,38 +103,62 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="DPPO/GRPO training (the main job); under torchrun for several processes")
     t.add_argument("--config", required=True, help="YAML config (see examples/)")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    t.add_argument("--overwrite", action="store_true",
-                   help="delete an existing run dir of the same trainer.run_name and start again")
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an existing run dir of the same trainer.run_name and start again",
+    )
     t.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=5 pruning.r_q=0.5")
     t.set_defaults(func=_train)
 
-    sub.add_parser("plan", help="per-GPU memory plan of a config; refuses layouts that cannot fit "
-                                "(megatron-dppo plan --config FILE [overrides] [--json])")
+    sub.add_parser(
+        "plan",
+        help="per-GPU memory plan of a config; refuses layouts that cannot fit "
+        "(megatron-dppo plan --config FILE [overrides] [--json])",
+    )
 
     v = sub.add_parser("verify-unbiased", help="Monte Carlo check: pruned+reweighted gradient vs full batch")
-    v.add_argument("--strategy", action="append",
-                   help="pruning strategy, a name of algorithms/pruning.STRATEGIES (repeatable; default dppo)")
-    v.add_argument("--loss-agg", action="append", choices=get_args(LossAgg),
-                   help="loss aggregation (repeatable; default seq-mean-token-mean)")
+    v.add_argument(
+        "--strategy",
+        action="append",
+        help="pruning strategy, a name of algorithms/pruning.STRATEGIES (repeatable; default dppo)",
+    )
+    v.add_argument(
+        "--loss-agg",
+        action="append",
+        choices=get_args(LossAgg),
+        help="loss aggregation (repeatable; default seq-mean-token-mean)",
+    )
     v.add_argument("--all-aggs", action="store_true", help="check every loss aggregation")
     v.add_argument("--num-prompts", "-B", type=int, default=16)
     v.add_argument("--group-size", "-G", type=int, default=8)
     v.add_argument("--r-q", type=float, default=0.5, help="prompt pruning ratio")
     v.add_argument("--r-o", type=float, default=0.5, help="completion pruning ratio")
     v.add_argument("--advantage", choices=get_args(AdvantageKind), default="grpo")
-    v.add_argument("--ratio-type", choices=get_args(RatioType), default="token",
-                   help="token: GRPO/DAPO ratio; sequence: GSPO")
+    v.add_argument(
+        "--ratio-type", choices=get_args(RatioType), default="token", help="token: GRPO/DAPO ratio; sequence: GSPO"
+    )
     v.add_argument("--kl-coef", type=float, default=0.0)
     v.add_argument("--draws", type=int, default=4000, help="Monte Carlo mask draws")
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--dynamic-sampling", action="store_true",
-                   help="DAPO + pruning: refill rounds by weight against unpruned DAPO on a synthetic stream")
+    v.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="DAPO + pruning: refill rounds by weight against unpruned DAPO on a synthetic stream",
+    )
     v.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: rounds after the first")
-    v.add_argument("--refill-by", choices=["weight", "count"], default="weight",
-                   help="dynamic sampling: 'count' is the old double-counting rule (a negative control)")
-    v.add_argument("--fixed-order", action="store_true",
-                   help="dynamic sampling: keep one stream order instead of shuffling it per draw")
+    v.add_argument(
+        "--refill-by",
+        choices=["weight", "count"],
+        default="weight",
+        help="dynamic sampling: 'count' is the old double-counting rule (a negative control)",
+    )
+    v.add_argument(
+        "--fixed-order",
+        action="store_true",
+        help="dynamic sampling: keep one stream order instead of shuffling it per draw",
+    )
     v.set_defaults(func=_verify_unbiased)
     return parser
 
@@ -129,6 +167,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # the planner owns its arguments (config + dotted overrides)
         from megatron_dppo.plan import plan_main
+
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     return _run_reporting_errors(args.func, args)

@@ -5,6 +5,7 @@
 An unknown key or a value of the wrong type is a ValueError naming the key; the resolved config
 is saved with the run (runs/<name>/config.yaml).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,14 +16,25 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from megatron_dppo.choices import (AdvantageKind, AttentionBackend, DecayStyle, Dtype, KlEstimator, LossAgg,
-                                   PackingKind, PromptMode, RatioType, Recompute, WandbMode)
+from megatron_dppo.choices import (
+    AdvantageKind,
+    AttentionBackend,
+    DecayStyle,
+    Dtype,
+    KlEstimator,
+    LossAgg,
+    PackingKind,
+    PromptMode,
+    RatioType,
+    Recompute,
+    WandbMode,
+)
 
 
 @dataclass
 class ModelConfig:
-    hf_dir: str = ""                 # HF model dir (config.json, tokenizer, safetensors)
-    init_checkpoint: str = ""        # optional: a Megatron checkpoint (converted or a run's step_*) to start from
+    hf_dir: str = ""  # HF model dir (config.json, tokenizer, safetensors)
+    init_checkpoint: str = ""  # optional: a Megatron checkpoint (converted or a run's step_*) to start from
     dtype: Dtype = "float32"
     attention: AttentionBackend = "auto"  # auto: Transformer Engine when it imports on a GPU, else local
 
@@ -32,9 +44,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False
-    rollout_tp: int = 1              # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
+    rollout_tp: int = 1  # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
     distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU
-    recompute: Recompute = "none"    # activation recomputation
+    recompute: Recompute = "none"  # activation recomputation
     # The cluster, for `megatron-dppo plan`, the launch scripts and the layout check.
     nodes: int = 1
     gpus_per_node: int = 8
@@ -43,24 +55,24 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = ""                  # JSONL or Parquet
-    eval: str = ""                   # optional held-out prompts (greedy pass@1)
-    train_size: int = 0              # use the first N training prompts; resolved: 0 = all of them
+    train: str = ""  # JSONL or Parquet
+    eval: str = ""  # optional held-out prompts (greedy pass@1)
+    train_size: int = 0  # use the first N training prompts; resolved: 0 = all of them
     prompt_mode: PromptMode = "raw"  # raw text, or the tokenizer's chat template
-    system_prompt: str = ""          # optional, chat mode
+    system_prompt: str = ""  # optional, chat mode
     skip_long_prompts: bool = False  # prompts that cannot fit rollout.max_model_len: error (False) or skip and count
 
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8              # G completions per prompt
+    group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
     max_model_len: int = 1024
-    kv_cache_gb: float = 0.25        # CPU KV cache (vLLM reserves ~90% of RAM otherwise)
+    kv_cache_gb: float = 0.25  # CPU KV cache (vLLM reserves ~90% of RAM otherwise)
     gpu_memory_utilization: float = 0.5
-    dtype: Dtype | None = None       # vLLM's dtype; resolved: the model's dtype
+    dtype: Dtype | None = None  # vLLM's dtype; resolved: the model's dtype
     # GPU: what vLLM frees while Megatron trains. 2 drops the weights too: every step reloads all of
     # them anyway, and level 1 would first copy them back from pinned host memory (~16 GB a GPU for
     # 32B at TP 4) only to overwrite them. No-op on CPU.
@@ -72,34 +84,35 @@ class AlgorithmConfig:
     advantage: AdvantageKind = "grpo"  # grpo: (r - mean) / std; drgrpo: r - mean
     loss_agg: LossAgg = "token-mean"
     clip_low: float = 0.2
-    clip_high: float = 0.2           # DAPO clip-higher: 0.28
+    clip_high: float = 0.2  # DAPO clip-higher: 0.28
     ratio_type: RatioType = "token"  # sequence = GSPO
     kl_coef: float = 0.0
     kl_estimator: KlEstimator = "k3"
-    dynamic_sampling: bool = False   # DAPO: drop zero-variance groups, draw more prompts to refill B
+    dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     max_resample_rounds: int = 3
 
 
 @dataclass
 class PruningConfig:
-    strategy: str = "none"           # algorithms/pruning.STRATEGIES: none | dppo | reverse | cppo | greso ...
-    r_q: float = 0.0                 # prompt-level ratio (before rollout)
-    r_o: float = 0.0                 # completion-level ratio (after rollout)
+    strategy: str = "none"  # algorithms/pruning.STRATEGIES: none | dppo | reverse | cppo | greso ...
+    r_q: float = 0.0  # prompt-level ratio (before rollout)
+    r_o: float = 0.0  # completion-level ratio (after rollout)
     drop_zero_variance: bool | None = None  # resolved: on when algorithm.kl_coef == 0 (exact then)
     history_ema: float = 0.0
 
 
 @dataclass
 class RewardConfig:
-    kind: str = "exact"              # exact | math | "pkg.module:function"
+    kind: str = "exact"  # exact | math | "pkg.module:function"
     timeout_s: float = 5.0
     num_workers: int = 2
-    max_error_frac: float = 0.5      # stop the run when more checks of a step fail (raise, NaN, timeout...)
+    max_error_frac: float = 0.5  # stop the run when more checks of a step fail (raise, NaN, timeout...)
 
 
 @dataclass
 class OptimConfig:
     """Adam + LR schedule of the policy (megatron_dppo.megatron.step uses it as is)."""
+
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -108,7 +121,7 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
-    decay_steps: int = 0             # resolved: 0 = the run's optimizer steps
+    decay_steps: int = 0  # resolved: 0 = the run's optimizer steps
     decay_style: DecayStyle = "constant"
 
 
@@ -118,18 +131,18 @@ class TrainerConfig:
     output_dir: str = "runs"
     seed: int = 0
     max_steps: int = 100
-    max_time_s: float = 0.0          # wall-clock budget; 0 = none
-    prompts_per_step: int = 32       # B
-    minibatches_per_step: int = 1    # optimizer steps per pass over the rollout batch (whole prompt groups)
-    epochs_per_step: int = 1         # passes over the rollout batch (verl's ppo_epochs)
+    max_time_s: float = 0.0  # wall-clock budget; 0 = none
+    prompts_per_step: int = 32  # B
+    minibatches_per_step: int = 1  # optimizer steps per pass over the rollout batch (whole prompt groups)
+    epochs_per_step: int = 1  # passes over the rollout batch (verl's ppo_epochs)
     max_tokens_per_microbatch: int = 4096
     packing: PackingKind = "window"
     pack_window: int = 16
-    eval_every: int = 10             # 0 = no evaluation
+    eval_every: int = 10  # 0 = no evaluation
     eval_size: int = 200
-    save_every: int = 50             # steps between checkpoints (and one at the end, and on SIGTERM)
+    save_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM)
     keep_checkpoints: int = 2
-    threads: int = 0                 # torch threads; resolved: 0 = what torch chose
+    threads: int = 0  # torch threads; resolved: 0 = what torch chose
 
 
 @dataclass
@@ -138,8 +151,8 @@ class LoggingConfig:
     wandb: WandbMode = "offline"
     wandb_project: str = "megatron-dppo"
     progress: bool = True
-    rollouts: bool = False           # write every step's completions to runs/<name>/rollouts/step_N.jsonl
-    verbose: bool = False            # show the libraries' own warnings (vLLM, Megatron, wandb); off: only ours
+    rollouts: bool = False  # write every step's completions to runs/<name>/rollouts/step_N.jsonl
+    verbose: bool = False  # show the libraries' own warnings (vLLM, Megatron, wandb); off: only ours
 
 
 @dataclass
@@ -188,8 +201,9 @@ def _coerce(key: str, value, typ):
         return float(value)
     if typ in (int, str, bool) and type(value) is typ:
         return value
-    raise ValueError(f"config key {key!r}: expected {getattr(typ, '__name__', typ)}, got {value!r} "
-                     f"({type(value).__name__})")
+    raise ValueError(
+        f"config key {key!r}: expected {getattr(typ, '__name__', typ)}, got {value!r} ({type(value).__name__})"
+    )
 
 
 def _apply(obj, data: dict, prefix: str = "") -> None:
@@ -224,8 +238,11 @@ def validate(cfg: Config) -> Config:
         ("pruning.history_ema", 0 <= c.pruning.history_ema < 1, "a number in [0, 1) (0 = last value)"),
         ("rollout.group_size", r.group_size >= 2, "an integer >= 2"),
         ("rollout.max_new_tokens", r.max_new_tokens >= 1, "an integer >= 1"),
-        ("rollout.max_model_len", r.max_model_len > r.max_new_tokens,
-         f"an integer > rollout.max_new_tokens ({r.max_new_tokens}): prompt + completion must fit"),
+        (
+            "rollout.max_model_len",
+            r.max_model_len > r.max_new_tokens,
+            f"an integer > rollout.max_new_tokens ({r.max_new_tokens}): prompt + completion must fit",
+        ),
         ("rollout.temperature", r.temperature > 0, "a number > 0 (RL samples)"),
         ("rollout.top_p", 0 < r.top_p <= 1, "a number in (0, 1]"),
         ("rollout.kv_cache_gb", r.kv_cache_gb > 0, "a number > 0"),
@@ -250,13 +267,18 @@ def validate(cfg: Config) -> Config:
         ("trainer.max_steps", t.max_steps >= 1, "an integer >= 1"),
         ("trainer.max_time_s", t.max_time_s >= 0, "a number of seconds >= 0 (0 = no budget)"),
         ("trainer.prompts_per_step", t.prompts_per_step >= 1, "an integer >= 1"),
-        ("trainer.minibatches_per_step",
-         t.minibatches_per_step >= 1 and t.prompts_per_step % t.minibatches_per_step == 0,
-         f"an integer >= 1 that divides trainer.prompts_per_step ({t.prompts_per_step})"),
+        (
+            "trainer.minibatches_per_step",
+            t.minibatches_per_step >= 1 and t.prompts_per_step % t.minibatches_per_step == 0,
+            f"an integer >= 1 that divides trainer.prompts_per_step ({t.prompts_per_step})",
+        ),
         ("trainer.epochs_per_step", t.epochs_per_step >= 1, "an integer >= 1"),
-        ("trainer.max_tokens_per_microbatch", t.max_tokens_per_microbatch >= r.max_model_len,
-         f"an integer >= rollout.max_model_len ({r.max_model_len}), the longest sequence a rollout can "
-         "produce: raise it or lower rollout.max_model_len"),
+        (
+            "trainer.max_tokens_per_microbatch",
+            t.max_tokens_per_microbatch >= r.max_model_len,
+            f"an integer >= rollout.max_model_len ({r.max_model_len}), the longest sequence a rollout can "
+            "produce: raise it or lower rollout.max_model_len",
+        ),
         ("trainer.pack_window", t.pack_window >= 1, "an integer >= 1"),
         ("trainer.eval_every", t.eval_every >= 0, "an integer >= 0 (0 = no evaluation)"),
         ("trainer.eval_size", t.eval_size >= 1, "an integer >= 1"),
@@ -272,13 +294,19 @@ def validate(cfg: Config) -> Config:
     for key, ok, expected in checks:
         if not ok:
             section, name = key.split(".")
-            raise ValueError(f"config key {key!r}: expected {expected}, got "
-                             f"{getattr(getattr(cfg, section), name)!r}")
+            raise ValueError(f"config key {key!r}: expected {expected}, got {getattr(getattr(cfg, section), name)!r}")
     return cfg
 
 
-def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: int, num_layers: int,
-                 ffn_hidden_size: int | None = None) -> None:
+def check_layout(
+    cfg: Config,
+    *,
+    world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    ffn_hidden_size: int | None = None,
+) -> None:
     """The parallel layout against the world and the model: ValueError naming every key to change.
     Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node)."""
     par, problems = cfg.parallel, []
@@ -286,39 +314,63 @@ def check_layout(cfg: Config, *, world_size: int, num_heads: int, num_kv_heads: 
     if world_size % (tp * pp):
         problems.append(f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the world size {world_size}")
     if num_heads % tp or num_kv_heads % tp:
-        problems.append(f"parallel.tp={tp} must divide num_attention_heads {num_heads} and "
-                        f"num_key_value_heads {num_kv_heads}")
+        problems.append(
+            f"parallel.tp={tp} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
+        )
     if ffn_hidden_size is not None and ffn_hidden_size % tp:
         problems.append(f"parallel.tp={tp} must divide intermediate_size {ffn_hidden_size}")
     if num_layers % pp:
         problems.append(f"parallel.pp={pp} must divide num_hidden_layers {num_layers}")
     if par.gpus_per_node % tp:
-        problems.append(f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
-                        "group stays inside a node")
+        problems.append(
+            f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
+            "group stays inside a node"
+        )
     # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
     kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
     if rtp < 1 or world_size % rtp or num_heads % rtp or not kv_ok:
-        problems.append(f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
-                        f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
-                        f"num_key_value_heads {num_kv_heads}")
+        problems.append(
+            f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
+            f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
+            f"num_key_value_heads {num_kv_heads}"
+        )
     if ffn_hidden_size is not None and ffn_hidden_size % rtp:
         problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {ffn_hidden_size}")
     if par.gpus_per_node % rtp:
-        problems.append(f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
-                        "engine stays inside a node")
+        problems.append(
+            f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
+            "engine stays inside a node"
+        )
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
 
-def resolve(cfg: Config, *, world_size: int, local_world_size: int, num_heads: int, num_kv_heads: int,
-            num_layers: int, ffn_hidden_size: int, num_train_records: int, cuda: bool, threads: int) -> Config:
+def resolve(
+    cfg: Config,
+    *,
+    world_size: int,
+    local_world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    ffn_hidden_size: int,
+    num_train_records: int,
+    cuda: bool,
+    threads: int,
+) -> Config:
     """Fill in every value that depends on the model, the machine or the data, in one place, before
     the config is saved or read by anything else: after this no key is None or means "decide later".
     The cluster shape is the launch's (torchrun's world and processes per node), not the config's."""
     cfg.parallel.gpus_per_node = local_world_size
     cfg.parallel.nodes = max(world_size // local_world_size, 1)
-    check_layout(cfg, world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, num_layers=num_layers,
-                 ffn_hidden_size=ffn_hidden_size)
+    check_layout(
+        cfg,
+        world_size=world_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_layers=num_layers,
+        ffn_hidden_size=ffn_hidden_size,
+    )
     if cfg.data.train_size == 0 or cfg.data.train_size > num_train_records:
         cfg.data.train_size = num_train_records
     if cfg.rollout.dtype is None:
@@ -343,8 +395,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise ValueError(f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in the same "
-                                 f"section (first at line {seen[key]}); merge them")
+                raise ValueError(
+                    f"line {key_node.start_mark.line + 1}: key {key!r} appears twice in the same "
+                    f"section (first at line {seen[key]}); merge them"
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 

@@ -15,6 +15,7 @@ tokens, e.g. the tiny tokenizer's <bos>); "chat" applies the tokenizer's chat te
 generation prompt. The tiny model (examples/tiny/model) was trained on raw text, and its chat
 template only prepends <bos> to the concatenated contents, so both modes give the same ids there.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_dppo.rewards import gsm8k_final, last_boxed
 
-_LAYOUTS = ("expected {id?, prompt or messages, answer}, or GSM8K {question, answer with '#### N'}, "
-            "or MATH {problem, solution with \\boxed{...}}")
+_LAYOUTS = (
+    "expected {id?, prompt or messages, answer}, or GSM8K {question, answer with '#### N'}, "
+    "or MATH {problem, solution with \\boxed{...}}"
+)
 
 
 @dataclass
@@ -52,9 +55,14 @@ def prompt_id(prompt: str | None, messages: list[dict] | None = None) -> str:
 
 
 def _check_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages or not all(
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+            for m in messages
+        )
+    ):
         raise ValueError("'messages' must be a non-empty list of {role: str, content: str}")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
@@ -158,8 +166,14 @@ def load_records(path: str) -> list[PromptRecord]:
     return records
 
 
-def check_prompt_lengths(records: list[PromptRecord], renderer: "PromptRenderer", max_prompt_tokens: int,
-                         path: str, skip: bool = False, limit_desc: str = "") -> tuple[list[PromptRecord], int]:
+def check_prompt_lengths(
+    records: list[PromptRecord],
+    renderer: PromptRenderer,
+    max_prompt_tokens: int,
+    path: str,
+    skip: bool = False,
+    limit_desc: str = "",
+) -> tuple[list[PromptRecord], int]:
     """Find prompts longer than max_prompt_tokens when the data loads, not at the step that
     draws them (where the engine would fail without naming the record). -> (records, skipped).
 
@@ -168,8 +182,9 @@ def check_prompt_lengths(records: list[PromptRecord], renderer: "PromptRenderer"
     limit comes from, e.g. "rollout.max_model_len 32 - rollout.max_new_tokens 6".
     """
     if max_prompt_tokens < 1:
-        raise ValueError(f"the prompt token limit must be >= 1, got {max_prompt_tokens}"
-                         + (f" ({limit_desc})" if limit_desc else ""))
+        raise ValueError(
+            f"the prompt token limit must be >= 1, got {max_prompt_tokens}" + (f" ({limit_desc})" if limit_desc else "")
+        )
     kept, skipped = [], 0
     for rec in records:
         n = len(renderer.token_ids(rec))
@@ -179,11 +194,15 @@ def check_prompt_lengths(records: list[PromptRecord], renderer: "PromptRenderer"
             skipped += 1
         else:
             why = f" ({limit_desc})" if limit_desc else ""
-            raise ValueError(f"{path}:{rec.source or '?'} (id {rec.id}): prompt is {n} tokens, over the limit "
-                             f"{max_prompt_tokens}{why}")
+            raise ValueError(
+                f"{path}:{rec.source or '?'} (id {rec.id}): prompt is {n} tokens, over the limit "
+                f"{max_prompt_tokens}{why}"
+            )
     if not kept:
-        raise ValueError(f"{path}: every prompt is over the limit of {max_prompt_tokens} tokens"
-                         + (f" ({limit_desc})" if limit_desc else ""))
+        raise ValueError(
+            f"{path}: every prompt is over the limit of {max_prompt_tokens} tokens"
+            + (f" ({limit_desc})" if limit_desc else "")
+        )
     return kept, skipped
 
 
@@ -251,7 +270,7 @@ class PromptSampler:
         if self.pos + n > self.n:
             self.epoch, self.pos = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        batch = self._order[self.pos:self.pos + n]
+        batch = self._order[self.pos : self.pos + n]
         self.pos += n
         return batch
 
@@ -260,15 +279,23 @@ class PromptSampler:
             yield self.next_indices()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "pos": self.pos, "seed": self.seed, "num_records": self.n,
-                "batch_size": self.batch_size, "shuffle": self.shuffle}
+        return {
+            "epoch": self.epoch,
+            "pos": self.pos,
+            "seed": self.seed,
+            "num_records": self.n,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("seed", "num_records", "batch_size", "shuffle"):
             mine = self.state_dict()[key]
             if state.get(key) != mine:
-                raise ValueError(f"sampler state has {key}={state.get(key)!r} but this run has {mine!r}: "
-                                 f"the data order would not continue; keep the data and batch settings")
+                raise ValueError(
+                    f"sampler state has {key}={state.get(key)!r} but this run has {mine!r}: "
+                    f"the data order would not continue; keep the data and batch settings"
+                )
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._order = self._epoch_order(self.epoch)
 
@@ -281,9 +308,18 @@ class PromptDataset:
     counted in `skipped_long`.
     """
 
-    def __init__(self, path: str, batch_size: int, seed: int = 0, shuffle: bool = True, limit: int = 0,
-                 renderer: PromptRenderer | None = None, max_prompt_tokens: int = 0,
-                 skip_long_prompts: bool = False, limit_desc: str = ""):
+    def __init__(
+        self,
+        path: str,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        limit: int = 0,
+        renderer: PromptRenderer | None = None,
+        max_prompt_tokens: int = 0,
+        skip_long_prompts: bool = False,
+        limit_desc: str = "",
+    ):
         self.path = path
         self.records = load_records(path)
         if limit:  # the first `limit` records: a smaller set is revisited more often (prompt history)
@@ -291,11 +327,14 @@ class PromptDataset:
         self.skipped_long = 0
         if renderer is not None and max_prompt_tokens:
             self.records, self.skipped_long = check_prompt_lengths(
-                self.records, renderer, max_prompt_tokens, path, skip=skip_long_prompts, limit_desc=limit_desc)
+                self.records, renderer, max_prompt_tokens, path, skip=skip_long_prompts, limit_desc=limit_desc
+            )
         if len(self.records) < batch_size:
             skipped = f" ({self.skipped_long} skipped as too long)" if self.skipped_long else ""
-            raise ValueError(f"{path}: {len(self.records)} prompts{skipped}, fewer than one batch of {batch_size} "
-                             "(trainer.prompts_per_step)")
+            raise ValueError(
+                f"{path}: {len(self.records)} prompts{skipped}, fewer than one batch of {batch_size} "
+                "(trainer.prompts_per_step)"
+            )
         self.sampler = PromptSampler(len(self.records), batch_size, seed, shuffle)
 
     def __len__(self) -> int:

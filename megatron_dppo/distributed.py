@@ -13,6 +13,7 @@ Every function is also correct without torch.distributed (or in a 1-process worl
 what a 1-rank collective would. All are collective over `group` (default: the world): every
 rank must call them in the same order.
 """
+
 from __future__ import annotations
 
 import torch

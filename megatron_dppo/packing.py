@@ -16,6 +16,7 @@ Megatron's PackedSeqParams in megatron_dppo.megatron.attention.packed_seq_params
 Lengths given to the packers are whatever the micro-batch will hold: when THD padding is on
 (pad_multiple > 1) pass `round_up(len, pad_multiple)` so a built batch never exceeds capacity.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -27,9 +28,9 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-
 # ----------------------------------------------------------------------------------------------
 # 1. packing
+
 
 def _check_lengths(lengths, capacity: int, allow_oversize: bool = False) -> list[int]:
     if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity <= 0:
@@ -44,7 +45,8 @@ def _check_lengths(lengths, capacity: int, allow_oversize: bool = False) -> list
             raise ValueError(
                 f"sequence {i} has length {n} > capacity {capacity} (max_tokens_per_microbatch): "
                 f"raise the capacity or lower the max prompt/response length "
-                f"(or pack with allow_oversize=True to give it its own micro-batch)")
+                f"(or pack with allow_oversize=True to give it its own micro-batch)"
+            )
     return lengths
 
 
@@ -102,7 +104,7 @@ def pack_ffd(lengths, capacity: int) -> list[list[int]]:
     packs: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable sort
         n = lengths[i]
-        fits = room[:len(packs)] >= n
+        fits = room[: len(packs)] >= n
         j = int(fits.argmax()) if packs else 0
         if packs and fits[j]:
             packs[j].append(i)
@@ -146,6 +148,7 @@ def density(lengths, packs, capacity: int) -> float:
 # ----------------------------------------------------------------------------------------------
 # 2. data-parallel balancing
 
+
 def attn_coef_for(hidden_size: int) -> float:
     """Cost of a sequence of L tokens ~ L + c * L^2 (units: one token through the linear layers).
 
@@ -176,8 +179,7 @@ def _split(pack: list[int], lengths, attn_coef: float) -> tuple[list[int], list[
     return sorted(halves[0]), sorted(halves[1])
 
 
-def balance_packs(packs, lengths, dp_size: int,
-                  attn_coef: float = DEFAULT_ATTN_COEF) -> list[list[list[int]]]:
+def balance_packs(packs, lengths, dp_size: int, attn_coef: float = DEFAULT_ATTN_COEF) -> list[list[list[int]]]:
     """Spread packs over `dp_size` data-parallel ranks -> per rank, a list of packs.
 
     Every rank gets the SAME number of micro-batches M = ceil(len(packs) / dp_size): the
@@ -236,14 +238,16 @@ def dp_imbalance(rank_packs, lengths, attn_coef: float = DEFAULT_ATTN_COEF) -> f
 # ----------------------------------------------------------------------------------------------
 # 3. THD (and padded) batches
 
+
 @dataclass
 class Sample:
     """One retained sequence of the rollout batch: prompt + completion token ids."""
+
     tokens: Sequence[int] | torch.Tensor
     prompt_len: int
     advantage: float = 0.0
-    weight: float = 1.0   # DPPO weight w_q * w_o
-    seq_id: int = 0       # its row in the rollout batch
+    weight: float = 1.0  # DPPO weight w_q * w_o
+    seq_id: int = 0  # its row in the rollout batch
     old_logp: torch.Tensor | None = None  # [len - prompt_len], one per completion token
     ref_logp: torch.Tensor | None = None
 
@@ -262,19 +266,20 @@ class ThdBatch:
     each sequence and simply continue counting through its padding (keeps RoPE in range and
     the padded segment looks like one longer sequence to TE). seq_index is -1 on padding.
     """
-    tokens: torch.Tensor          # int64
-    position_ids: torch.Tensor    # int64
-    labels: torch.Tensor          # int64
-    loss_mask: torch.Tensor       # float32
-    seq_index: torch.Tensor       # int64, 0..S-1, -1 on padding
-    advantages: torch.Tensor      # float32
-    seq_weight: torch.Tensor      # [S] float32
-    seq_len: torch.Tensor         # [S] int64, completion tokens of each sequence
-    seq_ids: torch.Tensor         # [S] int64, rows in the rollout batch
-    cu_seqlens: torch.Tensor | None = None         # [S+1] int32, over real lengths
+
+    tokens: torch.Tensor  # int64
+    position_ids: torch.Tensor  # int64
+    labels: torch.Tensor  # int64
+    loss_mask: torch.Tensor  # float32
+    seq_index: torch.Tensor  # int64, 0..S-1, -1 on padding
+    advantages: torch.Tensor  # float32
+    seq_weight: torch.Tensor  # [S] float32
+    seq_len: torch.Tensor  # [S] int64, completion tokens of each sequence
+    seq_ids: torch.Tensor  # [S] int64, rows in the rollout batch
+    cu_seqlens: torch.Tensor | None = None  # [S+1] int32, over real lengths
     cu_seqlens_padded: torch.Tensor | None = None  # [S+1] int32, over padded lengths
-    max_seqlen: int = 0           # longest PADDED sequence (TE sizes its kernels by the padded
-                                  # layout); padded baseline: the row length L
+    max_seqlen: int = 0  # longest PADDED sequence (TE sizes its kernels by the padded
+    # layout); padded baseline: the row length L
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
 
@@ -282,7 +287,7 @@ class ThdBatch:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
-    def to(self, device) -> "ThdBatch":
+    def to(self, device) -> ThdBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in moved.items():
             if isinstance(v, torch.Tensor):
@@ -308,8 +313,10 @@ def _as_sample(s, k: int) -> Sample:
     for name in ("old_logp", "ref_logp"):
         v = getattr(s, name)
         if v is not None and len(v) != n - s.prompt_len:
-            raise ValueError(f"sample {k}: {name} has {len(v)} values, expected one per completion "
-                             f"token ({n} - {s.prompt_len} = {n - s.prompt_len})")
+            raise ValueError(
+                f"sample {k}: {name} has {len(v)} values, expected one per completion "
+                f"token ({n} - {s.prompt_len} = {n - s.prompt_len})"
+            )
     return s
 
 
@@ -321,31 +328,35 @@ def _build(samples, rows: int, row_len: int, pad_id: int, segment):
         if any(have) and not all(have):
             raise ValueError(f"{name} must be given for all samples or for none")
         opt[name] = torch.zeros(rows, row_len) if samples and all(have) else None
-    b = dict(tokens=torch.full((rows, row_len), pad_id, dtype=torch.long),
-             position_ids=torch.zeros(rows, row_len, dtype=torch.long),
-             labels=torch.zeros(rows, row_len, dtype=torch.long),
-             loss_mask=torch.zeros(rows, row_len),
-             seq_index=torch.full((rows, row_len), -1, dtype=torch.long),
-             advantages=torch.zeros(rows, row_len))
+    b = dict(
+        tokens=torch.full((rows, row_len), pad_id, dtype=torch.long),
+        position_ids=torch.zeros(rows, row_len, dtype=torch.long),
+        labels=torch.zeros(rows, row_len, dtype=torch.long),
+        loss_mask=torch.zeros(rows, row_len),
+        seq_index=torch.full((rows, row_len), -1, dtype=torch.long),
+        advantages=torch.zeros(rows, row_len),
+    )
     for i, s in enumerate(samples):
         ids = torch.as_tensor(s.tokens, dtype=torch.long)
         n, p0 = len(ids), s.prompt_len
         v = {k: segment(t, i) for k, t in b.items()}
         v["tokens"][:n] = ids
         v["position_ids"][:] = torch.arange(len(v["position_ids"]))
-        v["labels"][:n - 1] = ids[1:]
+        v["labels"][: n - 1] = ids[1:]
         v["seq_index"][:n] = i
         # positions p0-1 .. n-2 predict the completion tokens p0 .. n-1
-        v["loss_mask"][p0 - 1:n - 1] = 1.0
-        v["advantages"][p0 - 1:n - 1] = float(s.advantage)
+        v["loss_mask"][p0 - 1 : n - 1] = 1.0
+        v["advantages"][p0 - 1 : n - 1] = float(s.advantage)
         for name, t in opt.items():
             if t is not None:
-                segment(t, i)[p0 - 1:n - 1] = torch.as_tensor(getattr(s, name), dtype=torch.float32)
+                segment(t, i)[p0 - 1 : n - 1] = torch.as_tensor(getattr(s, name), dtype=torch.float32)
     return dict(
-        **b, **opt,
+        **b,
+        **opt,
         seq_weight=torch.tensor([float(s.weight) for s in samples], dtype=torch.float32),
         seq_len=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),
-        seq_ids=torch.tensor([int(s.seq_id) for s in samples], dtype=torch.long))
+        seq_ids=torch.tensor([int(s.seq_id) for s in samples], dtype=torch.long),
+    )
 
 
 def build_thd_batch(samples, pad_multiple: int = 1, pad_id: int = 0) -> ThdBatch:
@@ -363,16 +374,16 @@ def build_thd_batch(samples, pad_multiple: int = 1, pad_id: int = 0) -> ThdBatch
     starts = [0]
     for p in padded:
         starts.append(starts[-1] + p)
-    b = _build(samples, 1, starts[-1], pad_id,
-                  lambda t, i: t[0, starts[i]:starts[i + 1]])
-    return ThdBatch(**b,
-                    cu_seqlens=torch.tensor([0] + real, dtype=torch.int64).cumsum(0).to(torch.int32),
-                    cu_seqlens_padded=torch.tensor(starts, dtype=torch.int32),
-                    max_seqlen=max(padded, default=0))
+    b = _build(samples, 1, starts[-1], pad_id, lambda t, i: t[0, starts[i] : starts[i + 1]])
+    return ThdBatch(
+        **b,
+        cu_seqlens=torch.tensor([0] + real, dtype=torch.int64).cumsum(0).to(torch.int32),
+        cu_seqlens_padded=torch.tensor(starts, dtype=torch.int32),
+        max_seqlen=max(padded, default=0),
+    )
 
 
-def build_padded_batch(samples, pad_multiple: int = 1, pad_id: int = 0,
-                       row_len: int | None = None) -> ThdBatch:
+def build_padded_batch(samples, pad_multiple: int = 1, pad_id: int = 0, row_len: int | None = None) -> ThdBatch:
     """Baseline: one row per sequence, [S, L] tensors, L = longest sequence rounded up to
     `pad_multiple` (or `row_len` if given). cu_seqlens* are None; attention is per row."""
     if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:

@@ -24,6 +24,7 @@ state + vLLM awake). A layout that does not fit is refused with the knobs that w
 The config is checked first by the trainer's own rules (config.load_config's validation and
 config.check_layout with world = nodes x gpus_per_node), so `plan` accepts what `train` accepts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +38,17 @@ GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
 
 # Estimates, not measurements (docs/scaling.md says where they come from).
-CUDA_OVERHEAD = 2 * GiB      # CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE workspaces
-FRAGMENTATION = 0.10         # caching-allocator slack on the training peak (variable-size packs)
-VLLM_RUNTIME = 2 * GiB       # vLLM's profiled activation peak + CUDA graphs, inside its share
-SYNC_BUCKET = 1 * GiB        # one bucket of the Megatron -> vLLM weight sync in flight
-VOCAB_DIVISIBLE_BY = 128     # Megatron's make_vocab_size_divisible_by (model.py uses 128)
+CUDA_OVERHEAD = 2 * GiB  # CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE workspaces
+FRAGMENTATION = 0.10  # caching-allocator slack on the training peak (variable-size packs)
+VLLM_RUNTIME = 2 * GiB  # vLLM's profiled activation peak + CUDA graphs, inside its share
+SYNC_BUCKET = 1 * GiB  # one bucket of the Megatron -> vLLM weight sync in flight
+VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by (model.py uses 128)
 
 
 @dataclass(frozen=True)
 class Arch:
     """The numbers of a Qwen3-style dense model (GQA attention, SwiGLU MLP, RMSNorm, qk-norm)."""
+
     vocab: int
     hidden: int
     layers: int
@@ -57,13 +59,19 @@ class Arch:
     tied: bool
 
     @classmethod
-    def from_hf(cls, c: dict) -> "Arch":
+    def from_hf(cls, c: dict) -> Arch:
         if c.get("num_experts") or c.get("num_local_experts"):
             raise ValueError("the memory plan covers dense models; this config.json is a mixture of experts")
-        return cls(vocab=c["vocab_size"], hidden=c["hidden_size"], layers=c["num_hidden_layers"],
-                   heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-                   head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                   ffn=c["intermediate_size"], tied=bool(c.get("tie_word_embeddings", False)))
+        return cls(
+            vocab=c["vocab_size"],
+            hidden=c["hidden_size"],
+            layers=c["num_hidden_layers"],
+            heads=c["num_attention_heads"],
+            kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            ffn=c["intermediate_size"],
+            tied=bool(c.get("tie_word_embeddings", False)),
+        )
 
     def layer_params(self, tp: int = 1) -> int:
         """One decoder layer on one TP rank: QKV, out-proj, fc1 [gate; up], fc2 are split over TP;
@@ -74,8 +82,7 @@ class Arch:
 
     def hf_params(self) -> int:
         """Parameter count of the HF checkpoint (unpadded vocabulary)."""
-        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params()
-                + self.hidden)
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -149,8 +156,13 @@ def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
         for value in range(1, world + 1):
             par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, knob: value})
             try:
-                trainer_check(dataclasses.replace(cfg, parallel=par), world_size=world, num_heads=arch.heads,
-                              num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+                trainer_check(
+                    dataclasses.replace(cfg, parallel=par),
+                    world_size=world,
+                    num_heads=arch.heads,
+                    num_kv_heads=arch.kv_heads,
+                    num_layers=arch.layers,
+                )
             except ValueError:
                 continue
             ok.append(value)
@@ -166,14 +178,14 @@ def check_layout(cfg, arch: Arch) -> None:
     par = cfg.parallel
     world = par.nodes * par.gpus_per_node
     try:
-        trainer_check(cfg, world_size=world, num_heads=arch.heads, num_kv_heads=arch.kv_heads,
-                      num_layers=arch.layers)
+        trainer_check(cfg, world_size=world, num_heads=arch.heads, num_kv_heads=arch.kv_heads, num_layers=arch.layers)
     except ValueError as e:
         choices = layout_choices(cfg, arch)
         hints = "; ".join(f"parallel.{k} among {v}" for k, v in choices.items() if getattr(par, k) not in v)
-        raise ValueError(f"the trainer refuses this layout on parallel.nodes x parallel.gpus_per_node = "
-                         f"{par.nodes} x {par.gpus_per_node} = {world} GPUs: {e}"
-                         + (f" (choose {hints})" if hints else "")) from None
+        raise ValueError(
+            f"the trainer refuses this layout on parallel.nodes x parallel.gpus_per_node = "
+            f"{par.nodes} x {par.gpus_per_node} = {world} GPUs: {e}" + (f" (choose {hints})" if hints else "")
+        ) from None
 
 
 def memory_plan(cfg, fixes: bool = True) -> dict:
@@ -217,8 +229,14 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         gen["vllm"] = roll.gpu_memory_utilization * gpu
         gen["weight_sync"] = SYNC_BUCKET
         gen["overhead"] = CUDA_OVERHEAD
-        stages[stage] = {"params": n, "in_flight": in_flight, "train": train, "generate": gen,
-                         "train_total": sum(train.values()), "generate_total": sum(gen.values())}
+        stages[stage] = {
+            "params": n,
+            "in_flight": in_flight,
+            "train": train,
+            "generate": gen,
+            "train_total": sum(train.values()),
+            "generate_total": sum(gen.values()),
+        }
 
     worst = max(stages, key=lambda s: max(stages[s]["train_total"], stages[s]["generate_total"]))
 
@@ -234,19 +252,43 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
     seqs_needed = math.ceil(tr.prompts_per_step * roll.group_size / engines)
 
     plan = {
-        "model": dict(dataclasses.asdict(arch), params=arch.hf_params(), padded_vocab=vocab_p,
-                      model_type=load_hf_config(cfg.model.hf_dir).get("model_type", "?")),
-        "layout": dict(gpus=world, nodes=par.nodes, gpus_per_node=par.gpus_per_node, tp=tp, pp=pp, dp=dp,
-                       sequence_parallel=par.sequence_parallel and tp > 1, distributed_optimizer=dist_opt,
-                       recompute=par.recompute, rollout_tp=par.rollout_tp, engines=engines,
-                       dtype=cfg.model.dtype, micro_batch_tokens=T, reference=cfg.algorithm.kl_coef > 0),
+        "model": dict(
+            dataclasses.asdict(arch),
+            params=arch.hf_params(),
+            padded_vocab=vocab_p,
+            model_type=load_hf_config(cfg.model.hf_dir).get("model_type", "?"),
+        ),
+        "layout": dict(
+            gpus=world,
+            nodes=par.nodes,
+            gpus_per_node=par.gpus_per_node,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            sequence_parallel=par.sequence_parallel and tp > 1,
+            distributed_optimizer=dist_opt,
+            recompute=par.recompute,
+            rollout_tp=par.rollout_tp,
+            engines=engines,
+            dtype=cfg.model.dtype,
+            micro_batch_tokens=T,
+            reference=cfg.algorithm.kl_coef > 0,
+        ),
         "gpu_bytes": gpu,
         "activation_bytes_per_token_layer": act["kept"] * pbytes,
         "stages": stages,
         "worst_stage": worst,
-        "vllm": dict(weights=vllm_weights, runtime=VLLM_RUNTIME, kv_cache=kv_cache, kv_per_token=kv_per_token,
-                     max_model_len=roll.max_model_len, seqs_fit=seqs_fit, seqs_needed=seqs_needed,
-                     host_ram_per_node=vllm_weights * par.gpus_per_node, sleep_level=roll.sleep_level),
+        "vllm": dict(
+            weights=vllm_weights,
+            runtime=VLLM_RUNTIME,
+            kv_cache=kv_cache,
+            kv_per_token=kv_per_token,
+            max_model_len=roll.max_model_len,
+            seqs_fit=seqs_fit,
+            seqs_needed=seqs_needed,
+            host_ram_per_node=vllm_weights * par.gpus_per_node,
+            sleep_level=roll.sleep_level,
+        ),
     }
     plan["problems"], plan["notes"] = _verdict(plan, cfg)
     plan["fits"] = not plan["problems"]
@@ -261,18 +303,27 @@ def _verdict(plan, cfg) -> tuple[list[str], list[str]]:
         name, s = max(plan["stages"].items(), key=lambda kv: kv[1][phase + "_total"])
         where = "" if name == "only" else f" on the {name} pipeline stage"
         if s[phase + "_total"] > gpu:
-            why = ("Megatron's peak, vLLM asleep" if phase == "train" else
-                   f"Megatron's resident state + vLLM's {cfg.rollout.gpu_memory_utilization:.0%}")
-            problems.append(f"{'training' if phase == 'train' else 'generation'} needs "
-                            f"{s[phase + '_total'] / GiB:.1f} GiB per GPU{where} ({why}) > {gpu / GiB:.0f} GiB")
+            why = (
+                "Megatron's peak, vLLM asleep"
+                if phase == "train"
+                else f"Megatron's resident state + vLLM's {cfg.rollout.gpu_memory_utilization:.0%}"
+            )
+            problems.append(
+                f"{'training' if phase == 'train' else 'generation'} needs "
+                f"{s[phase + '_total'] / GiB:.1f} GiB per GPU{where} ({why}) > {gpu / GiB:.0f} GiB"
+            )
     if v["seqs_fit"] < 1:
-        problems.append(f"vLLM's KV cache ({max(v['kv_cache'], 0) / GiB:.1f} GiB after its weights and runtime) "
-                        f"cannot hold one sequence of rollout.max_model_len={v['max_model_len']} "
-                        f"({v['max_model_len'] * v['kv_per_token'] / GiB:.2f} GiB)")
+        problems.append(
+            f"vLLM's KV cache ({max(v['kv_cache'], 0) / GiB:.1f} GiB after its weights and runtime) "
+            f"cannot hold one sequence of rollout.max_model_len={v['max_model_len']} "
+            f"({v['max_model_len'] * v['kv_per_token'] / GiB:.2f} GiB)"
+        )
     elif v["seqs_fit"] < v["seqs_needed"]:
-        notes.append(f"vLLM holds {v['seqs_fit']} full-length sequences at once, the step asks "
-                     f"{v['seqs_needed']} per engine: generation runs in waves (raise "
-                     f"rollout.gpu_memory_utilization or parallel.rollout_tp for fewer)")
+        notes.append(
+            f"vLLM holds {v['seqs_fit']} full-length sequences at once, the step asks "
+            f"{v['seqs_needed']} per engine: generation runs in waves (raise "
+            f"rollout.gpu_memory_utilization or parallel.rollout_tp for fewer)"
+        )
     return problems, notes
 
 
@@ -282,8 +333,11 @@ def _candidates(cfg, plan) -> list[str]:
     out = []
     if not lay["distributed_optimizer"] and lay["dp"] > 1:
         out.append("parallel.distributed_optimizer=true")
-    out += [f"parallel.recompute={r}" for r in ("selective", "full")
-            if ("none", "selective", "full").index(r) > ("none", "selective", "full").index(par.recompute)]
+    out += [
+        f"parallel.recompute={r}"
+        for r in ("selective", "full")
+        if ("none", "selective", "full").index(r) > ("none", "selective", "full").index(par.recompute)
+    ]
     if par.tp > 1 and not par.sequence_parallel:
         out.append("parallel.sequence_parallel=true")
     t = cfg.trainer.max_tokens_per_microbatch
@@ -327,6 +381,7 @@ def _badness(p) -> tuple:
 def suggest_fixes(cfg, plan, max_changes: int = 6) -> list[str]:
     """Single-knob changes that make the layout fit. When no single knob
     does, a greedy combination: repeatedly apply the change that brings it closest to fitting."""
+
     def tried(c, p):
         out = []
         for change in _candidates(c, p):
@@ -378,33 +433,53 @@ def format_plan(plan: dict) -> str:
         f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines)",
         f"activations: {plan['activation_bytes_per_token_layer'] / 1024:.1f} KiB per token per layer kept",
     ]
-    rows = [("weights", "weights"), ("gradients (fp32 main_grad)", "gradients"),
-            ("optimizer (Adam m,v [+fp32 master])", "optimizer"), ("reference model", "reference"),
-            ("activations", "activations"), ("logits (fp32 loss)", "logits"),
-            ("vLLM (weights+runtime+KV)", "vllm"), ("weight-sync bucket", "weight_sync"),
-            ("CUDA ctx/NCCL/fragmentation", "overhead")]
+    rows = [
+        ("weights", "weights"),
+        ("gradients (fp32 main_grad)", "gradients"),
+        ("optimizer (Adam m,v [+fp32 master])", "optimizer"),
+        ("reference model", "reference"),
+        ("activations", "activations"),
+        ("logits (fp32 loss)", "logits"),
+        ("vLLM (weights+runtime+KV)", "vllm"),
+        ("weight-sync bucket", "weight_sync"),
+        ("CUDA ctx/NCCL/fragmentation", "overhead"),
+    ]
     for name, s in plan["stages"].items():
-        lines.append("per GPU:" if name == "only" else
-                     f"per GPU, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):")
+        lines.append(
+            "per GPU:"
+            if name == "only"
+            else f"per GPU, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):"
+        )
         lines.append(f"  {'GiB':<38}{'train':>8}{'generate':>10}")
-        cell = lambda x: "-".rjust(7) if x is None else _gib(x)
+
+        def cell(x):
+            return "-".rjust(7) if x is None else _gib(x)
+
         for label, key in rows:
             tr, ge = s["train"].get(key), s["generate"].get(key)
             if (tr or 0) or (ge or 0):
                 lines.append(f"  {label:<38} {cell(tr)}   {cell(ge)}")
-        lines.append(f"  {'total of ' + format(plan['gpu_bytes'] / GiB, '.0f') + ' GiB':<38} "
-                     f"{_gib(s['train_total'])}   {_gib(s['generate_total'])}")
-    lines.append(f"vLLM per GPU: weights {v['weights'] / GiB:.2f} GiB, runtime {v['runtime'] / GiB:.1f} GiB, "
-                 f"KV cache {v['kv_cache'] / GiB:.2f} GiB at {v['kv_per_token'] / 1024:.0f} KiB/token = "
-                 f"{v['seqs_fit']} sequences of {v['max_model_len']} tokens (step: {v['seqs_needed']} per engine); "
-                 + (f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node"
-                    if v["sleep_level"] == 1 else
-                    f"sleep level 2 drops its weights (level 1 would park {v['host_ram_per_node'] / GiB:.0f} GiB "
-                    f"per node in host RAM)"))
+        lines.append(
+            f"  {'total of ' + format(plan['gpu_bytes'] / GiB, '.0f') + ' GiB':<38} "
+            f"{_gib(s['train_total'])}   {_gib(s['generate_total'])}"
+        )
+    lines.append(
+        f"vLLM per GPU: weights {v['weights'] / GiB:.2f} GiB, runtime {v['runtime'] / GiB:.1f} GiB, "
+        f"KV cache {v['kv_cache'] / GiB:.2f} GiB at {v['kv_per_token'] / 1024:.0f} KiB/token = "
+        f"{v['seqs_fit']} sequences of {v['max_model_len']} tokens (step: {v['seqs_needed']} per engine); "
+        + (
+            f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node"
+            if v["sleep_level"] == 1
+            else f"sleep level 2 drops its weights (level 1 would park {v['host_ram_per_node'] / GiB:.0f} GiB "
+            f"per node in host RAM)"
+        )
+    )
     lines += [f"note: {n}" for n in plan["notes"]]
     if plan["fits"]:
-        lines.append(f"FITS: peak {max(max(s['train_total'], s['generate_total']) for s in plan['stages'].values()) / GiB:.1f} "
-                     f"GiB of {plan['gpu_bytes'] / GiB:.0f} GiB per GPU")
+        lines.append(
+            f"FITS: peak {max(max(s['train_total'], s['generate_total']) for s in plan['stages'].values()) / GiB:.1f} "
+            f"GiB of {plan['gpu_bytes'] / GiB:.0f} GiB per GPU"
+        )
     else:
         lines += [f"REFUSED: {p}" for p in plan["problems"]]
         if plan["fixes"]:

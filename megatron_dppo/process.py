@@ -1,4 +1,5 @@
 """Process hygiene shared by the trainer and its worker processes (Linux; no-ops elsewhere)."""
+
 from __future__ import annotations
 
 import ctypes

@@ -20,6 +20,7 @@ forward: backward computes a gradient for both the input and the weight of every
 Everything here is plain arithmetic on the HF config.json (a transformers config or a dict);
 only `measure_matmul_flops` and `detect_device` touch torch.
 """
+
 from __future__ import annotations
 
 import time
@@ -82,6 +83,7 @@ def mfu(flops: float, seconds: float, peak: float) -> float:
 def detect_device() -> str:
     """'h100' / 'h200' / 'a100' for those GPUs, the CUDA device name for others, else 'cpu'."""
     import torch
+
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name().lower()
@@ -96,6 +98,7 @@ def measure_matmul_flops(n: int = 1024, dtype=None, seconds: float = 0.5, device
     no data-sheet number (a CPU). Best-of, because other jobs sharing the cores only slow it.
     dtype defaults to fp32 on CPU (the CPU runs train in fp32) and bf16 on a GPU."""
     import torch
+
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -107,7 +110,7 @@ def measure_matmul_flops(n: int = 1024, dtype=None, seconds: float = 0.5, device
         t0 = time.perf_counter()
         a @ b
         sync()
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 

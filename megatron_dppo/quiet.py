@@ -11,6 +11,7 @@ libraries' ERROR-level logs.
 `quiet_libraries` must run before torch / vLLM / wandb are imported (the CLI calls it right after
 parsing the config), since some of these variables are read once, at import.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,7 +35,7 @@ def quiet_libraries(verbose: bool = False) -> None:
     if verbose:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # c10 warnings such as NUMA binding notes
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10 warnings such as NUMA binding notes
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -50,4 +51,5 @@ def quiet_libraries(verbose: bool = False) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     # Should vLLM's level be lowered by the user's environment, this one is still not news.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        _DropMessages("Failed to load weights"))
+        _DropMessages("Failed to load weights")
+    )

@@ -60,6 +60,7 @@ copy of that end they inherit, or a hung worker would keep the forkserver alive 
 forkserver the worker). So a check hung even in native code does not survive a SIGKILL of the
 trainer, and multiprocessing's resource tracker exits once they are all gone.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -68,7 +69,6 @@ import multiprocessing as mp
 import numbers
 import os
 import signal
-import sys
 import time
 from collections import deque
 from multiprocessing.connection import wait
@@ -94,6 +94,7 @@ class RewardFailureError(RuntimeError):
 
 # ---------------------------------------------------------------------------- answer extraction
 
+
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{...} (or \\fbox{...}) in text, braces matched; None if none.
 
@@ -109,7 +110,7 @@ def last_boxed(text: str) -> str | None:
         return None
     j = best[0] + len(best[1])
     if text.startswith(" ", j) and not text.startswith(" {", j):  # "\boxed 5"
-        rest = text[j + 1:]
+        rest = text[j + 1 :]
         end = min([k for k in (rest.find("$"), rest.find(" "), rest.find("\n")) if k >= 0] or [len(rest)])
         return rest[:end].strip() or None
     while j < len(text) and text[j] == " ":
@@ -123,7 +124,7 @@ def last_boxed(text: str) -> str | None:
         elif text[k] == "}":
             depth -= 1
             if depth == 0:
-                return text[j + 1:k]
+                return text[j + 1 : k]
     return None  # unbalanced: the model stopped mid-answer
 
 
@@ -132,11 +133,12 @@ def gsm8k_final(text: str) -> str | None:
     i = text.rfind("####")
     if i < 0:
         return None
-    ans = text[i + 4:].strip().split("\n", 1)[0].strip()
+    ans = text[i + 4 :].strip().split("\n", 1)[0].strip()
     return ans or None
 
 
 # ---------------------------------------------------------------------------- built-in verifiers
+
 
 def exact_reward(completion: str, answer: str, record=None) -> float:
     return exact_match(completion, answer)
@@ -164,8 +166,9 @@ def resolve_reward_fn(spec: str):
     spec = BUILTIN_KINDS.get(spec, spec)
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"reward kind must be one of {sorted(BUILTIN_KINDS)} or an import path "
-                         f"'pkg.module:function', got {spec!r}")
+        raise ValueError(
+            f"reward kind must be one of {sorted(BUILTIN_KINDS)} or an import path 'pkg.module:function', got {spec!r}"
+        )
     obj = importlib.import_module(mod_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -176,12 +179,14 @@ def resolve_reward_fn(spec: str):
 
 # ---------------------------------------------------------------------------- worker process
 
+
 def _drop_forkserver_lifeline() -> None:
     """A forkserver child inherits the write end of the pipe by which the forkserver watches the
     trainer (so that the child could start processes of its own). Holding it, a hung worker would
     keep the forkserver alive after the trainer dies, and the forkserver (its parent, for
     PR_SET_PDEATHSIG) would keep the worker alive: close it; workers start no processes."""
     from multiprocessing import forkserver
+
     fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     if fd is not None:
         try:
@@ -232,8 +237,7 @@ def _worker_main(conn, spec: str) -> None:
 class _Worker:
     def __init__(self, ctx, spec: str):
         parent, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True,
-                                name="megatron-dppo-reward")
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name="megatron-dppo-reward")
         self.proc.start()
         child.close()  # so the parent sees EOF when the worker dies
         self.conn = parent
@@ -268,9 +272,16 @@ class RewardScorer:
     RuntimeError: that is a setup error, not a bad sample.
     """
 
-    def __init__(self, kind: str = "exact", timeout_s: float = 5.0, num_workers: int = 2,
-                 start_method: str = "forkserver", startup_timeout_s: float = 120.0,
-                 max_error_frac: float = 0.5, call_timeout_s: float | None = None):
+    def __init__(
+        self,
+        kind: str = "exact",
+        timeout_s: float = 5.0,
+        num_workers: int = 2,
+        start_method: str = "forkserver",
+        startup_timeout_s: float = 120.0,
+        max_error_frac: float = 0.5,
+        call_timeout_s: float | None = None,
+    ):
         if not timeout_s > 0 or num_workers < 1:
             raise ValueError(f"reward timeout_s must be > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
         if not 0.0 <= max_error_frac <= 1.0:
@@ -332,8 +343,10 @@ class RewardScorer:
             raise RuntimeError("RewardScorer is closed")
         n = len(completions)
         if len(answers) != n or (records is not None and len(records) != n):
-            raise ValueError(f"score() got {n} completions, {len(answers)} answers, "
-                             f"{None if records is None else len(records)} records")
+            raise ValueError(
+                f"score() got {n} completions, {len(answers)} answers, "
+                f"{None if records is None else len(records)} records"
+            )
         for i, w in enumerate(self._workers):
             if w.task is not None:  # a previous call was interrupted: its late result must not leak in
                 self._replace(i)
@@ -367,8 +380,10 @@ class RewardScorer:
                         self._replace(i)
                         continue
                     except Exception as e:  # pickling: the caller's record, not the verifier
-                        raise ValueError(f"record {_record_id(msg[3], idx)} cannot be sent to a reward "
-                                         f"worker: {type(e).__name__}: {e}") from None
+                        raise ValueError(
+                            f"record {_record_id(msg[3], idx)} cannot be sent to a reward "
+                            f"worker: {type(e).__name__}: {e}"
+                        ) from None
                     now = time.monotonic()
                     w.task, w.task_started, w.deadline = idx, now, now + self.timeout_s
             now = time.monotonic()
@@ -388,8 +403,11 @@ class RewardScorer:
                 except (EOFError, OSError):  # the check took the process down with it
                     if w.task is not None:
                         w.proc.join(1)
-                        fail(w.task, "worker-died", f"the worker process exited (code {w.proc.exitcode}) "
-                                                    "during the check")
+                        fail(
+                            w.task,
+                            "worker-died",
+                            f"the worker process exited (code {w.proc.exitcode}) during the check",
+                        )
                         remaining -= 1
                     self._replace(i)
                     continue
@@ -428,14 +446,23 @@ class RewardScorer:
         for kind, count in by_kind.items():
             self.totals["by_kind"][kind] = self.totals["by_kind"].get(kind, 0) + count
         timeouts = by_kind.get("timeout", 0)
-        info = {"n": n, "failed": failed, "timeouts": timeouts, "errors": failed - timeouts,
-                "seconds": time.monotonic() - t0, "budget_s": self._budget_s(n),
-                "failures_by_kind": by_kind, "first_failures": first}
+        info = {
+            "n": n,
+            "failed": failed,
+            "timeouts": timeouts,
+            "errors": failed - timeouts,
+            "seconds": time.monotonic() - t0,
+            "budget_s": self._budget_s(n),
+            "failures_by_kind": by_kind,
+            "first_failures": first,
+        }
         if n and failed / n > self.max_error_frac:
             kinds = ", ".join(f"{k} {by_kind[k]}" for k in FAILURE_KINDS if k in by_kind)
             raise RewardFailureError(
                 f"reward {self.kind!r}: {failed} of {n} checks failed ({failed / n:.0%}, over "
-                f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(first), info)
+                f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(first),
+                info,
+            )
         return rewards, info
 
     def close(self) -> None:

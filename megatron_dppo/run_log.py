@@ -3,6 +3,7 @@
 Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step); TensorBoard
 and wandb (offline unless configured) get the same scalars.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,32 @@ class RunLogger:
         lc = cfg.logging
         if lc.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step)
         if lc.wandb != "disabled":
             import wandb
+
             from megatron_dppo.config import to_dict
-            self.wandb = wandb.init(project=lc.wandb_project, name=cfg.trainer.run_name, dir=run_dir,
-                                    mode=lc.wandb, config=to_dict(cfg), resume="allow",
-                                    settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+
+            self.wandb = wandb.init(
+                project=lc.wandb_project,
+                name=cfg.trainer.run_name,
+                dir=run_dir,
+                mode=lc.wandb,
+                config=to_dict(cfg),
+                resume="allow",
+                settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+            )
         if lc.progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, initial=first_step - 1, desc=cfg.trainer.run_name,
-                            dynamic_ncols=True, mininterval=1.0)
+
+            self.bar = tqdm(
+                total=total_steps,
+                initial=first_step - 1,
+                desc=cfg.trainer.run_name,
+                dynamic_ncols=True,
+                mininterval=1.0,
+            )
 
     def _truncate_after(self, step: int) -> None:
         """Keep the rows of steps <= step (a resumed run rewrites the steps it repeats). A kill while a
@@ -74,8 +90,7 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
         if self.bar is not None and "time/step" in metrics:  # an evaluation before step 1 is no step
-            post = {"reward": f"{metrics.get('reward/mean', 0):.3f}",
-                    "step_s": f"{metrics.get('time/step', 0):.2f}"}
+            post = {"reward": f"{metrics.get('reward/mean', 0):.3f}", "step_s": f"{metrics.get('time/step', 0):.2f}"}
             if "eval/accuracy" in metrics:
                 post["eval"] = f"{metrics['eval/accuracy']:.3f}"
             self.bar.set_postfix(post, refresh=False)
@@ -105,8 +120,10 @@ def phase_summary(rows: list[dict]) -> str:
     if not steps:
         return "no training steps run"
     total = sum(h["time/step"] for h in steps)
-    parts = ", ".join(f"{name} {sum(h.get(f'time/{name}', 0) for h in steps):.1f}s"
-                      for name in ("rollout", "reward", "logprob", "train", "sync"))
+    parts = ", ".join(
+        f"{name} {sum(h.get(f'time/{name}', 0) for h in steps):.1f}s"
+        for name in ("rollout", "reward", "logprob", "train", "sync")
+    )
     evals = [h["eval/accuracy"] for h in rows if "eval/accuracy" in h]
     acc = f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else ""
     return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"
@@ -120,6 +137,7 @@ def read_metrics(path: str) -> list[dict]:
 def plot_curves(metrics_path: str, png_path: str) -> None:
     """Reward and held-out accuracy against step and wall-clock time."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -16,6 +16,7 @@ Every character of a prompt and a solution is in the task's `alphabet`, which th
 character vocabulary covers (tools/make_tiny_model.py).
 Pure Python on purpose: no torch, so reward workers and data tools import it cheaply.
 """
+
 from __future__ import annotations
 
 import json
@@ -172,8 +173,7 @@ def make_splits(task: str, seed: int = 0, **sizes: int) -> dict[str, list[dict]]
     out, start = {}, 0
     for split, n in sizes.items():
         prefix = f"{task}-" if split == "train" else f"{task}-{split}-"
-        out[split] = [{"id": f"{prefix}{i:06d}", **t.record(a, b)}
-                      for i, (a, b) in enumerate(pairs[start:start + n])]
+        out[split] = [{"id": f"{prefix}{i:06d}", **t.record(a, b)} for i, (a, b) in enumerate(pairs[start : start + n])]
         start += n
     return out
 

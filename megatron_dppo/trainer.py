@@ -11,8 +11,10 @@ generates the same slice, its first rank scores it, and the groups are gathered 
 data-parallel rank then trains on its share of the packs. Megatron details live in
 megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
 """
+
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -34,8 +36,7 @@ from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
 from megatron_dppo.process import malloc_trim
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.rollout.records import (Group, RolloutCounts, rollout_metrics, set_completion_weights,
-                                           stack_rewards)
+from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, set_completion_weights, stack_rewards
 from megatron_dppo.run_log import RunLogger, phase_summary
 
 
@@ -53,6 +54,7 @@ class PhaseTimer:
 def step_generator(seed: int, step: int) -> torch.Generator:
     """The pruning masks' generator: the same on every rank, a new stream every step."""
     from megatron_dppo.rollout.vllm_engine import request_seed
+
     return torch.Generator().manual_seed(request_seed("masks", seed, step))
 
 
@@ -66,7 +68,7 @@ class Trainer:
 
         from megatron_dppo.megatron import data_parallel_rank_and_size, initialize_parallel, suspend_cpu_compat
         from megatron_dppo.megatron.hf_load import check_hf_model_dir
-        from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
+        from megatron_dppo.megatron.step import MegatronPolicy
         from megatron_dppo.rollout import RolloutEngine
 
         tc, pc, rc, ac = cfg.trainer, cfg.parallel, cfg.rollout, cfg.algorithm
@@ -77,30 +79,51 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
         # Prompts that cannot fit next to max_new_tokens are found now, naming the record.
-        prompt_limit = dict(max_prompt_tokens=rc.max_model_len - rc.max_new_tokens, skip=cfg.data.skip_long_prompts,
-                            limit_desc=f"rollout.max_model_len {rc.max_model_len} - rollout.max_new_tokens "
-                                       f"{rc.max_new_tokens}; data.skip_long_prompts=true skips them")
-        self.data = PromptDataset(cfg.data.train, tc.prompts_per_step, seed=tc.seed, limit=cfg.data.train_size,
-                                  renderer=self.renderer, max_prompt_tokens=prompt_limit["max_prompt_tokens"],
-                                  skip_long_prompts=prompt_limit["skip"], limit_desc=prompt_limit["limit_desc"])
+        prompt_limit = dict(
+            max_prompt_tokens=rc.max_model_len - rc.max_new_tokens,
+            skip=cfg.data.skip_long_prompts,
+            limit_desc=f"rollout.max_model_len {rc.max_model_len} - rollout.max_new_tokens "
+            f"{rc.max_new_tokens}; data.skip_long_prompts=true skips them",
+        )
+        self.data = PromptDataset(
+            cfg.data.train,
+            tc.prompts_per_step,
+            seed=tc.seed,
+            limit=cfg.data.train_size,
+            renderer=self.renderer,
+            max_prompt_tokens=prompt_limit["max_prompt_tokens"],
+            skip_long_prompts=prompt_limit["skip"],
+            limit_desc=prompt_limit["limit_desc"],
+        )
         self.eval_records = []
         if cfg.data.eval:
-            self.eval_records, _ = check_prompt_lengths(load_records(cfg.data.eval)[:tc.eval_size], self.renderer,
-                                                        path=cfg.data.eval, **prompt_limit)
+            self.eval_records, _ = check_prompt_lengths(
+                load_records(cfg.data.eval)[: tc.eval_size], self.renderer, path=cfg.data.eval, **prompt_limit
+            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         # One resolution step: from here on the config is complete and is what runs.
         hf = self.hf_config
-        resolve(cfg, world_size=world, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
-                num_layers=hf.num_hidden_layers, ffn_hidden_size=hf.intermediate_size,
-                num_train_records=len(self.data), cuda=torch.cuda.is_available(), threads=torch.get_num_threads())
+        resolve(
+            cfg,
+            world_size=world,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads,
+            num_layers=hf.num_hidden_layers,
+            ffn_hidden_size=hf.intermediate_size,
+            num_train_records=len(self.data),
+            cuda=torch.cuda.is_available(),
+            threads=torch.get_num_threads(),
+        )
         self.cfg = cfg
         self.run_dir = os.path.join(tc.output_dir, tc.run_name)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
         fresh_dir_taken = os.path.exists(self.run_dir) and bool(os.listdir(self.run_dir))
         if fresh_dir_taken and not (resume or overwrite):
-            raise FileExistsError(f"run dir {self.run_dir} already exists: pass --resume to continue that run, "
-                                  "or --overwrite to delete it and start again (or set trainer.run_name)")
+            raise FileExistsError(
+                f"run dir {self.run_dir} already exists: pass --resume to continue that run, "
+                "or --overwrite to delete it and start again (or set trainer.run_name)"
+            )
 
         initialize_parallel(pc.tp, pc.pp, seed=tc.seed)
         self.rank, self.world = mdist.world()
@@ -116,19 +139,27 @@ class Trainer:
 
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         self.policy = MegatronPolicy(
-            self.hf_config, cfg.optim,
-            LossConfig(loss_agg=ac.loss_agg, clip_low=ac.clip_low, clip_high=ac.clip_high,
-                       ratio_type=ac.ratio_type, kl_coef=ac.kl_coef, kl_estimator=ac.kl_estimator,
-                       temperature=rc.temperature),
-            params_dtype=dtype, attention=cfg.model.attention, with_reference=ac.kl_coef > 0,
-            sequence_parallel=pc.sequence_parallel, recompute=pc.recompute,
-            distributed_optimizer=pc.distributed_optimizer)
+            self.hf_config,
+            cfg.optim,
+            cfg.algorithm,
+            temperature=rc.temperature,
+            params_dtype=dtype,
+            attention=cfg.model.attention,
+            with_reference=ac.kl_coef > 0,
+            sequence_parallel=pc.sequence_parallel,
+            recompute=pc.recompute,
+            distributed_optimizer=pc.distributed_optimizer,
+        )
         self._load_initial_weights(resume)
 
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.strategy = get_strategy(cfg.pruning.strategy)
-        self.scorer = RewardScorer(cfg.reward.kind, timeout_s=cfg.reward.timeout_s,
-                                   num_workers=cfg.reward.num_workers, max_error_frac=cfg.reward.max_error_frac)
+        self.scorer = RewardScorer(
+            cfg.reward.kind,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+            max_error_frac=cfg.reward.max_error_frac,
+        )
         self.pad_multiple = packing.thd_pad_multiple(pc.tp, 1, pc.sequence_parallel)
 
         self.first_step = 1
@@ -137,12 +168,17 @@ class Trainer:
         t0 = time.perf_counter()
         synced_at_start = resume or bool(cfg.model.init_checkpoint)
         self.engine = RolloutEngine(
-            cfg.model.hf_dir, dtype=rc.dtype, max_model_len=rc.max_model_len, seed=tc.seed,
+            cfg.model.hf_dir,
+            dtype=rc.dtype,
+            max_model_len=rc.max_model_len,
+            seed=tc.seed,
             kv_cache_memory_bytes=int(rc.kv_cache_gb * (1 << 30)) if not torch.cuda.is_available() else None,
-            gpu_memory_utilization=rc.gpu_memory_utilization, tensor_parallel_size=pc.rollout_tp,
+            gpu_memory_utilization=rc.gpu_memory_utilization,
+            tensor_parallel_size=pc.rollout_tp,
             context=suspend_cpu_compat,
             # The policy's weights are synced right below: do not read the HF files for vLLM too.
-            load_format="dummy" if synced_at_start else "auto")
+            load_format="dummy" if synced_at_start else "auto",
+        )
         self.engine_init_s = time.perf_counter() - t0
         torch.manual_seed(tc.seed)  # vLLM reseeded the global generators
         torch.set_num_threads(tc.threads)
@@ -152,16 +188,22 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.logger = RunLogger(self.run_dir, cfg, tc.max_steps, self.first_step, enabled=self.is_main)
+        # Everything built so far lives as long as the run: keep the garbage collector from walking
+        # it again and again (its pauses of 0.3-0.7 s landed inside train steps: docs/packing.md).
+        gc.collect()
+        gc.freeze()
 
     def _load_initial_weights(self, resume: bool) -> None:
         """The policy (and the KL reference) start from model.init_checkpoint when given, else from
         the HF safetensors; each rank reads only its own shard. A resumed run without a KL term
         reads neither: its checkpoint overwrites the policy anyway."""
         from megatron_dppo.megatron.hf_load import load_hf_into_policy
+
         if resume and self.policy.reference is None:
             return
         if self.cfg.model.init_checkpoint:
             from megatron_dppo.megatron.checkpoint import load_checkpoint
+
             load_checkpoint(self.cfg.model.init_checkpoint, self.policy, load_optimizer=False)
             self.policy.copy_policy_to_reference()  # the KL reference is where the policy starts
         else:
@@ -174,38 +216,44 @@ class Trainer:
         t_step = time.perf_counter()
         gen = step_generator(tc.seed, step)
 
-        groups, rolled, counts = self._collect_groups(step, gen, timer)       # prompts .. rewards [.. refill]
+        groups, rolled, counts = self._collect_groups(step, gen, timer)  # prompts .. rewards [.. refill]
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         metrics = {"step": step, **rollout_metrics(groups, rolled, counts)}
         if groups:
-            adv = group_advantages(stack_rewards(groups), cfg.algorithm.advantage)   # on the FULL group
+            adv = group_advantages(stack_rewards(groups), cfg.algorithm.advantage)  # on the FULL group
             keep_o, w_o = self.strategy.prune_completions(adv, cfg.pruning.r_o, gen)  # prune completions
             if cfg.pruning.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
                 w_o = w_o * drop_zero_variance_groups(adv)[:, None]
             set_completion_weights(groups, adv, w_o * keep_o)
             metrics["prune/completions_kept_frac"] = float((w_o * keep_o > 0).float().mean())
             metrics["prune/completions_pruned_frac"] = float((~keep_o).float().mean())
-        minibatches = self._pack_minibatches(groups, counts.prompts_drawn)     # pack (THD), per mini-batch
+        minibatches = self._pack_minibatches(groups, counts.prompts_drawn)  # pack (THD), per mini-batch
         if minibatches and (len(minibatches) > 1 or tc.epochs_per_step > 1 or cfg.algorithm.kl_coef > 0):
             with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
                 for mb in minibatches:
-                    self._attach_logprobs(mb["batches"], old=tc.minibatches_per_step > 1 or tc.epochs_per_step > 1,
-                                          ref=cfg.algorithm.kl_coef > 0)
+                    self._attach_logprobs(
+                        mb["batches"],
+                        old=tc.minibatches_per_step > 1 or tc.epochs_per_step > 1,
+                        ref=cfg.algorithm.kl_coef > 0,
+                    )
         train = []
         with timer("train"):
-            for _ in range(tc.epochs_per_step):                                # update
+            for _ in range(tc.epochs_per_step):  # update
                 for mb in minibatches:
                     train.append(self.policy.train_step(mb["batches"], mb["denominator"]))
         with timer("sync"):
-            self._sync_weights()                                               # push weights to vLLM
+            self._sync_weights()  # push weights to vLLM
 
         metrics.update(_train_metrics(train, minibatches))
-        metrics.update({f"time/{name}": timer.times.get(name, 0.0)
-                        for name in ("rollout", "reward", "logprob", "train", "sync")})
+        metrics.update(
+            {f"time/{name}": timer.times.get(name, 0.0) for name in ("rollout", "reward", "logprob", "train", "sync")}
+        )
         metrics["time/step"] = time.perf_counter() - t_step
         if counts.first_failures and self.is_main:
-            self.logger.message(f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
-                                f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures))
+            self.logger.message(
+                f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
+                f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures)
+            )
         if cfg.logging.rollouts and self.is_main:
             self._write_rollouts(step, rolled)
         return metrics
@@ -243,8 +291,9 @@ class Trainer:
             for g, w in zip(candidates, take_until_full([g.prompt_weight for g in candidates], B, filled)):
                 if w > 0:
                     g.prompt_weight = w
-                    g.minibatch = min(int(filled * cfg.trainer.minibatches_per_step / B),
-                                      cfg.trainer.minibatches_per_step - 1)
+                    g.minibatch = min(
+                        int(filled * cfg.trainer.minibatches_per_step / B), cfg.trainer.minibatches_per_step - 1
+                    )
                     trained.append(g)
                     filled += w
             if filled >= B - 1e-9:
@@ -266,8 +315,9 @@ class Trainer:
             records += batch
             keeps.append(keep)
             weights.append(weight)
-            if not self.strategy.refills or int(sum(k.sum() for k in keeps)) >= want \
-                    or len(records) >= 16 * want:  # a bound: almost everything skipped
+            if (
+                not self.strategy.refills or int(sum(k.sum() for k in keeps)) >= want or len(records) >= 16 * want
+            ):  # a bound: almost everything skipped
                 break
         keep, weight = torch.cat(keeps), torch.cat(weights)
         beyond = keep.cumsum(0) > want
@@ -280,12 +330,21 @@ class Trainer:
         the groups are gathered in slot order."""
         G, rc = self.cfg.rollout.group_size, self.cfg.rollout
         per = math.ceil(len(items) / self.num_engines)
-        mine = items[self.engine_index * per:(self.engine_index + 1) * per]
+        mine = items[self.engine_index * per : (self.engine_index + 1) * per]
         prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
         with timer("rollout"):
-            outs = self.engine.generate(
-                prompt_ids, n=G, max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine]) if mine else []
+            outs = (
+                self.engine.generate(
+                    prompt_ids,
+                    n=G,
+                    max_new_tokens=rc.max_new_tokens,
+                    temperature=rc.temperature,
+                    top_p=rc.top_p,
+                    seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
+                )
+                if mine
+                else []
+            )
         local, error = [], None
         if self.engine_leader and mine:
             completions = [[c.token_ids for c in group] for group in outs]
@@ -296,10 +355,16 @@ class Trainer:
                     rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
                 except Exception as e:  # every rank must learn of it, or the others hang in the gather
                     rewards, info, error = [0.0] * len(texts), {}, str(e)
-            local = [(slot, p, c, rewards[q * G:(q + 1) * G])
-                     for q, ((_, slot, _), p, c) in enumerate(zip(mine, prompt_ids, completions))]
-            local_counts = (sum(len(c) for g in completions for c in g), len(texts),
-                            info.get("failures_by_kind", {}), info.get("first_failures", []))
+            local = [
+                (slot, p, c, rewards[q * G : (q + 1) * G])
+                for q, ((_, slot, _), p, c) in enumerate(zip(mine, prompt_ids, completions))
+            ]
+            local_counts = (
+                sum(len(c) for g in completions for c in g),
+                len(texts),
+                info.get("failures_by_kind", {}),
+                info.get("first_failures", []),
+            )
         else:
             local_counts = (0, 0, {}, [])
         parts = mdist.all_gather_objects((local, local_counts, error))
@@ -314,13 +379,22 @@ class Trainer:
             counts.add_failures(failures, first)
             for slot, p, c, r in part:
                 w_q, rec = by_slot[slot]
-                groups.append(Group(record=rec, round=rnd, slot=slot, prompt_ids=p, completions=c,
-                                    rewards=[float(x) for x in r], prompt_weight=w_q))
+                groups.append(
+                    Group(
+                        record=rec,
+                        round=rnd,
+                        slot=slot,
+                        prompt_ids=p,
+                        completions=c,
+                        rewards=[float(x) for x in r],
+                        prompt_weight=w_q,
+                    )
+                )
         return sorted(groups, key=lambda g: g.slot)
 
     def _pack_minibatches(self, trained: list[Group], drawn: int) -> list[dict]:
         """Each mini-batch's THD micro-batches for this rank and its full-batch denominator."""
-        cfg, tc = self.cfg, self.cfg.trainer
+        tc = self.cfg.trainer
         out = []
         for k in range(tc.minibatches_per_step):
             groups = [g for g in trained if g.minibatch == k]
@@ -328,9 +402,15 @@ class Trainer:
             if not samples:  # nothing informative survived: no gradient, no optimizer step
                 continue
             batches, density = self._pack(samples)
-            out.append({"batches": batches, "density": density, "denominator": self._denominator(k, groups, drawn),
-                        "tokens": sum(len(s.tokens) for s in samples),
-                        "completion_tokens": sum(len(s.tokens) - s.prompt_len for s in samples)})
+            out.append(
+                {
+                    "batches": batches,
+                    "density": density,
+                    "denominator": self._denominator(k, groups, drawn),
+                    "tokens": sum(len(s.tokens) for s in samples),
+                    "completion_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
+                }
+            )
         return out
 
     def _denominator(self, k: int, groups: list[Group], drawn: int) -> float:
@@ -351,8 +431,14 @@ class Trainer:
         if cfg.algorithm.dynamic_sampling or self.strategy.refills:
             return losses.refill_denominator(agg, weights, lengths, G, lmax)
         count = sum(1 for slot in range(drawn) if slot * cfg.trainer.minibatches_per_step // drawn == k)
-        return losses.full_batch_denominator(agg, num_prompts=count, group_size=G, completion_lengths=lengths,
-                                             prompt_weight=weights, max_response_length=lmax)
+        return losses.full_batch_denominator(
+            agg,
+            num_prompts=count,
+            group_size=G,
+            completion_lengths=lengths,
+            prompt_weight=weights,
+            max_response_length=lmax,
+        )
 
     def _pack(self, samples):
         """Pack the mini-batch's sequences, spread the packs over DP ranks, build this rank's THD batches."""
@@ -370,10 +456,26 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id or 0
         # An empty slot (fewer sequences than slots) still runs: every rank must step together.
         filler = packing.Sample(tokens=[pad_id, pad_id], prompt_len=2, weight=0.0)
-        build = packing.build_padded_batch if tc.packing == "padded" else packing.build_thd_batch
-        batches = [build([samples[i] for i in p] if p else [filler], pad_multiple=self.pad_multiple, pad_id=pad_id)
-                   for p in mine]
+        build = packing.build_padded_batch if self._as_padded_rows(packs, lengths) else packing.build_thd_batch
+        batches = [
+            build([samples[i] for i in p] if p else [filler], pad_multiple=self.pad_multiple, pad_id=pad_id)
+            for p in mine
+        ]
         return batches, density
+
+    def _as_padded_rows(self, packs, lengths) -> bool:
+        """Lay the packs out as padded rows instead of THD rows? Always for trainer.packing=padded.
+        For packed micro-batches only on the local (non-TE) attention and when every pack's
+        sequences are so close in length that padding them to their longest wastes under 5%: that
+        path's THD row has a fixed per-sequence cost (length buckets, Megatron's per-sequence RoPE)
+        that such little padding beats (docs/packing.md: THD rows ran 0.95x of padded ones on the
+        addition task's near-uniform lengths). The packs, and so the density, stay the packer's;
+        the decision is the same on every rank (it reads all packs)."""
+        if self.cfg.trainer.packing == "padded":
+            return True
+        if self.policy.attention_backend != "local":
+            return False
+        return all(len(p) * max(lengths[i] for i in p) <= 1.05 * sum(lengths[i] for i in p) for p in packs if p)
 
     def _attach_logprobs(self, microbatches, old: bool, ref: bool) -> None:
         """Old (and reference) log-probs with the same packed micro-batches, no gradients."""
@@ -400,18 +502,37 @@ class Trainer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             for g in rolled:
-                f.write(json.dumps({"id": g.record.id, "round": g.round, "slot": g.slot, "prompt_ids": g.prompt_ids,
-                                    "completions": g.completions, "rewards": g.rewards,
-                                    "prompt_weight": g.prompt_weight}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "id": g.record.id,
+                            "round": g.round,
+                            "slot": g.slot,
+                            "prompt_ids": g.prompt_ids,
+                            "completions": g.completions,
+                            "rewards": g.rewards,
+                            "prompt_weight": g.prompt_weight,
+                        }
+                    )
+                    + "\n"
+                )
 
     def evaluate(self) -> float:
         """Greedy pass@1 on the held-out prompts, split over the engines like a rollout."""
         if not self.eval_records:
             return float("nan")
         per = math.ceil(len(self.eval_records) / self.num_engines)
-        mine = self.eval_records[self.engine_index * per:(self.engine_index + 1) * per]
-        outs = self.engine.generate([self.renderer.token_ids(r) for r in mine], n=1,
-                                    max_new_tokens=self.cfg.rollout.max_new_tokens, temperature=0.0) if mine else []
+        mine = self.eval_records[self.engine_index * per : (self.engine_index + 1) * per]
+        outs = (
+            self.engine.generate(
+                [self.renderer.token_ids(r) for r in mine],
+                n=1,
+                max_new_tokens=self.cfg.rollout.max_new_tokens,
+                temperature=0.0,
+            )
+            if mine
+            else []
+        )
         correct = 0
         if self.engine_leader and mine:
             texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in outs]
@@ -422,13 +543,20 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, step: int) -> None:
         from megatron_dppo.megatron.checkpoint import save_checkpoint
-        save_checkpoint(self.ckpt_dir, step, self.policy,
-                        {"data": self.data.state_dict(), "strategy": self.strategy.state_dict()}, self.history,
-                        keep_last=self.cfg.trainer.keep_checkpoints,
-                        extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")})
+
+        save_checkpoint(
+            self.ckpt_dir,
+            step,
+            self.policy,
+            {"data": self.data.state_dict(), "strategy": self.strategy.state_dict()},
+            self.history,
+            keep_last=self.cfg.trainer.keep_checkpoints,
+            extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
+        )
 
     def _resume(self) -> None:
         from megatron_dppo.megatron.checkpoint import latest_checkpoint, load_checkpoint
+
         path = latest_checkpoint(self.ckpt_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
@@ -444,9 +572,13 @@ class Trainer:
         rows = []
         t0 = time.perf_counter()
         if self.is_main:
-            skipped = f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
-            self.logger.message(f"run dir {self.run_dir}; {self.world} process(es); "
-                                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}")
+            skipped = (
+                f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
+            )
+            self.logger.message(
+                f"run dir {self.run_dir}; {self.world} process(es); "
+                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}"
+            )
         if self.first_step == 1 and tc.eval_every:
             acc = self.evaluate()
             self.logger.log({"step": 0, "eval/accuracy": acc})
@@ -470,8 +602,9 @@ class Trainer:
                 if (tc.save_every and step % tc.save_every == 0) or final:
                     self.save(step)
                 if signalled:
-                    self.logger.message(f"stopping after step {step} on {stop.name}: checkpoint saved; "
-                                        "continue with --resume")
+                    self.logger.message(
+                        f"stopping after step {step} on {stop.name}: checkpoint saved; continue with --resume"
+                    )
                     raise StopRequested(stop.name)
                 if final:
                     if step < tc.max_steps:
@@ -484,6 +617,7 @@ class Trainer:
 
     def close(self) -> None:
         from megatron_dppo.megatron import destroy_parallel
+
         self.scorer.close()
         self.engine.close()
         if getattr(self, "logger", None) is not None:
@@ -506,8 +640,11 @@ def _stop_on_signals():
         if flag.requested:
             raise KeyboardInterrupt
         flag.requested, flag.name = True, signal.Signals(signum).name
-        print(f"{flag.name} received: finishing the current step, then saving a checkpoint "
-              "(send it again to stop at once)", flush=True)
+        print(
+            f"{flag.name} received: finishing the current step, then saving a checkpoint "
+            "(send it again to stop at once)",
+            flush=True,
+        )
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -521,6 +658,7 @@ def _rollout_seed(seed: int, step: int, rnd: int, slot: int) -> int:
     """A prompt's sampling seed: from (trainer.seed, step, round, its slot in the draw) only, so a
     completion is the same whatever rank or engine generates it (completion k adds k in vLLM)."""
     from megatron_dppo.rollout.vllm_engine import request_seed
+
     return request_seed("rollout", seed, step, rnd, slot)
 
 

@@ -15,6 +15,7 @@ runs (draw, prune prompts, drop zero-variance groups, `refill.take_until_full` b
 prune completions inside the trained groups, the refill denominator) and is compared with that
 batch's gradient, and its total weight with B.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,19 +44,19 @@ class CheckConfig:
     advantage: str = "grpo"
     ratio_type: str = "token"
     kl_coef: float = 0.0
-    ratio_noise: float = 0.3     # spread of log(pi/pi_old) so that clipping is active
+    ratio_noise: float = 0.3  # spread of log(pi/pi_old) so that clipping is active
     max_len: int = 16
     dim: int = 16
     draws: int = 4000
     seed: int = 0
-    alpha: float = 1e-3          # family-wise false-alarm rate of the verdict
-    approx_tol: float = 0.05     # allowed relative error where the estimator is only consistent
+    alpha: float = 1e-3  # family-wise false-alarm rate of the verdict
+    approx_tol: float = 0.05  # allowed relative error where the estimator is only consistent
     # Dynamic-sampling mode only:
     max_resample_rounds: int = 3  # rounds after the first, as algorithm.max_resample_rounds
-    refill_by: str = "weight"     # "count": the old double-counting rule (a negative control)
-    extreme_frac: float = 0.5     # share of the stream's prompts nearly always right or wrong
-    fixed_order: bool = False     # True: one stream order; False: each draw shuffles it (the sampler)
-    weight_tol: float = 0.01      # allowed relative gap between the mean total weight and B
+    refill_by: str = "weight"  # "count": the old double-counting rule (a negative control)
+    extreme_frac: float = 0.5  # share of the stream's prompts nearly always right or wrong
+    fixed_order: bool = False  # True: one stream order; False: each draw shuffles it (the sampler)
+    weight_tol: float = 0.01  # allowed relative gap between the mean total weight and B
 
 
 @dataclass
@@ -64,28 +65,34 @@ class CheckResult:
     rel_std_error: float
     max_z: float
     z_threshold: float
-    rel_variance: float          # tr(Cov) / ||g_full||^2 of one pruned gradient
+    rel_variance: float  # tr(Cov) / ||g_full||^2 of one pruned gradient
     rel_variance_uniform: float  # same for uniform random dropping at the same ratios
     kept_completion_frac: float
     kept_prompt_frac: float
-    corrected: bool              # does the strategy reweight what it keeps?
-    exact: bool                  # is the estimator exactly unbiased in theory?
-    unbiased: bool               # the verdict
+    corrected: bool  # does the strategy reweight what it keeps?
+    exact: bool  # is the estimator exactly unbiased in theory?
+    unbiased: bool  # the verdict
 
     def summary(self, cfg: CheckConfig) -> str:
-        kind = ("exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
-                if self.corrected else "no reweighting")
+        kind = (
+            "exact"
+            if self.exact
+            else f"consistent (tolerance {cfg.approx_tol:.0%})"
+            if self.corrected
+            else "no reweighting"
+        )
         verdict = "UNBIASED" if self.unbiased else "BIASED"
-        return (f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} "
-                f"kept prompts {self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | "
-                f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), "
-                f"max|z| {self.max_z:6.2f} (limit {self.z_threshold:.2f}) | "
-                f"variance {self.rel_variance:.4f} vs uniform dropping {self.rel_variance_uniform:.4f} | "
-                f"{kind}: {verdict}")
+        return (
+            f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} "
+            f"kept prompts {self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | "
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), "
+            f"max|z| {self.max_z:6.2f} (limit {self.z_threshold:.2f}) | "
+            f"variance {self.rel_variance:.4f} vs uniform dropping {self.rel_variance_uniform:.4f} | "
+            f"{kind}: {verdict}"
+        )
 
 
-def _synthetic_step(cfg: CheckConfig, gen: torch.Generator, num_prompts: int | None = None,
-                    extreme_frac: float = 0.3):
+def _synthetic_step(cfg: CheckConfig, gen: torch.Generator, num_prompts: int | None = None, extreme_frac: float = 0.3):
     B, G = num_prompts or cfg.num_prompts, cfg.group_size
     # A share of the prompts are nearly always wrong or nearly always right (success rate
     # within 0.1 of 0 or 1): mostly zero-variance groups, but not always.
@@ -121,9 +128,18 @@ def _token_loss_jacobian(cfg, adv, lengths, gen):
     tok_adv = adv.flatten().double()[seq_index]
 
     def token_loss(theta):
-        loss, _ = losses.policy_loss(phi @ theta, old_logp, tok_adv, clip_low=0.2, clip_high=0.28,
-                                     ratio_type=cfg.ratio_type, seq_index=seq_index, num_seqs=S,
-                                     ref_logp=ref_logp, kl_coef=cfg.kl_coef)
+        loss, _ = losses.policy_loss(
+            phi @ theta,
+            old_logp,
+            tok_adv,
+            clip_low=0.2,
+            clip_high=0.28,
+            ratio_type=cfg.ratio_type,
+            seq_index=seq_index,
+            num_seqs=S,
+            ref_logp=ref_logp,
+            kl_coef=cfg.kl_coef,
+        )
         return loss
 
     J = torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
@@ -137,9 +153,14 @@ def _gradient(cfg, keep_q, w_q, keep_o, w_o, lengths, seq_index, seq_len, J, kep
     if kept_norm:
         denom = losses.kept_denominator(cfg.loss_agg, seq_w, lengths, cfg.max_len)
     else:
-        denom = losses.full_batch_denominator(cfg.loss_agg, num_prompts=B, group_size=G,
-                                              completion_lengths=lengths[rolled], prompt_weight=w_q[rolled],
-                                              max_response_length=cfg.max_len)
+        denom = losses.full_batch_denominator(
+            cfg.loss_agg,
+            num_prompts=B,
+            group_size=G,
+            completion_lengths=lengths[rolled],
+            prompt_weight=w_q[rolled],
+            max_response_length=cfg.max_len,
+        )
     coef = losses.token_coefficients(seq_index, seq_w, seq_len, cfg.loss_agg, denom).double()
     return coef @ J
 
@@ -151,18 +172,24 @@ def _compare(grads: torch.Tensor, full: torch.Tensor, alpha: float):
     norm2 = float(full.pow(2).sum())
     diff = mean - full
     se = (var / n).sqrt()
-    z = torch.where(se > 0, diff.abs() / se.clamp(min=1e-300),
-                    torch.where(diff.abs() > 1e-9 * math.sqrt(norm2), math.inf, 0.0))
+    z = torch.where(
+        se > 0, diff.abs() / se.clamp(min=1e-300), torch.where(diff.abs() > 1e-9 * math.sqrt(norm2), math.inf, 0.0)
+    )
     z_limit = NormalDist().inv_cdf(1 - alpha / (2 * dim))
-    return (float(diff.norm()) / math.sqrt(norm2), float(se.pow(2).sum().sqrt()) / math.sqrt(norm2),
-            float(z.max()), z_limit, float(var.sum()) / norm2)
+    return (
+        float(diff.norm()) / math.sqrt(norm2),
+        float(se.pow(2).sum().sqrt()) / math.sqrt(norm2),
+        float(z.max()),
+        z_limit,
+        float(var.sum()) / norm2,
+    )
 
 
 def _within_tolerance(rel_err: float, rel_se: float, tol: float) -> bool:
     """A consistent estimator's verdict: its bias, not the Monte Carlo noise, within `tol`.
     ||mean - target||^2 averages bias^2 + se^2, so the bias estimate is sqrt(err^2 - se^2); the
     draws must be enough to see a bias of `tol` (s.e. <= tol / 2), else the verdict is negative."""
-    return rel_se <= tol / 2 and math.sqrt(max(rel_err ** 2 - rel_se ** 2, 0.0)) <= tol
+    return rel_se <= tol / 2 and math.sqrt(max(rel_err**2 - rel_se**2, 0.0)) <= tol
 
 
 def run_check(cfg: CheckConfig) -> CheckResult:
@@ -191,17 +218,25 @@ def run_check(cfg: CheckConfig) -> CheckResult:
         uq, uwq = _drop_uniformly(~torch.isnan(stats.score)[None], cfg.r_q, gen)
         uo, uwo = _drop_uniformly(torch.ones(B, G, dtype=torch.bool), cfg.r_o, gen)
         uwo = uwo * uq[0][:, None] * nonzero_group[:, None]
-        grads_uniform.append(_gradient(cfg, uq[0], uwq[0], uo, uwo, lengths,
-                                       seq_index, seq_len, J))
+        grads_uniform.append(_gradient(cfg, uq[0], uwq[0], uo, uwo, lengths, seq_index, seq_len, J))
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(grads), full, cfg.alpha)
     exact = strategy.unbiased and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0 and cfg.strategy != "none")
-    unbiased = max_z <= z_limit if exact or not strategy.unbiased else _within_tolerance(rel_err, rel_se,
-                                                                                          cfg.approx_tol)
+    unbiased = (
+        max_z <= z_limit if exact or not strategy.unbiased else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
+    )
     return CheckResult(
-        rel_error=rel_err, rel_std_error=rel_se, max_z=max_z, z_threshold=z_limit, rel_variance=rel_var,
+        rel_error=rel_err,
+        rel_std_error=rel_se,
+        max_z=max_z,
+        z_threshold=z_limit,
+        rel_variance=rel_var,
         rel_variance_uniform=_compare(torch.stack(grads_uniform), full, cfg.alpha)[4],
-        kept_completion_frac=kept_o / cfg.draws, kept_prompt_frac=kept_q / cfg.draws,
-        corrected=strategy.unbiased, exact=exact, unbiased=bool(unbiased))
+        kept_completion_frac=kept_o / cfg.draws,
+        kept_prompt_frac=kept_q / cfg.draws,
+        corrected=strategy.unbiased,
+        exact=exact,
+        unbiased=bool(unbiased),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,11 +250,11 @@ class DynamicCheckResult:
     max_z: float
     z_threshold: float
     rel_variance: float
-    mean_total_weight: float     # sum of the trained groups' weights, averaged over draws
-    target_weight: float         # what unpruned DAPO trains: B (or fewer if its stream runs dry)
-    shortfall_frac: float        # draws whose rounds ended before the weight reached B
-    rolled_out: float            # prompts rolled out per step (mean) ...
-    rolled_out_unpruned: float   # ... and unpruned DAPO's, over the same stream
+    mean_total_weight: float  # sum of the trained groups' weights, averaged over draws
+    target_weight: float  # what unpruned DAPO trains: B (or fewer if its stream runs dry)
+    shortfall_frac: float  # draws whose rounds ended before the weight reached B
+    rolled_out: float  # prompts rolled out per step (mean) ...
+    rolled_out_unpruned: float  # ... and unpruned DAPO's, over the same stream
     exact: bool
     unbiased: bool
 
@@ -227,12 +262,14 @@ class DynamicCheckResult:
         kind = "exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
         verdict = "UNBIASED" if self.unbiased else "BIASED"
         order = "fixed stream order" if cfg.fixed_order else "stream shuffled per draw"
-        return (f"DAPO+{cfg.strategy} refill by {cfg.refill_by}, {order}: {cfg.loss_agg} B={cfg.num_prompts} "
-                f"G={cfg.group_size} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} | total weight "
-                f"{self.mean_total_weight:.3f} vs {self.target_weight:g} (short of it in {self.shortfall_frac:.1%} "
-                f"of draws) | rolled out {self.rolled_out:.1f} prompts vs {self.rolled_out_unpruned:.0f} | "
-                f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), max|z| {self.max_z:6.2f} "
-                f"(limit {self.z_threshold:.2f}) | {kind}: {verdict}")
+        return (
+            f"DAPO+{cfg.strategy} refill by {cfg.refill_by}, {order}: {cfg.loss_agg} B={cfg.num_prompts} "
+            f"G={cfg.group_size} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} | total weight "
+            f"{self.mean_total_weight:.3f} vs {self.target_weight:g} (short of it in {self.shortfall_frac:.1%} "
+            f"of draws) | rolled out {self.rolled_out:.1f} prompts vs {self.rolled_out_unpruned:.0f} | "
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), max|z| {self.max_z:6.2f} "
+            f"(limit {self.z_threshold:.2f}) | {kind}: {verdict}"
+        )
 
 
 def _dapo_rounds(cfg, strategy, stats, informative, order, gen):
@@ -244,7 +281,7 @@ def _dapo_rounds(cfg, strategy, stats, informative, order, gen):
     W = torch.zeros(informative.shape[0], dtype=torch.float64)
     filled, count, rolled = 0.0, 0, 0
     for rnd in range(1 + cfg.max_resample_rounds):
-        idx = order[rnd * per_round:(rnd + 1) * per_round]
+        idx = order[rnd * per_round : (rnd + 1) * per_round]
         round_stats = type(stats)(**{k: v[idx] for k, v in vars(stats).items()})
         keep_q, w_q = strategy.prune_prompts(round_stats, cfg.r_q, gen)
         rolled += int(keep_q.sum())
@@ -254,7 +291,7 @@ def _dapo_rounds(cfg, strategy, stats, informative, order, gen):
             take = torch.tensor(take_until_full(weights.tolist(), B, filled), dtype=torch.float64)
         else:  # the old rule: B groups by COUNT, each with its full w_q (skipped prompts counted twice)
             take = weights.clone()
-            take[B - count:] = 0
+            take[B - count :] = 0
             count += int((take > 0).sum())
         W[groups] = take
         filled += float(take.sum())
@@ -271,12 +308,16 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
     if cfg.refill_by not in REFILL_RULES:
         raise ValueError(f"refill_by must be one of {REFILL_RULES}, got {cfg.refill_by!r}")
     if cfg.kl_coef != 0:
-        raise ValueError("dynamic-sampling mode needs kl_coef = 0: DAPO drops zero-variance groups, "
-                         "which is exact only without a KL term")
+        raise ValueError(
+            "dynamic-sampling mode needs kl_coef = 0: DAPO drops zero-variance groups, "
+            "which is exact only without a KL term"
+        )
     strategy = get_strategy(cfg.strategy)
     if strategy.refills or strategy.denominator != "full":
-        raise ValueError(f"dynamic-sampling mode checks reweighting strategies (none, dppo, reverse): "
-                         f"{cfg.strategy!r} replaces skipped prompts or normalises over what it keeps")
+        raise ValueError(
+            f"dynamic-sampling mode checks reweighting strategies (none, dppo, reverse): "
+            f"{cfg.strategy!r} replaces skipped prompts or normalises over what it keeps"
+        )
     B, G = cfg.num_prompts, cfg.group_size
     n_stream = strategy.prompts_to_draw(B, cfg.r_q, cfg.r_o) * (1 + cfg.max_resample_rounds)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -284,8 +325,10 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
     adv = group_advantages(rewards, cfg.advantage)
     informative = drop_zero_variance_groups(adv)
     if int(informative.sum()) < B:
-        raise ValueError(f"the synthetic stream has {int(informative.sum())} informative prompts, fewer than "
-                         f"B={B}: lower extreme_frac or raise max_resample_rounds")
+        raise ValueError(
+            f"the synthetic stream has {int(informative.sum())} informative prompts, fewer than "
+            f"B={B}: lower extreme_frac or raise max_resample_rounds"
+        )
     J, seq_index, seq_len = _token_loss_jacobian(cfg, adv, lengths, gen)
 
     def gradient(seq_w, denom):
@@ -316,9 +359,14 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
         if cfg.refill_by == "weight":
             denom = losses.refill_denominator(cfg.loss_agg, W[trained], lengths[trained], G, cfg.max_len)
         else:  # the old trainer's denominators: B*G, B*G*Lmax, Horvitz-Thompson tokens of what it kept
-            denom = losses.full_batch_denominator(cfg.loss_agg, num_prompts=B, group_size=G,
-                                                  completion_lengths=lengths[trained], prompt_weight=W[trained],
-                                                  max_response_length=cfg.max_len)
+            denom = losses.full_batch_denominator(
+                cfg.loss_agg,
+                num_prompts=B,
+                group_size=G,
+                completion_lengths=lengths[trained],
+                prompt_weight=W[trained],
+                max_response_length=cfg.max_len,
+            )
         ref, ref_rolled = unpruned_dapo(order) if shuffle else (full, rolled_unpruned)
         diffs.append(gradient(seq_w, denom) - ref)
         refs.append(ref)
@@ -338,10 +386,18 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
     else:
         # The total weight is exactly B whenever refill succeeds, so a gap means double counting
         # (or refill falling short, which unpruned DAPO, on the same stream, does not).
-        unbiased = (_within_tolerance(rel_err, rel_se, cfg.approx_tol)
-                    and abs(mean_total - B) <= cfg.weight_tol * B)
+        unbiased = _within_tolerance(rel_err, rel_se, cfg.approx_tol) and abs(mean_total - B) <= cfg.weight_tol * B
     return DynamicCheckResult(
-        rel_error=rel_err, rel_std_error=rel_se, max_z=max_z, z_threshold=z_limit, rel_variance=rel_var,
-        mean_total_weight=mean_total, target_weight=float(B), shortfall_frac=short / cfg.draws,
-        rolled_out=rolled / cfg.draws, rolled_out_unpruned=rolled_ref / cfg.draws, exact=exact,
-        unbiased=bool(unbiased))
+        rel_error=rel_err,
+        rel_std_error=rel_se,
+        max_z=max_z,
+        z_threshold=z_limit,
+        rel_variance=rel_var,
+        mean_total_weight=mean_total,
+        target_weight=float(B),
+        shortfall_frac=short / cfg.draws,
+        rolled_out=rolled / cfg.draws,
+        rolled_out_unpruned=rolled_ref / cfg.draws,
+        exact=exact,
+        unbiased=bool(unbiased),
+    )

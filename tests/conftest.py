@@ -61,8 +61,10 @@ def _ends_with_pytest(p: psutil.Process) -> bool:
     """pytest's own multiprocessing helpers (a RewardScorer in a test: forkserver, its workers,
     the resource tracker) watch a pipe to pytest and exit with it."""
     try:
-        return any("from multiprocessing.forkserver import" in a or "from multiprocessing.resource_tracker import" in a
-                   for a in p.cmdline())
+        return any(
+            "from multiprocessing.forkserver import" in a or "from multiprocessing.resource_tracker import" in a
+            for a in p.cmdline()
+        )
     except psutil.Error:
         return True
 
@@ -83,8 +85,9 @@ def pytest_sessionfinish(session, exitstatus):
     _kill_leftovers([p for p in processes_with_env(SESSION_VAR, token) if p.pid not in ours], "the session", 15.0)
     if not _LEFTOVERS:
         return
-    message = (f"{len(_LEFTOVERS)} process(es) started by the tests outlived them (now killed):\n"
-               + "\n".join(_LEFTOVERS))
+    message = f"{len(_LEFTOVERS)} process(es) started by the tests outlived them (now killed):\n" + "\n".join(
+        _LEFTOVERS
+    )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(message, red=True)
@@ -107,8 +110,16 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(script), *map(str, args)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            str(script),
+            *map(str, args),
+        ]
     run_token = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -121,7 +132,7 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
             except ProcessLookupError:
                 pass
             proc.wait()
-            _kill_leftovers(processes_with_env(RUN_VAR, run_token), " ".join(map(str, cmd[-len(args) - 1:])))
+            _kill_leftovers(processes_with_env(RUN_VAR, run_token), " ".join(map(str, cmd[-len(args) - 1 :])))
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
@@ -132,8 +143,7 @@ def run_torchrun(script, nproc: int, *args, timeout: float = 300) -> str:
     proc = run_workers(script, nproc, *args, timeout=timeout)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(proc.args[2:])} exited with {proc.returncode}:\n{output[-20000:]}",
-                    pytrace=False)
+        pytest.fail(f"{' '.join(proc.args[2:])} exited with {proc.returncode}:\n{output[-20000:]}", pytrace=False)
     return output
 
 

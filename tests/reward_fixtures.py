@@ -1,4 +1,5 @@
 """Reward functions for trainer tests, named by import path ("reward_fixtures:...")."""
+
 import time
 
 

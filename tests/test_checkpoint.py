@@ -1,4 +1,5 @@
 """Checkpoints: exact resume after a kill, loading at another layout, atomicity, no pickled code."""
+
 import json
 import os
 import pickle
@@ -16,8 +17,7 @@ def _ok(res):
 
 def test_kill_after_save_then_resume_reproduces_losses_and_other_layouts_load(tmp_path, launch):
     ckpt, full, resumed = tmp_path / "ckpt", tmp_path / "full.json", tmp_path / "resumed.json"
-    _ok(launch(WORKER, 2, "--phase", "full", "--ckpt", str(tmp_path / "ckpt_full"), "--out", str(full),
-                    "--tp", "2"))
+    _ok(launch(WORKER, 2, "--phase", "full", "--ckpt", str(tmp_path / "ckpt_full"), "--out", str(full), "--tp", "2"))
     killed = launch(WORKER, 2, "--phase", "killed", "--ckpt", str(ckpt), "--tp", "2")
     assert killed.returncode != 0  # it really died (SIGKILL), after writing step 3
     assert (ckpt / "latest").read_text().strip() == "step_000003"
@@ -64,8 +64,9 @@ def test_interrupted_save_keeps_latest_and_is_cleaned_up(tmp_path, monkeypatch):
 
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path):
-    from megatron_dppo.megatron import checkpoint  # noqa: F401  (installs the restricted unpickler)
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_dppo.megatron import checkpoint  # noqa: F401  (installs the restricted unpickler)
 
     class Evil:
         def __reduce__(self):
@@ -99,11 +100,17 @@ def saved_run(tmp_path_factory):
     _ok(first)
     after_first = sorted(p.name for p in root.glob("step_*"))
     latest_first = (root / "latest").read_text().strip()
-    second = run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--resume",
-                         "--save-steps", "999998,999999,1000000")
+    second = run_workers(
+        WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--resume", "--save-steps", "999998,999999,1000000"
+    )
     _ok(second)
-    return {"root": root, "old": old, "after_first": after_first, "latest_first": latest_first,
-            "second_out": second.stdout}
+    return {
+        "root": root,
+        "old": old,
+        "after_first": after_first,
+        "latest_first": latest_first,
+        "second_out": second.stdout,
+    }
 
 
 def test_pruning_orders_by_step_number_and_touches_only_this_runs_checkpoints(saved_run):
@@ -149,24 +156,27 @@ def _corrupt_copy(src, dst, how):
 
 def _truncate(path):
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
 
 
-@pytest.mark.parametrize("how, needle", [
-    ("truncated .metadata", r"model_optim/\.metadata is \d+ bytes, but \d+ were written"),
-    ("truncated common.pt", r"model_optim/common\.pt is \d+ bytes, but \d+ were written"),
-    ("truncated shard", r"model_optim/__0_0\.distcp is \d+ bytes, but \d+ were written \(model and optimizer"),
-    ("missing shard", r"model_optim/__0_1\.distcp is missing \(model and optimizer weights\)"),
-    ("missing history", r"history\.json is missing \(the prompt history\): the checkpoint's manifest lists it"),
-    ("missing rng", r"rng/rank_0\.safetensors is missing \(the RNG state\)"),
-    ("missing manifest", r"manifest\.json is missing, but .*trainer_state\.json says the save wrote it"),
-    ("truncated trainer_state", r"trainer_state\.json: truncated or corrupt trainer state \(invalid JSON"),
-    # Without a manifest, the dist checkpoint's own index still finds the damage.
-    ("truncated .metadata, no manifest", r"model_optim/\.metadata: truncated or corrupt shard index"),
-    ("truncated common.pt, no manifest", r"model_optim/common\.pt: truncated or corrupt \("),
-    ("truncated shard, no manifest", r"model_optim/__0_0\.distcp is \d+ bytes, but .*\.metadata indexes data up"),
-    ("missing shard, no manifest", r"model_optim/__0_1\.distcp is missing: .*\.metadata indexes tensors in it"),
-])
+@pytest.mark.parametrize(
+    "how, needle",
+    [
+        ("truncated .metadata", r"model_optim/\.metadata is \d+ bytes, but \d+ were written"),
+        ("truncated common.pt", r"model_optim/common\.pt is \d+ bytes, but \d+ were written"),
+        ("truncated shard", r"model_optim/__0_0\.distcp is \d+ bytes, but \d+ were written \(model and optimizer"),
+        ("missing shard", r"model_optim/__0_1\.distcp is missing \(model and optimizer weights\)"),
+        ("missing history", r"history\.json is missing \(the prompt history\): the checkpoint's manifest lists it"),
+        ("missing rng", r"rng/rank_0\.safetensors is missing \(the RNG state\)"),
+        ("missing manifest", r"manifest\.json is missing, but .*trainer_state\.json says the save wrote it"),
+        ("truncated trainer_state", r"trainer_state\.json: truncated or corrupt trainer state \(invalid JSON"),
+        # Without a manifest, the dist checkpoint's own index still finds the damage.
+        ("truncated .metadata, no manifest", r"model_optim/\.metadata: truncated or corrupt shard index"),
+        ("truncated common.pt, no manifest", r"model_optim/common\.pt: truncated or corrupt \("),
+        ("truncated shard, no manifest", r"model_optim/__0_0\.distcp is \d+ bytes, but .*\.metadata indexes data up"),
+        ("missing shard, no manifest", r"model_optim/__0_1\.distcp is missing: .*\.metadata indexes tensors in it"),
+    ],
+)
 def test_corrupt_or_incomplete_checkpoint_is_a_one_line_error_naming_the_file(saved_run, tmp_path, how, needle):
     from megatron_dppo.megatron.checkpoint import CheckpointError, check_checkpoint
 
@@ -189,8 +199,11 @@ def test_latest_file_errors(tmp_path):
     with pytest.raises(CheckpointError, match=r"latest is empty: expected the name of a checkpoint directory"):
         latest_checkpoint(str(tmp_path))
     (tmp_path / "latest").write_text("step_000009\n")
-    with pytest.raises(CheckpointError, match=r"latest names 'step_000009', which is not a directory under .*"
-                                              r"\(checkpoints there: step_000007\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"latest names 'step_000009', which is not a directory under .*"
+        r"\(checkpoints there: step_000007\)",
+    ):
         latest_checkpoint(str(tmp_path))
 
 

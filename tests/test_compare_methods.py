@@ -2,6 +2,7 @@
 process), the report computes its speedups from the GRPO runs of the same comparison (synthetic
 runs), and --quick trains a subset end to end (5 subprocesses, 2 at a time: ~1.5 min on an idle
 2-core machine, several times that when other jobs share it)."""
+
 import importlib.util
 import json
 import subprocess
@@ -18,9 +19,23 @@ cm = importlib.util.module_from_spec(spec)
 sys.modules["compare_methods"] = cm
 spec.loader.exec_module(cm)
 
-REQUIRED = ["grpo", "dppo-0.5-0.5", "dppo-0-0.5", "dppo-0.5-0", "dppo-0.3-0.3", "dppo-0.7-0.7", "dppo-0.9-0.9",
-            "reverse-0.5-0.5", "dppo-0.5-0.5-padded", "cppo-0.5", "greso-0.5", "dapo", "dapo-dppo-0.5-0.5",
-            "gspo", "gspo-dppo-0.5-0.5"]
+REQUIRED = [
+    "grpo",
+    "dppo-0.5-0.5",
+    "dppo-0-0.5",
+    "dppo-0.5-0",
+    "dppo-0.3-0.3",
+    "dppo-0.7-0.7",
+    "dppo-0.9-0.9",
+    "reverse-0.5-0.5",
+    "dppo-0.5-0.5-padded",
+    "cppo-0.5",
+    "greso-0.5",
+    "dapo",
+    "dapo-dppo-0.5-0.5",
+    "gspo",
+    "gspo-dppo-0.5-0.5",
+]
 # The end-to-end test trains few methods (each is a ~20-40 s process start-up) that between them take
 # every branch the comparison adds: no pruning, DPPO's two levels, padded packing, the two biased
 # baselines, dynamic sampling. Every other method's config is validated by the dry run.
@@ -33,6 +48,7 @@ def _args(*extra):
 
 def _resolved(method, quick=False):
     from megatron_dppo.config import load_config
+
     args = _args(*(["--quick"] if quick else []))
     args.threads = 1
     run = next(r for r in cm.plan_runs(args, cm.METHODS, [0], Path("/tmp/x")) if r.method == method)
@@ -46,8 +62,12 @@ def test_every_method_is_planned_and_its_config_is_valid(capsys):
     assert "30 runs (15 methods x 2 seeds), all configs valid" in out
     for name in REQUIRED:
         assert f"{name}-s0 " in out and f"{name}-s1 " in out
-    assert cm.main(["--config", CONFIG, "--dry-run", "--quick", "--methods",
-                    "grpo-nofilter,cppo-group-0.5,greso-simple-0.5"]) == 0
+    assert (
+        cm.main(
+            ["--config", CONFIG, "--dry-run", "--quick", "--methods", "grpo-nofilter,cppo-group-0.5,greso-simple-0.5"]
+        )
+        == 0
+    )
 
 
 def test_methods_resolve_to_what_their_names_say():
@@ -69,10 +89,12 @@ def test_methods_resolve_to_what_their_names_say():
     assert _resolved("greso-simple-0.5").pruning.strategy == "greso-simple"
     # --quick: CPPO draws 2B = 16 and GRESO 1.5B = 12 prompts a round, so their training set is one draw.
     from megatron_dppo.algorithms.pruning import get_strategy
+
     for name in ("cppo-0.5", "greso-0.5", "grpo"):
         q = _resolved(name, quick=True)
-        draw = get_strategy(q.pruning.strategy).prompts_to_draw(q.trainer.prompts_per_step, q.pruning.r_q,
-                                                                q.pruning.r_o)
+        draw = get_strategy(q.pruning.strategy).prompts_to_draw(
+            q.trainer.prompts_per_step, q.pruning.r_q, q.pruning.r_o
+        )
         assert q.data.train_size == max(8, draw), name
     dapo = _resolved("dapo-dppo-0.5-0.5")
     assert dapo.algorithm.dynamic_sampling and dapo.algorithm.clip_high == 0.28
@@ -118,9 +140,19 @@ def _fake_run(out: Path, args, run, step_time: float, accs: list[float], eval_ev
     steps = args.steps
     marks, cpu = {"0": 20.0}, 20.0
     for s in range(1, steps + 1):
-        row = {"step": s, "time/step": step_time, "time/rollout": step_time / 4, "time/train": step_time / 2,
-               "tokens/generated": 100, "tokens/trained": 150, "train/tokens": 50.0, "train/optimizer_steps": 1,
-               "prune/prompts_kept_frac": 1.0, "prune/completions_kept_frac": 0.5, "pack/density": 0.8}
+        row = {
+            "step": s,
+            "time/step": step_time,
+            "time/rollout": step_time / 4,
+            "time/train": step_time / 2,
+            "tokens/generated": 100,
+            "tokens/trained": 150,
+            "train/tokens": 50.0,
+            "train/optimizer_steps": 1,
+            "prune/prompts_kept_frac": 1.0,
+            "prune/completions_kept_frac": 0.5,
+            "pack/density": 0.8,
+        }
         cpu += step_time / 2  # the step's work; an evaluation adds 5 s more
         if s % eval_every == 0:
             row["eval/accuracy"] = accs[s // eval_every]
@@ -128,21 +160,47 @@ def _fake_run(out: Path, args, run, step_time: float, accs: list[float], eval_ev
         marks[str(s)] = cpu
         rows.append(row)
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run.run_dir / cm.DONE_FILE).write_text(json.dumps({"overrides": run.overrides, "returncode": 0,
-                                                         "process_wall_s": 30.0 + steps * step_time,
-                                                         "cpu_marks": marks}))
+    (run.run_dir / cm.DONE_FILE).write_text(
+        json.dumps(
+            {
+                "overrides": run.overrides,
+                "returncode": 0,
+                "process_wall_s": 30.0 + steps * step_time,
+                "cpu_marks": marks,
+            }
+        )
+    )
 
 
 def test_speedup_is_against_grpo_of_the_same_comparison(tmp_path, monkeypatch):
     monkeypatch.setattr(cm, "REPO", tmp_path)  # never write docs/ from a test
-    base = ["--config", str(REPO / CONFIG), "--methods", "dppo-0.5-0.5,cppo-0.5", "--seeds", "2", "--steps", "4",
-            "--eval-every", "2", "--threads", "1", "--no-docs"]
+    base = [
+        "--config",
+        str(REPO / CONFIG),
+        "--methods",
+        "dppo-0.5-0.5,cppo-0.5",
+        "--seeds",
+        "2",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--threads",
+        "1",
+        "--no-docs",
+    ]
     out = tmp_path / "cmp"
     args = _args(*base[2:], "--out-dir", str(out))
     methods = cm.select_methods(args.methods)
     runs = cm.plan_runs(args, methods, [0, 1], out)
-    times = {("grpo", 0): 1.0, ("grpo", 1): 1.2, ("dppo-0.5-0.5", 0): 0.5, ("dppo-0.5-0.5", 1): 0.7,
-             ("cppo-0.5", 0): 0.8, ("cppo-0.5", 1): 0.8}
+    times = {
+        ("grpo", 0): 1.0,
+        ("grpo", 1): 1.2,
+        ("dppo-0.5-0.5", 0): 0.5,
+        ("dppo-0.5-0.5", 1): 0.7,
+        ("cppo-0.5", 0): 0.8,
+        ("cppo-0.5", 1): 0.8,
+    }
     accs = {"grpo": [0.3, 0.32, 0.36], "dppo-0.5-0.5": [0.3, 0.35, 0.37], "cppo-0.5": [0.3, 0.31, 0.33]}
     for r in runs:
         _fake_run(out, args, r, times[(r.method, r.seed)], accs[r.method], 2)
@@ -196,8 +254,21 @@ def test_markdown_keeps_the_hand_written_discussion(tmp_path):
 
 def test_quick_pipeline_end_to_end(tmp_path):
     """--quick on one run per code path, 2 at a time; then the same command reuses every run."""
-    cmd = [sys.executable, str(REPO / "tools" / "compare_methods.py"), "--config", CONFIG, "--quick", "--seeds", "1",
-           "--methods", ",".join(QUICK_SUBSET), "--parallel", "2", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "compare_methods.py"),
+        "--config",
+        CONFIG,
+        "--quick",
+        "--seeds",
+        "1",
+        "--methods",
+        ",".join(QUICK_SUBSET),
+        "--parallel",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    ]
     t0 = time.time()
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
@@ -205,10 +276,12 @@ def test_quick_pipeline_end_to_end(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     rows = {r["method"]: r for r in result["rows"]}
     assert sorted(rows) == sorted(QUICK_SUBSET) and not result["partial"]
+
     # The speedup is GRPO's train time from THIS comparison's own metrics over the method's.
     def train_time(name):
         with open(tmp_path / f"{name}-s0" / "metrics.jsonl") as f:
             return sum(r.get("time/step", 0.0) for r in map(json.loads, f))
+
     for name, r in rows.items():
         assert r["train_time_s"] == pytest.approx(train_time(name))
         assert r["speedup"] == pytest.approx(train_time("grpo") / train_time(name))

@@ -1,4 +1,5 @@
 """The in-memory HF <-> Megatron mapping (no Megatron needed): round trips and sharding."""
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -7,9 +8,17 @@ from megatron_dppo.convert import qwen3
 
 
 def _hf(tied, vocab=50, seed=0):
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=tied,
-                      architectures=["Qwen3ForCausalLM"])
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        tie_word_embeddings=tied,
+        architectures=["Qwen3ForCausalLM"],
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg)
     sd = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -37,7 +46,7 @@ def test_fused_qkv_is_grouped_per_kv_head():
     fused = qwen3.fuse_qkv(q, k, v, layout)
     d = 32
     # group 0: q heads 0,1 then k head 0 then v head 0; group 1 likewise
-    expect = torch.cat([q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    expect = torch.cat([q[0 : 2 * d], k[0:d], v[0:d], q[2 * d : 4 * d], k[d : 2 * d], v[d : 2 * d]])
     assert torch.equal(fused, expect)
 
 

@@ -15,6 +15,7 @@ tied and untied embeddings, norms perturbed away from 1.
   * a conversion SIGKILLed midway leaves no output, and the retry to the same --out-dir works;
   * bad inputs are errors naming the file or config field.
 """
+
 import importlib.util
 import json
 import os
@@ -41,9 +42,18 @@ STALL = REPO / "tests" / "dist_convert" / "stall_convert.py"
 def _make_hf(path: Path, tied: bool) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=50, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=tied,
-                      max_position_embeddings=128, architectures=["Qwen3ForCausalLM"])
+    cfg = Qwen3Config(
+        vocab_size=50,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+        architectures=["Qwen3ForCausalLM"],
+    )
     torch.manual_seed(1 + tied)
     model = Qwen3ForCausalLM(cfg).float()
     with torch.no_grad():  # HF inits norms to 1: perturb them so a swapped norm shows
@@ -94,6 +104,7 @@ def _assert_bitwise_roundtrip(hf: Path, back: Path):
     assert set(index["weight_map"]) == set(a) and all((back / f).exists() for f in index["weight_map"].values())
 
     from transformers import AutoModelForCausalLM  # it loads, and computes the same thing
+
     x = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(hf)(x).logits
@@ -112,8 +123,7 @@ def _chunks(md) -> dict:
     out = {}
     for key, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
-            out[key] = (tuple(m.size), m.properties.dtype,
-                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks))
+            out[key] = (tuple(m.size), m.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in m.chunks))
         else:
             out[key] = "bytes"
     return out
@@ -138,8 +148,9 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
     # The trainer (TP=2) loads it, takes a step and saves model + optimizer; convert that back.
     root, ref = tmp_path / "run", tmp_path / "trained.safetensors"
     _ok(launch(TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", hf, "--root", root, "--ref", ref, "--tp", 2))
-    from megatron_dppo.megatron.checkpoint import _restricted_metadata_pickle  # noqa: F401  (safe unpickler)
     from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_dppo.megatron.checkpoint import _restricted_metadata_pickle  # noqa: F401  (safe unpickler)
 
     ours = _chunks(FileSystemReader(str(mg / "model_optim")).read_metadata())
     theirs = _chunks(FileSystemReader(str(root / "step_000001" / "model_optim")).read_metadata())
@@ -202,8 +213,12 @@ def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
     assert "model.safetensors.index.json names shard 'model-00003-of-00009.safetensors'" in err, err
 
     err = _error(capsys, to_mg, "--hf-dir", hf_models["untied"], "--out-dir", out, "--tp", 3, "--pp", 3)
-    for text in ["config.json", "num_attention_heads 4 is not divisible by tp=3",
-                 "num_key_value_heads (query groups) 2 is not divisible by tp=3", "num_layers 4 is not divisible by pp=3"]:
+    for text in [
+        "config.json",
+        "num_attention_heads 4 is not divisible by tp=3",
+        "num_key_value_heads (query groups) 2 is not divisible by tp=3",
+        "num_layers 4 is not divisible by pp=3",
+    ]:
         assert text in err, err
 
     err = _error(capsys, to_mg, "--hf-dir", tmp_path, "--out-dir", out)
@@ -249,11 +264,27 @@ def test_verify_runs_on_the_model_device(hf_models, converted_tied_tp2, launch):
 
 
 def _start_stalled(stall: str, after: int, signal_file: Path, tool: Path, *args) -> subprocess.Popen:
-    cmd = [sys.executable, str(STALL), "--stall", stall, "--after", str(after), "--signal", str(signal_file),
-           str(tool), *map(str, args)]
+    cmd = [
+        sys.executable,
+        str(STALL),
+        "--stall",
+        stall,
+        "--after",
+        str(after),
+        "--signal",
+        str(signal_file),
+        str(tool),
+        *map(str, args),
+    ]
     log = open(signal_file.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+    )
 
 
 def _kill_when_stalled(proc: subprocess.Popen, signal_file: Path, timeout: float = 300) -> None:
@@ -261,8 +292,10 @@ def _kill_when_stalled(proc: subprocess.Popen, signal_file: Path, timeout: float
     while not signal_file.exists():
         if proc.poll() is not None or time.time() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"the conversion did not stall (exit {proc.poll()}):\n"
-                        + signal_file.with_suffix(".log").read_text()[-5000:])
+            pytest.fail(
+                f"the conversion did not stall (exit {proc.poll()}):\n"
+                + signal_file.with_suffix(".log").read_text()[-5000:]
+            )
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
@@ -275,8 +308,9 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
 
     # HF -> Megatron, killed after 6 of its megatron tensors were built (several .distcp written).
     sig = tmp_path / "mg.stalled"
-    proc = _start_stalled("megatron_dppo.convert.qwen3:megatron_tensor_from_hf", 6, sig,
-                          TO_MG, "--hf-dir", hf, "--out-dir", mg, "--tp", 2)
+    proc = _start_stalled(
+        "megatron_dppo.convert.qwen3:megatron_tensor_from_hf", 6, sig, TO_MG, "--hf-dir", hf, "--out-dir", mg, "--tp", 2
+    )
     _kill_when_stalled(proc, sig)
     (staging,) = out.glob(".mg.partial-*")
     assert list((staging / "model_optim").glob("*.distcp")), "killed before anything was written: shows nothing"
@@ -286,8 +320,18 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
 
     # Megatron -> HF, killed after 3 tensors went into the (pre-sized, partly zero) shards.
     sig = tmp_path / "hf.stalled"
-    proc = _start_stalled("megatron_dppo.convert.hf_io:SafetensorsShardWriter.write", 3, sig,
-                          TO_HF, "--megatron-dir", mg, "--out-dir", back, "--max-shard-size", "150KB")
+    proc = _start_stalled(
+        "megatron_dppo.convert.hf_io:SafetensorsShardWriter.write",
+        3,
+        sig,
+        TO_HF,
+        "--megatron-dir",
+        mg,
+        "--out-dir",
+        back,
+        "--max-shard-size",
+        "150KB",
+    )
     _kill_when_stalled(proc, sig)
     (staging,) = out.glob(".back.partial-*")
     assert list(staging.glob("*.safetensors")) and not back.exists()

@@ -5,8 +5,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_dppo.data import (PromptDataset, PromptRecord, PromptRenderer, PromptSampler, check_prompt_lengths,
-                                load_records, parse_record, prompt_id)
+from megatron_dppo.data import (
+    PromptDataset,
+    PromptRecord,
+    PromptRenderer,
+    PromptSampler,
+    check_prompt_lengths,
+    load_records,
+    parse_record,
+    prompt_id,
+)
 from megatron_dppo.tasks import exact_match, make_splits, write_task_data
 
 
@@ -40,13 +48,19 @@ def test_parquet_matches_jsonl(tmp_path):
 
 
 def test_gsm8k_and_math_layouts(tmp_path):
-    gsm = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
-            "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn total 48+24 = <<48+24=72>>72.\n#### 72"},
-           {"question": "Big?", "answer": "so\n#### 1,250"}]
+    gsm = [
+        {
+            "question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+            "answer": "In May she sold 48/2 = <<48/2=24>>24.\nIn total 48+24 = <<48+24=72>>72.\n#### 72",
+        },
+        {"question": "Big?", "answer": "so\n#### 1,250"},
+    ]
     # A Parquet table has every column in every row: absent values read back as None.
-    math = [{"problem": "Simplify 2/4.", "solution": r"We get $\boxed{\frac{1}{2}}$.", "answer": None},
-            {"problem": "x?", "solution": r"First \boxed{3}, then really \boxed{\sqrt{x^{2}}}.", "answer": None},
-            {"problem": "MATH-500 style", "solution": "...", "answer": "7"}]
+    math = [
+        {"problem": "Simplify 2/4.", "solution": r"We get $\boxed{\frac{1}{2}}$.", "answer": None},
+        {"problem": "x?", "solution": r"First \boxed{3}, then really \boxed{\sqrt{x^{2}}}.", "answer": None},
+        {"problem": "MATH-500 style", "solution": "...", "answer": "7"},
+    ]
     for i, r in enumerate(math):
         r["level"] = f"Level {i + 1}"
     g = load_records(_write_jsonl(tmp_path / "gsm.jsonl", gsm))
@@ -58,16 +72,19 @@ def test_gsm8k_and_math_layouts(tmp_path):
     assert m[0].extra["level"] == "Level 1"
 
 
-@pytest.mark.parametrize("bad_line, needle", [
-    ('{"prompt": "1+1=", "answer": "2"', "invalid JSON"),
-    ('{"prompt": "1+1="}', "'answer'"),
-    ('{"text": "1+1=", "answer": "2"}', "'prompt'"),
-    ('{"problem": "x", "solution": "no box here"}', "boxed"),
-    ('{"question": "x", "answer": "no marker"}', "####"),
-    ('{"prompt": "", "answer": "1"}', "non-empty"),
-    ('["not", "an", "object"]', "JSON object"),
-    ('{"id": "a", "prompt": "2+2=", "answer": "4"}', "duplicate id"),
-])
+@pytest.mark.parametrize(
+    "bad_line, needle",
+    [
+        ('{"prompt": "1+1=", "answer": "2"', "invalid JSON"),
+        ('{"prompt": "1+1="}', "'answer'"),
+        ('{"text": "1+1=", "answer": "2"}', "'prompt'"),
+        ('{"problem": "x", "solution": "no box here"}', "boxed"),
+        ('{"question": "x", "answer": "no marker"}', "####"),
+        ('{"prompt": "", "answer": "1"}', "non-empty"),
+        ('["not", "an", "object"]', "JSON object"),
+        ('{"id": "a", "prompt": "2+2=", "answer": "4"}', "duplicate id"),
+    ],
+)
 def test_malformed_record_names_file_and_line(tmp_path, bad_line, needle):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "prompt": "1+1=", "answer": "2"}, "", bad_line])
     with pytest.raises(ValueError) as e:
@@ -77,8 +94,10 @@ def test_malformed_record_names_file_and_line(tmp_path, bad_line, needle):
 
 
 def test_malformed_parquet_row_is_named(tmp_path):
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
-                   tmp_path / "bad.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]),
+        tmp_path / "bad.parquet",
+    )
     with pytest.raises(ValueError, match=r"bad\.parquet:row 2: missing field 'answer'"):
         load_records(str(tmp_path / "bad.parquet"))
 
@@ -90,7 +109,7 @@ def test_sampler_is_seeded_and_covers_each_epoch():
     assert batches == [b.next_indices() for _ in range(9)]
     assert batches != [PromptSampler(10, 3, seed=6).next_indices() for _ in range(9)]
     for epoch in range(3):  # 3 full batches per epoch (the partial 4th is dropped), no repeats
-        flat = sum(batches[3 * epoch:3 * epoch + 3], [])
+        flat = sum(batches[3 * epoch : 3 * epoch + 3], [])
         assert len(set(flat)) == 9
     assert sum(batches[:3], []) != sum(batches[3:6], [])  # reshuffled each epoch
 
@@ -201,18 +220,25 @@ def tiny_renderer():
 
 
 def test_records_remember_their_line_or_row(tmp_path):
-    recs = load_records(_write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}, "",
-                                                            {"prompt": "b", "answer": "2"}]))
+    recs = load_records(
+        _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}, "", {"prompt": "b", "answer": "2"}])
+    )
     assert [r.source for r in recs] == ["line 1", "line 3"]
-    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]),
-                   tmp_path / "p.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]), tmp_path / "p.parquet"
+    )
     assert [r.source for r in load_records(str(tmp_path / "p.parquet"))] == ["row 1", "row 2"]
 
 
 def test_long_prompts_are_found_at_load_naming_file_line_and_id(tmp_path, tiny_renderer):
     long_prompt = "123+456=" * 4
-    rows = [{"id": "ok1", "prompt": "1+2="}, "", {"id": "long1", "prompt": long_prompt}, {"id": "ok2", "prompt": "3+4="},
-            {"prompt": long_prompt + "1"}]
+    rows = [
+        {"id": "ok1", "prompt": "1+2="},
+        "",
+        {"id": "long1", "prompt": long_prompt},
+        {"id": "ok2", "prompt": "3+4="},
+        {"prompt": long_prompt + "1"},
+    ]
     path = _write_jsonl(tmp_path / "p.jsonl", [r if isinstance(r, str) else dict(r, answer="3") for r in rows])
     recs = load_records(path)
     # The reference count: the tokenizer itself (the tiny tokenizer adds <bos>).
@@ -221,8 +247,9 @@ def test_long_prompts_are_found_at_load_naming_file_line_and_id(tmp_path, tiny_r
     assert n_long > limit and len(tiny_renderer.tokenizer("1+2=")["input_ids"]) <= limit
     with pytest.raises(ValueError) as e:
         check_prompt_lengths(recs, tiny_renderer, limit, path, limit_desc=LIMIT_DESC)
-    assert str(e.value) == (f"{path}:line 3 (id long1): prompt is {n_long} tokens, over the limit {limit} "
-                            f"({LIMIT_DESC})")
+    assert str(e.value) == (
+        f"{path}:line 3 (id long1): prompt is {n_long} tokens, over the limit {limit} ({LIMIT_DESC})"
+    )
     kept, skipped = check_prompt_lengths(recs, tiny_renderer, limit, path, skip=True)
     assert [r.id for r in kept] == ["ok1", "ok2"] and skipped == 2
     # Exactly at the limit is allowed.
@@ -235,28 +262,45 @@ def test_dataset_checks_lengths_once_at_load(tmp_path, tiny_renderer):
     paths = write_task_data("add3", str(tmp_path), n_train=40, n_test=4, seed=3)
     with open(paths["train"], "a") as f:
         f.write(json.dumps({"id": "too-long", "prompt": "999+999=" * 5, "answer": "0"}) + "\n")
-    with pytest.raises(ValueError, match=r"train\.jsonl:line 41 \(id too-long\): prompt is \d+ tokens, over the limit 26"):
+    with pytest.raises(
+        ValueError, match=r"train\.jsonl:line 41 \(id too-long\): prompt is \d+ tokens, over the limit 26"
+    ):
         PromptDataset(paths["train"], batch_size=8, renderer=tiny_renderer, max_prompt_tokens=26)
-    ds = PromptDataset(paths["train"], batch_size=8, renderer=tiny_renderer, max_prompt_tokens=26,
-                       skip_long_prompts=True)
+    ds = PromptDataset(
+        paths["train"], batch_size=8, renderer=tiny_renderer, max_prompt_tokens=26, skip_long_prompts=True
+    )
     assert len(ds) == 40 and ds.skipped_long == 1 and "too-long" not in {r.id for r in ds.records}
     # When skipping leaves less than one batch, the error says how many were skipped.
     rows = [json.loads(line) for line in open(paths["train"])]
     for r in rows[3:]:
         r["prompt"] = r["prompt"] * 5
     _write_jsonl(tmp_path / "mostly_long.jsonl", rows)
-    with pytest.raises(ValueError, match=r"mostly_long\.jsonl: 3 prompts \(38 skipped as too long\), fewer than "
-                                         r"one batch of 8"):
-        PromptDataset(str(tmp_path / "mostly_long.jsonl"), batch_size=8, renderer=tiny_renderer,
-                      max_prompt_tokens=26, skip_long_prompts=True)
+    with pytest.raises(
+        ValueError,
+        match=r"mostly_long\.jsonl: 3 prompts \(38 skipped as too long\), fewer than "
+        r"one batch of 8",
+    ):
+        PromptDataset(
+            str(tmp_path / "mostly_long.jsonl"),
+            batch_size=8,
+            renderer=tiny_renderer,
+            max_prompt_tokens=26,
+            skip_long_prompts=True,
+        )
 
 
-@pytest.mark.parametrize("name, content, needle", [
-    ("bad.jsonl", b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n',
-     r"bad\.jsonl:line 2: not UTF-8 text \(invalid start byte at byte 12\)"),
-    ("bad.parquet", b"PAR1 this is not a parquet file", r"bad\.parquet: cannot read as Parquet: "),
-    ("bad.csv", b"prompt,answer\n", r"bad\.csv: unsupported prompt file type '\.csv'"),
-])
+@pytest.mark.parametrize(
+    "name, content, needle",
+    [
+        (
+            "bad.jsonl",
+            b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n',
+            r"bad\.jsonl:line 2: not UTF-8 text \(invalid start byte at byte 12\)",
+        ),
+        ("bad.parquet", b"PAR1 this is not a parquet file", r"bad\.parquet: cannot read as Parquet: "),
+        ("bad.csv", b"prompt,answer\n", r"bad\.csv: unsupported prompt file type '\.csv'"),
+    ],
+)
 def test_unreadable_files_are_named(tmp_path, name, content, needle):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match=needle):

@@ -5,6 +5,7 @@ the gradient check in fp32 and bf16 with the distributed optimizer (against tran
 converter's --verify as a subprocess, and the packed vs padded train-step bench, through the
 same functions the GPU run calls, and the JSON the docs read.
 """
+
 import json
 import os
 import subprocess
@@ -16,9 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_device_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, str(REPO / "tools" / "device_bench.py"), "--smoke", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    res = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "device_bench.py"), "--smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     r = json.loads(out.read_text())
     assert r["mode"] == "smoke" and r["failed"] == [] and r["errors"] == []

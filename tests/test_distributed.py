@@ -10,6 +10,7 @@ This file is also the worker: `python tests/test_distributed.py --case NAME` und
                       HF reference and the DDP all-reduce run; the raw main_grad (what hf_grads
                       returned before) does not; one optimizer step gives the same weights.
 """
+
 import argparse
 import importlib.util
 import math
@@ -61,6 +62,7 @@ def _collectives():
         def call(tensor, *args, **kwargs):
             received.append((name, on_fake_cuda(tensor), tensor.device))
             return real(tensor, *args, **kwargs)
+
         return call
 
     dist.broadcast = spy("broadcast", dist.broadcast)
@@ -107,8 +109,9 @@ def _dist_optimizer():
     from megatron.core import parallel_state as ps
 
     from megatron_dppo.algorithms import losses
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+    from megatron_dppo.megatron.step import MegatronPolicy
 
     gc = _grad_check_helpers()
     initialize_parallel(1, 1, seed=0)
@@ -116,11 +119,16 @@ def _dist_optimizer():
     assert dp_size == 2
     cfg, model = gc.hf_model()
     hf_sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    loss_cfg = LossConfig(loss_agg="seq-mean-token-mean", clip_high=0.28)
+    loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_high=0.28)
     samples, lengths, w_q = gc.make_problem(model, 0.5, 0.5, seed=7)[:3]  # (later versions return more)
-    denom = losses.full_batch_denominator(loss_cfg.loss_agg, num_prompts=gc.B, group_size=gc.G,
-                                          completion_lengths=lengths, prompt_weight=w_q,
-                                          max_response_length=gc.MAX_NEW)
+    denom = losses.full_batch_denominator(
+        loss_cfg.loss_agg,
+        num_prompts=gc.B,
+        group_size=gc.G,
+        completion_lengths=lengths,
+        prompt_weight=w_q,
+        max_response_length=gc.MAX_NEW,
+    )
     _, ref = gc.reference_grads(model, samples, loss_cfg, denom)
     mbs = gc.my_microbatches(samples, 24, dp_rank, dp_size)
 
@@ -141,8 +149,11 @@ def _dist_optimizer():
     # Negative control: the reduce-scattered buffer read as is (the old hf_grads) is wrong.
     local_plain = {k: p.main_grad.detach() for k, p in plain.model.module.named_parameters()}
     err_raw = _rel(raw, local_plain)
-    print(f"rank {dp_rank}: rel. error vs HF reference {err_ref:.2e}, vs all-reduce run {err_plain:.2e}, "
-          f"raw main_grad vs all-reduce {err_raw:.2e}", flush=True)
+    print(
+        f"rank {dp_rank}: rel. error vs HF reference {err_ref:.2e}, vs all-reduce run {err_plain:.2e}, "
+        f"raw main_grad vs all-reduce {err_raw:.2e}",
+        flush=True,
+    )
     assert err_ref < 1e-5 and err_plain < 1e-6, (err_ref, err_plain)
     assert err_raw > 1e-2, f"the raw main_grad already equals the reduced gradient ({err_raw}): the check shows nothing"
 

@@ -1,5 +1,6 @@
 """Faults: a trainer killed with SIGKILL leaves no process behind (checkpoint writers, the reward
 pool and its forkserver, multiprocessing's resource tracker). Real processes, real kills."""
+
 import os
 import signal
 import subprocess
@@ -43,9 +44,14 @@ def test_sigkill_during_checkpoint_save_leaves_no_process_behind(tmp_path):
     marker = tmp_path / "writer_pids"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     with open(tmp_path / "out.txt", "w+") as out:
-        proc = subprocess.Popen([sys.executable, WORKER, "--phase", "hold-save", "--ckpt", str(tmp_path / "ckpt"),
-                                 "--out", str(marker)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, WORKER, "--phase", "hold-save", "--ckpt", str(tmp_path / "ckpt"), "--out", str(marker)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             started = _wait_for(lambda: marker.exists() or proc.poll() is not None, timeout=300)
             if proc.poll() is not None or not started:
@@ -80,12 +86,28 @@ def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tm
         "    with RewardScorer('exact', num_workers=1) as s:\n"
         "        assert s.score(['1'], ['1'])[0] == [1.0]\n"
         "def test_leaks():\n"
-        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n")
+        "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_DPPO_TEST_")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO])
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-                          str(tmp_path / "test_leaky.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path / "test_leaky.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 1 and "2 passed" in out, out[-3000:]
     assert "1 process(es) started by the tests outlived them (now killed)" in out and "time.sleep(600)" in out, out
@@ -108,5 +130,7 @@ def test_soak_tool_growth_figures_match_an_independent_fit():
     summary = log.summary()
     growth = (rss[-1] - rss[2]) / rss[2]
     slope = np.polyfit(steps[2:], rss[2:], 1)[0]
-    assert f"{growth:+.1%} over 900 steps" in summary and f"slope {slope * 100:+.2f} MB per 100 steps" in summary, summary
+    assert f"{growth:+.1%} over 900 steps" in summary and f"slope {slope * 100:+.2f} MB per 100 steps" in summary, (
+        summary
+    )
     assert "step" in log.table().splitlines()[0] and len(log.table().splitlines()) == len(steps) + 1

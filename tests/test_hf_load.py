@@ -11,6 +11,7 @@ model.init_checkpoint sequence (load_checkpoint + copy_policy_to_reference). Her
 read no more than its share of the bytes, and bad model directories fail in one line naming
 the file (and tensor), in well under a second, without touching the hub.
 """
+
 import json
 import shutil
 import struct
@@ -27,9 +28,18 @@ WORKER = REPO / "tests" / "dist_load" / "load_check.py"
 def _make_hf(path: Path, tied: bool, dtype: torch.dtype, shard: str) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=50, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=96, tie_word_embeddings=tied,
-                      max_position_embeddings=128, architectures=["Qwen3ForCausalLM"])
+    cfg = Qwen3Config(
+        vocab_size=50,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        tie_word_embeddings=tied,
+        max_position_embeddings=128,
+        architectures=["Qwen3ForCausalLM"],
+    )
     torch.manual_seed(3 + tied)
     model = Qwen3ForCausalLM(cfg).float()
     with torch.no_grad():  # HF inits norms to 1: perturb them so a swapped norm shows
@@ -51,14 +61,25 @@ def hf_models(tmp_path_factory):
 
 
 def _results(output: str) -> list:
-    return [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    return [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1_dp2", "tp2", "pp2"])
 def test_sharded_load_equals_whole_checkpoint_and_hf_logits(hf_models, tmp_path, torchrun, tp, pp):
     # ~40 s of CPU; the generous limit is for a shared 2-core machine (load averages of 20+ seen)
-    out = torchrun(WORKER, 2, "--tp", tp, "--pp", pp, "--models", f"{hf_models['untied']},{hf_models['tied']}",
-                   "--ckpt-root", tmp_path / "ckpt", timeout=900)
+    out = torchrun(
+        WORKER,
+        2,
+        "--tp",
+        tp,
+        "--pp",
+        pp,
+        "--models",
+        f"{hf_models['untied']},{hf_models['tied']}",
+        "--ckpt-root",
+        tmp_path / "ckpt",
+        timeout=900,
+    )
     results = _results(out)
     assert len(results) == 2, out[-4000:]
     for res in results:
@@ -129,7 +150,7 @@ def test_model_dir_errors_are_one_line_and_name_the_file(hf_models, tmp_path):
     del cfg["model_type"]
     (notype / "config.json").write_text(json.dumps(cfg))
     msg = _error(notype)
-    assert f"{notype / 'config.json'} has no \"model_type\" key" in msg, msg
+    assert f'{notype / "config.json"} has no "model_type" key' in msg, msg
 
     badjson = _copy(tied, tmp_path / "badjson")
     (badjson / "config.json").write_text('{"model_type": "qwen3",')
@@ -186,7 +207,8 @@ def test_model_dir_errors_are_one_line_and_name_the_file(hf_models, tmp_path):
     # A tensor the config's model needs is absent (untied head removed from the index).
     nohead = _copy(untied, tmp_path / "nohead")
     (nohead / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: v for k, v in index.items() if k != "lm_head.weight"}}))
+        json.dumps({"weight_map": {k: v for k, v in index.items() if k != "lm_head.weight"}})
+    )
     msg = _error(nohead)
     assert "lacks 1 tensor(s)" in msg and "lm_head.weight" in msg, msg
 
@@ -204,8 +226,12 @@ def test_loader_reads_slices_exactly(hf_models):
             whole.update(load_file(f))
         reader = SliceReader(md)
         try:
-            for name in ("model.layers.1.self_attn.o_proj.weight", "model.embed_tokens.weight",
-                         "model.layers.3.mlp.gate_proj.weight", "model.norm.weight"):
+            for name in (
+                "model.layers.1.self_attn.o_proj.weight",
+                "model.embed_tokens.weight",
+                "model.layers.3.mlp.gate_proj.weight",
+                "model.norm.weight",
+            ):
                 t = whole[name]
                 assert torch.equal(reader.read(name), t)
                 if t.dim() == 2:

@@ -1,12 +1,11 @@
 """The loss core against straightforward re-implementations of DPPO.md section 1."""
-import math
 
 import pytest
 import torch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.pruning import get_strategy, PromptStats
+from megatron_dppo.algorithms.pruning import PromptStats, get_strategy
 
 
 def _batch(B=3, G=4, max_len=7, seed=0):
@@ -67,7 +66,7 @@ def test_zero_ratio_reproduces_grpo_loss_and_gradient(agg):
     ref_logp = (policy() + 0.3 * torch.randn(T, generator=gen, dtype=torch.float64)).detach()
 
     ref = _reference_grpo_loss(policy(), old_logp, ref_logp, adv, lengths, agg, 0.2, 0.28, 0.05, lmax)
-    ref_grad, = torch.autograd.grad(ref, policy.W)
+    (ref_grad,) = torch.autograd.grad(ref, policy.W)
 
     # The DPPO pipeline with both ratios 0.
     strategy = get_strategy("dppo")
@@ -78,13 +77,22 @@ def test_zero_ratio_reproduces_grpo_loss_and_gradient(agg):
     assert torch.equal(w_q, torch.ones(B)) and torch.equal(w_o, torch.ones(B, G))
     seq_len = lengths.flatten()
     seq_index = torch.repeat_interleave(torch.arange(B * G), seq_len)
-    denom = losses.full_batch_denominator(agg, num_prompts=B, group_size=G, completion_lengths=lengths,
-                                          prompt_weight=w_q, max_response_length=lmax)
+    denom = losses.full_batch_denominator(
+        agg, num_prompts=B, group_size=G, completion_lengths=lengths, prompt_weight=w_q, max_response_length=lmax
+    )
     coef = losses.token_coefficients(seq_index, (w_q[:, None] * w_o).flatten(), seq_len, agg, denom).double()
-    token_loss, _ = losses.policy_loss(policy(), old_logp, adv.flatten()[seq_index], clip_low=0.2, clip_high=0.28,
-                                       ref_logp=ref_logp, kl_coef=0.05, kl_estimator="k3")
+    token_loss, _ = losses.policy_loss(
+        policy(),
+        old_logp,
+        adv.flatten()[seq_index],
+        clip_low=0.2,
+        clip_high=0.28,
+        ref_logp=ref_logp,
+        kl_coef=0.05,
+        kl_estimator="k3",
+    )
     loss = losses.aggregate(token_loss, coef)
-    grad, = torch.autograd.grad(loss, policy.W)
+    (grad,) = torch.autograd.grad(loss, policy.W)
     assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-9)
     assert torch.allclose(grad, ref_grad, rtol=1e-6, atol=1e-9)
 
@@ -96,13 +104,14 @@ def test_gspo_sequence_ratio_matches_reference():
     logp = torch.randn(8, generator=gen, dtype=torch.float64)
     old = logp + 0.4 * torch.randn(8, generator=gen, dtype=torch.float64)
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
-    loss, _ = losses.policy_loss(logp, old, adv[seq_index], ratio_type="sequence", seq_index=seq_index,
-                                 num_seqs=3, clip_low=0.2, clip_high=0.2)
+    loss, _ = losses.policy_loss(
+        logp, old, adv[seq_index], ratio_type="sequence", seq_index=seq_index, num_seqs=3, clip_low=0.2, clip_high=0.2
+    )
     start = 0
     for s, n in enumerate(lengths.tolist()):
-        rho = torch.exp((logp[start:start + n] - old[start:start + n]).mean())
+        rho = torch.exp((logp[start : start + n] - old[start : start + n]).mean())
         expect = -torch.minimum(rho * adv[s], torch.clamp(rho, 0.8, 1.2) * adv[s])
-        assert torch.allclose(loss[start:start + n], expect.expand(n))
+        assert torch.allclose(loss[start : start + n], expect.expand(n))
         start += n
 
 
@@ -120,11 +129,14 @@ def test_token_mean_denominator_estimates_skipped_prompts():
     exact = losses.full_batch_denominator("token-mean", num_prompts=2, group_size=2, completion_lengths=lengths)
     assert exact == 14
     # prompt 0 was a retained candidate with weight 2: it also stands for a skipped prompt
-    est = losses.full_batch_denominator("token-mean", num_prompts=3, group_size=2, completion_lengths=lengths,
-                                        prompt_weight=torch.tensor([2.0, 1.0]))
+    est = losses.full_batch_denominator(
+        "token-mean", num_prompts=3, group_size=2, completion_lengths=lengths, prompt_weight=torch.tensor([2.0, 1.0])
+    )
     assert est == 2 * 5 + 9
-    assert losses.full_batch_denominator("seq-mean-token-sum-norm", num_prompts=3, group_size=2,
-                                         max_response_length=10) == 60
+    assert (
+        losses.full_batch_denominator("seq-mean-token-sum-norm", num_prompts=3, group_size=2, max_response_length=10)
+        == 60
+    )
 
 
 def test_bad_loss_arguments_name_the_field():
@@ -139,5 +151,4 @@ def test_bad_loss_arguments_name_the_field():
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logp"):
         losses.policy_loss(torch.zeros(2), torch.zeros(2), torch.zeros(2), kl_coef=0.1)
     with pytest.raises(ValueError, match="denominator must be > 0"):
-        losses.token_coefficients(torch.zeros(2, dtype=torch.long), torch.ones(1), torch.ones(1),
-                                  "token-mean", 0)
+        losses.token_coefficients(torch.zeros(2, dtype=torch.long), torch.ones(1), torch.ones(1), "token-mean", 0)

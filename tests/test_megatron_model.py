@@ -62,6 +62,7 @@ def test_validate_layout_returns_data_parallel_size():
 
 # ------------------------------------------------------------------------- packed attention
 
+
 def _reference_attention(q, k, v, scale):
     """Causal softmax attention of ONE sequence, written out: q [n, hq, d], k/v [n, hk, d]."""
     n, hq, _ = q.shape
@@ -130,15 +131,18 @@ def test_bucketed_attention_equals_each_sequence_alone_and_the_loop(case):
     ref_out = torch.zeros(total, hq * 32)
     ref_grads = [torch.zeros_like(x) for x in qkv]
     for s, n in zip(starts, lengths):
-        real[s:s + n] = True
-        piece = [x.detach()[s:s + n].clone().requires_grad_() for x in qkv]
+        real[s : s + n] = True
+        piece = [x.detach()[s : s + n].clone().requires_grad_() for x in qkv]
         o = _reference_attention(*piece, scale)
-        ref_out[s:s + n] = o.detach()
-        for acc, g in zip(ref_grads, torch.autograd.grad((o * w[s:s + n]).sum(), piece)):
-            acc[s:s + n] = g
-    for got, want, what in [(out_b, ref_out, "bucketed out"), (out_l, ref_out, "loop out"),
-                            *[(a, b, f"bucketed d{n}") for a, b, n in zip(grads_b, ref_grads, "qkv")],
-                            *[(a, b, f"loop d{n}") for a, b, n in zip(grads_l, ref_grads, "qkv")]]:
+        ref_out[s : s + n] = o.detach()
+        for acc, g in zip(ref_grads, torch.autograd.grad((o * w[s : s + n]).sum(), piece)):
+            acc[s : s + n] = g
+    for got, want, what in [
+        (out_b, ref_out, "bucketed out"),
+        (out_l, ref_out, "loop out"),
+        *[(a, b, f"bucketed d{n}") for a, b, n in zip(grads_b, ref_grads, "qkv")],
+        *[(a, b, f"loop d{n}") for a, b, n in zip(grads_l, ref_grads, "qkv")],
+    ]:
         err = (got - want).abs().max().item()
         assert err < 1e-5, (what, err)
     assert (out_b[~real] == 0).all() and all((g[~real] == 0).all() for g in grads_b)
@@ -157,7 +161,7 @@ def _partitions(items):
     first, rest = items[0], items[1:]
     for p in _partitions(rest):
         for i in range(len(p)):
-            yield p[:i] + [[first] + p[i]] + p[i + 1:]
+            yield p[:i] + [[first] + p[i]] + p[i + 1 :]
         yield [[first]] + p
 
 
@@ -173,7 +177,7 @@ def test_bucket_sequences_is_optimal_against_brute_force():
         groups = bucket_sequences(lengths, cost)
         assert sorted(i for g in groups for i in g) == [i for i, n in enumerate(lengths) if n > 0]
 
-        def total(partition):
+        def total(partition, lengths=lengths, cost=cost):
             return _call_cost([(max(lengths[i] for i in g), len(g)) for g in partition], cost)
 
         real = [i for i, n in enumerate(lengths) if n > 0]
@@ -184,27 +188,31 @@ def test_bucket_sequences_is_optimal_against_brute_force():
     assert bucket_sequences([0, 0], 1.0) == []
 
 
-@pytest.mark.parametrize("facts, requested, expected", [
-    (dict(), "auto", "varlen"),
-    (dict(), "bucketed", "bucketed"),
-    (dict(), "loop", "loop"),
-    (dict(device_type="cpu"), "auto", "bucketed"),
-    (dict(dtype=torch.float32), "auto", "bucketed"),
-    (dict(dropout_p=0.1), "auto", "bucketed"),
-    (dict(head_dim=36), "auto", "bucketed"),
-    (dict(head_dim=512), "auto", "bucketed"),
-    (dict(varlen_importable=False), "auto", "bucketed"),
-    (dict(flash_usable=False), "auto", "bucketed"),
-    (dict(device_type="cpu"), "varlen", "needs CUDA"),
-    (dict(dtype=torch.float32), "varlen", "float16/bfloat16"),
-])
+@pytest.mark.parametrize(
+    "facts, requested, expected",
+    [
+        (dict(), "auto", "varlen"),
+        (dict(), "bucketed", "bucketed"),
+        (dict(), "loop", "loop"),
+        (dict(device_type="cpu"), "auto", "bucketed"),
+        (dict(dtype=torch.float32), "auto", "bucketed"),
+        (dict(dropout_p=0.1), "auto", "bucketed"),
+        (dict(head_dim=36), "auto", "bucketed"),
+        (dict(head_dim=512), "auto", "bucketed"),
+        (dict(varlen_importable=False), "auto", "bucketed"),
+        (dict(flash_usable=False), "auto", "bucketed"),
+        (dict(device_type="cpu"), "varlen", "needs CUDA"),
+        (dict(dtype=torch.float32), "varlen", "float16/bfloat16"),
+    ],
+)
 def test_choose_thd_impl(facts, requested, expected):
     """varlen where everything allows it (CUDA, fp16/bf16, no dropout, head_dim, a flash GPU);
     the bucketed path otherwise; forcing varlen where it cannot run says why."""
     from megatron_dppo.megatron.attention import choose_thd_impl
 
-    call = dict(device_type="cuda", dtype=torch.bfloat16, dropout_p=0.0, head_dim=128,
-                varlen_importable=True, flash_usable=True)
+    call = dict(
+        device_type="cuda", dtype=torch.bfloat16, dropout_p=0.0, head_dim=128, varlen_importable=True, flash_usable=True
+    )
     call.update(facts)
     if expected in ("varlen", "bucketed", "loop"):
         assert choose_thd_impl(requested, **call) == expected

@@ -7,9 +7,21 @@ import pytest
 import torch
 
 import megatron_dppo.packing
-from megatron_dppo.packing import (Sample, ThdBatch, balance_packs, build_padded_batch, build_thd_batch,
-                                   density, dp_imbalance, pack, pack_cost, pack_ffd, pack_padded, round_up,
-                                   thd_pad_multiple)
+from megatron_dppo.packing import (
+    Sample,
+    ThdBatch,
+    balance_packs,
+    build_padded_batch,
+    build_thd_batch,
+    density,
+    dp_imbalance,
+    pack,
+    pack_cost,
+    pack_ffd,
+    pack_padded,
+    round_up,
+    thd_pad_multiple,
+)
 
 
 def _rl_lengths(rng, prompts=200, group=8, max_len=4096):
@@ -56,9 +68,18 @@ def _reference_window(lengths, cap, window):
 
 # ---------------------------------------------------------------------------------------- packing
 
-@pytest.mark.parametrize("packer", [
-    lambda L, c: pack(L, c, 1), lambda L, c: pack(L, c, 4), lambda L, c: pack(L, c, 10**6),
-    pack_ffd, pack_padded, lambda L, c: pack_padded(L, c, per_microbatch=True)])
+
+@pytest.mark.parametrize(
+    "packer",
+    [
+        lambda L, c: pack(L, c, 1),
+        lambda L, c: pack(L, c, 4),
+        lambda L, c: pack(L, c, 10**6),
+        pack_ffd,
+        pack_padded,
+        lambda L, c: pack_padded(L, c, per_microbatch=True),
+    ],
+)
 def test_every_index_once_and_no_pack_over_capacity(packer):
     for lengths, cap in _random_cases():
         _check_partition(packer(lengths, cap), lengths, cap)
@@ -124,15 +145,18 @@ def test_oversize_error_names_index_length_capacity():
     assert sorted(i for p in packs for i in p) == list(range(5))
 
 
-@pytest.mark.parametrize("call, msg", [
-    (lambda: pack([1, 2], 0), "capacity"),
-    (lambda: pack([1, 2], -5), "capacity"),
-    (lambda: pack([1, 2], 10, 0), "window"),
-    (lambda: pack([1, -2], 10), "sequence 1 has negative length -2"),
-    (lambda: pack_ffd([1], 2.5), "capacity"),
-    (lambda: balance_packs([[0]], [1], 0), "dp_size"),
-    (lambda: build_thd_batch([Sample([1, 2], 1)], pad_multiple=0), "pad_multiple"),
-])
+@pytest.mark.parametrize(
+    "call, msg",
+    [
+        (lambda: pack([1, 2], 0), "capacity"),
+        (lambda: pack([1, 2], -5), "capacity"),
+        (lambda: pack([1, 2], 10, 0), "window"),
+        (lambda: pack([1, -2], 10), "sequence 1 has negative length -2"),
+        (lambda: pack_ffd([1], 2.5), "capacity"),
+        (lambda: balance_packs([[0]], [1], 0), "dp_size"),
+        (lambda: build_thd_batch([Sample([1, 2], 1)], pad_multiple=0), "pad_multiple"),
+    ],
+)
 def test_input_validation(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
@@ -150,14 +174,17 @@ def test_pack_is_fast_for_10k_sequences():
 def test_packing_module_does_not_import_megatron():
     """Issue 15: megatron_dppo/megatron/ is the only place that imports megatron.core (the
     PackedSeqParams of a THD batch are built in megatron/attention.py)."""
-    code = ("import sys, megatron_dppo.packing; "
-            "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]")
+    code = (
+        "import sys, megatron_dppo.packing; "
+        "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     with open(megatron_dppo.packing.__file__, encoding="utf-8") as f:
         assert "megatron.core" not in f.read()
 
 
 # ------------------------------------------------------------------------------------- balancing
+
 
 def test_balance_equal_microbatches_per_rank():
     rng = random.Random(6)
@@ -210,16 +237,24 @@ def test_pack_cost_has_quadratic_term():
 
 # ------------------------------------------------------------------------------------ THD batches
 
+
 def _samples(rng, n, with_logp=True):
     out = []
     for k in range(n):
         L = rng.randint(2, 30)
         p = rng.randint(1, L)
         comp = L - p
-        out.append(Sample(tokens=[rng.randint(1, 999) for _ in range(L)], prompt_len=p,
-                          advantage=rng.uniform(-2, 2), weight=rng.uniform(0.5, 3), seq_id=100 + k,
-                          old_logp=torch.randn(comp) if with_logp else None,
-                          ref_logp=torch.randn(comp) if with_logp else None))
+        out.append(
+            Sample(
+                tokens=[rng.randint(1, 999) for _ in range(L)],
+                prompt_len=p,
+                advantage=rng.uniform(-2, 2),
+                weight=rng.uniform(0.5, 3),
+                seq_id=100 + k,
+                old_logp=torch.randn(comp) if with_logp else None,
+                ref_logp=torch.randn(comp) if with_logp else None,
+            )
+        )
     return out
 
 
@@ -235,8 +270,15 @@ def _reference_segment(s, padded_len, i, pad_id):
     for j in range(n - p):  # completion token p+j is predicted at position p+j-1
         old[p + j - 1] = float(s.old_logp[j])
         ref[p + j - 1] = float(s.ref_logp[j])
-    return dict(tokens=tokens, labels=labels, loss_mask=loss, seq_index=[i] * n + [-1] * pad,
-                advantages=[s.advantage * x for x in loss], old_logp=old, ref_logp=ref)
+    return dict(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=loss,
+        seq_index=[i] * n + [-1] * pad,
+        advantages=[s.advantage * x for x in loss],
+        old_logp=old,
+        ref_logp=ref,
+    )
 
 
 @pytest.mark.parametrize("m", [1, 2, 8])
@@ -247,8 +289,7 @@ def test_thd_batch_matches_per_sequence_reference(m):
     real = [len(s.tokens) for s in samples]
     padded = [round_up(n, m) for n in real]
     T = sum(padded)
-    for name in ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "advantages", "old_logp",
-                 "ref_logp"):
+    for name in ("tokens", "position_ids", "labels", "loss_mask", "seq_index", "advantages", "old_logp", "ref_logp"):
         assert getattr(b, name).shape == (1, T), name
     assert b.tokens.dtype == torch.long and b.loss_mask.dtype == torch.float32
     # cu_seqlens, padding to multiples, max_seqlen
@@ -257,8 +298,7 @@ def test_thd_batch_matches_per_sequence_reference(m):
     assert b.cu_seqlens_padded.tolist() == [sum(padded[:i]) for i in range(8)]
     assert all(x % m == 0 for x in b.cu_seqlens_padded.tolist())
     assert b.max_seqlen == max(padded)
-    ref = {k: [] for k in ("tokens", "labels", "loss_mask", "seq_index", "advantages", "old_logp",
-                           "ref_logp")}
+    ref = {k: [] for k in ("tokens", "labels", "loss_mask", "seq_index", "advantages", "old_logp", "ref_logp")}
     pos = []
     for i, s in enumerate(samples):
         for k, v in _reference_segment(s, padded[i], i, -7).items():
@@ -276,7 +316,7 @@ def test_thd_batch_matches_per_sequence_reference(m):
     # the attention module's contract: sequence i lives at [cu_padded[i], cu_padded[i] + len_i)
     for i, s in enumerate(samples):
         a = int(b.cu_seqlens_padded[i])
-        assert b.tokens[0, a:a + real[i]].tolist() == list(s.tokens)
+        assert b.tokens[0, a : a + real[i]].tolist() == list(s.tokens)
 
 
 def test_padded_batch_rows_equal_thd_segments():
@@ -289,7 +329,7 @@ def test_padded_batch_rows_equal_thd_segments():
     for i, s in enumerate(samples):
         a, n = int(thd.cu_seqlens[i]), len(s.tokens)
         for k in ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "position_ids"):
-            assert torch.equal(getattr(pad, k)[i, :n], getattr(thd, k)[0, a:a + n]), k
+            assert torch.equal(getattr(pad, k)[i, :n], getattr(thd, k)[0, a : a + n]), k
         assert (pad.seq_index[i, :n] == i).all() and (pad.seq_index[i, n:] == -1).all()
         assert (pad.loss_mask[i, n:] == 0).all()
 
@@ -305,12 +345,15 @@ def test_thd_batch_inputs_dicts_tensors_and_no_logp():
     assert empty.tokens.shape == (1, 0) and empty.cu_seqlens.tolist() == [0] and empty.num_seqs == 0
 
 
-@pytest.mark.parametrize("samples, msg", [
-    ([Sample([1, 2, 3], 0)], "prompt_len"),
-    ([Sample([1, 2, 3], 4)], "prompt_len"),
-    ([Sample([1, 2, 3], 1, old_logp=torch.zeros(3))], "old_logp has 3 values"),
-    ([Sample([1, 2, 3], 1, ref_logp=torch.zeros(2)), Sample([1, 2], 1)], "ref_logp must be given for all"),
-])
+@pytest.mark.parametrize(
+    "samples, msg",
+    [
+        ([Sample([1, 2, 3], 0)], "prompt_len"),
+        ([Sample([1, 2, 3], 4)], "prompt_len"),
+        ([Sample([1, 2, 3], 1, old_logp=torch.zeros(3))], "old_logp has 3 values"),
+        ([Sample([1, 2, 3], 1, ref_logp=torch.zeros(2)), Sample([1, 2], 1)], "ref_logp must be given for all"),
+    ],
+)
 def test_thd_batch_validation(samples, msg):
     with pytest.raises(ValueError, match=msg):
         build_thd_batch(samples)

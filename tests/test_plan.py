@@ -1,4 +1,5 @@
 """`megatron-dppo plan`: byte counts against real models, the presets fit, bad layouts are refused."""
+
 import dataclasses
 import json
 import subprocess
@@ -8,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.config import check_layout, load_config
-from megatron_dppo.plan import (Arch, format_plan, layer_activation_elems, layout_choices, load_hf_config,
-                                memory_plan, padded_vocab, plan_main)
+from megatron_dppo.plan import (
+    Arch,
+    format_plan,
+    layer_activation_elems,
+    layout_choices,
+    load_hf_config,
+    memory_plan,
+    padded_vocab,
+    plan_main,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "model"
@@ -27,8 +36,15 @@ def _tiny_cfg(tmp_path, tied=True, dtype="float32"):
     d = json.loads((TINY / "config.json").read_text())
     d["tie_word_embeddings"] = tied
     (tmp_path / "config.json").write_text(json.dumps(d))
-    cfg = _cfg(None, f"model.hf_dir={tmp_path}", f"model.dtype={dtype}", "parallel.nodes=1",
-               "parallel.gpus_per_node=1", "rollout.max_model_len=64", "trainer.max_tokens_per_microbatch=1024")
+    cfg = _cfg(
+        None,
+        f"model.hf_dir={tmp_path}",
+        f"model.dtype={dtype}",
+        "parallel.nodes=1",
+        "parallel.gpus_per_node=1",
+        "rollout.max_model_len=64",
+        "trainer.max_tokens_per_microbatch=1024",
+    )
     return cfg, d
 
 
@@ -106,23 +122,43 @@ def test_qwen3_32b_config_fits_and_prints_its_plan(capsys):
 
 
 def test_too_small_layout_is_refused_naming_a_knob(capsys):
-    cfg = _cfg(QWEN3_32B, "parallel.tp=1", "parallel.pp=1", "parallel.nodes=1",
-               "parallel.distributed_optimizer=false", "parallel.sequence_parallel=false")
+    cfg = _cfg(
+        QWEN3_32B,
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.nodes=1",
+        "parallel.distributed_optimizer=false",
+        "parallel.sequence_parallel=false",
+    )
     plan = memory_plan(cfg)
     assert not plan["fits"]
     assert any("training needs" in p for p in plan["problems"])
     assert plan["fixes"] and any(k in plan["fixes"][0] for k in ("parallel.tp", "parallel.distributed_optimizer"))
-    assert plan_main(["--config", str(QWEN3_32B), "parallel.tp=1", "parallel.pp=1", "parallel.nodes=1",
-                      "parallel.distributed_optimizer=false"]) == 1
+    assert (
+        plan_main(
+            [
+                "--config",
+                str(QWEN3_32B),
+                "parallel.tp=1",
+                "parallel.pp=1",
+                "parallel.nodes=1",
+                "parallel.distributed_optimizer=false",
+            ]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "REFUSED" in out and "try" in out
 
 
-@pytest.mark.parametrize("override, single_fix", [
-    ("trainer.max_tokens_per_microbatch=65536", "trainer.max_tokens_per_microbatch="),  # activations
-    ("rollout.gpu_memory_utilization=0.2", "parallel.rollout_tp=8"),  # KV cache cannot hold a sequence
-    ("rollout.gpu_memory_utilization=0.7", "rollout.gpu_memory_utilization="),  # vLLM + Megatron > GPU
-])
+@pytest.mark.parametrize(
+    "override, single_fix",
+    [
+        ("trainer.max_tokens_per_microbatch=65536", "trainer.max_tokens_per_microbatch="),  # activations
+        ("rollout.gpu_memory_utilization=0.2", "parallel.rollout_tp=8"),  # KV cache cannot hold a sequence
+        ("rollout.gpu_memory_utilization=0.7", "rollout.gpu_memory_utilization="),  # vLLM + Megatron > GPU
+    ],
+)
 def test_refusals_point_at_the_knob_that_fixes_them(override, single_fix):
     plan = memory_plan(_cfg(QWEN3_32B, override))
     assert not plan["fits"]
@@ -132,20 +168,28 @@ def test_refusals_point_at_the_knob_that_fixes_them(override, single_fix):
     assert fixed["fits"]
 
 
-@pytest.mark.parametrize("overrides, field", [
-    (["parallel.tp=3"], "parallel.tp"),
-    (["parallel.tp=16", "parallel.gpus_per_node=16"], "parallel.tp"),  # 16 does not divide 8 KV heads
-    (["parallel.pp=3"], "parallel.pp"),
-    (["parallel.nodes=1", "parallel.gpus_per_node=6"], "parallel.nodes x parallel.gpus_per_node"),
-    (["parallel.rollout_tp=3"], "parallel.rollout_tp"),
-    (["parallel.rollout_tp=16"], "parallel.rollout_tp"),  # more than the 8 GPUs of a node
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["parallel.tp=3"], "parallel.tp"),
+        (["parallel.tp=16", "parallel.gpus_per_node=16"], "parallel.tp"),  # 16 does not divide 8 KV heads
+        (["parallel.pp=3"], "parallel.pp"),
+        (["parallel.nodes=1", "parallel.gpus_per_node=6"], "parallel.nodes x parallel.gpus_per_node"),
+        (["parallel.rollout_tp=3"], "parallel.rollout_tp"),
+        (["parallel.rollout_tp=16"], "parallel.rollout_tp"),  # more than the 8 GPUs of a node
+    ],
+)
 def test_layouts_that_do_not_divide_name_the_field(overrides, field, capsys):
     cfg = _cfg(QWEN3_32B, *overrides)
     arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
     with pytest.raises(ValueError) as trainer_says:  # the trainer's own check, same world
-        check_layout(cfg, world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node, num_heads=arch.heads,
-                     num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+        check_layout(
+            cfg,
+            world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node,
+            num_heads=arch.heads,
+            num_kv_heads=arch.kv_heads,
+            num_layers=arch.layers,
+        )
     with pytest.raises(ValueError) as err:
         memory_plan(cfg)
     assert str(trainer_says.value) in str(err.value)  # the plan refuses it with the trainer's words
@@ -162,10 +206,13 @@ def test_vllm_tp_beyond_the_kv_heads_is_accepted_by_both():
     memory_plan(cfg)  # no ValueError
 
 
-@pytest.mark.parametrize("override, field", [
-    ("trainer.max_tokens_per_microbatch=1024", "trainer.max_tokens_per_microbatch"),  # < max_model_len 4096
-    ("pruning.r_q=1.5", "pruning.r_q"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("trainer.max_tokens_per_microbatch=1024", "trainer.max_tokens_per_microbatch"),  # < max_model_len 4096
+        ("pruning.r_q=1.5", "pruning.r_q"),
+    ],
+)
 def test_plan_refuses_what_the_trainers_config_check_refuses(override, field, capsys):
     with pytest.raises(ValueError, match=field):
         load_config(str(QWEN3_32B), [override])
@@ -187,9 +234,13 @@ def _check_shipped(path: Path, worlds: list[int]) -> None:
     cfg = load_config(str(path))
     hf = load_hf_config(cfg.model.hf_dir)
     for world in worlds:
-        check_layout(cfg, world_size=world, num_heads=hf["num_attention_heads"],
-                     num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                     num_layers=hf["num_hidden_layers"])
+        check_layout(
+            cfg,
+            world_size=world,
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            num_layers=hf["num_hidden_layers"],
+        )
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "examples")))
@@ -199,11 +250,14 @@ def test_shipped_configs_pass_the_trainers_checks(path):
     _check_shipped(path, _world(load_config(str(path), check=False), path))
 
 
-@pytest.mark.parametrize("line, field", [
-    ("rollout_tp: 4 ", "parallel.rollout_tp=3"),       # does not divide 64 heads
-    ("tp: 4 ", "parallel.tp=3"),
-    ("max_tokens_per_microbatch: 8192", "trainer.max_tokens_per_microbatch"),
-])
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        ("rollout_tp: 4 ", "parallel.rollout_tp=3"),  # does not divide 64 heads
+        ("tp: 4 ", "parallel.tp=3"),
+        ("max_tokens_per_microbatch: 8192", "trainer.max_tokens_per_microbatch"),
+    ],
+)
 def test_the_shipped_config_check_can_fail(tmp_path, line, field):
     """The check above on a broken copy of the 32B example."""
     text = QWEN3_32B.read_text()
@@ -217,19 +271,32 @@ def test_the_shipped_config_check_can_fail(tmp_path, line, field):
 def _trainer_accepts(cfg) -> bool:
     arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
     try:
-        check_layout(cfg, world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node, num_heads=arch.heads,
-                     num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+        check_layout(
+            cfg,
+            world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node,
+            num_heads=arch.heads,
+            num_kv_heads=arch.kv_heads,
+            num_layers=arch.layers,
+        )
     except ValueError:
         return False
     return True
 
 
-@pytest.mark.parametrize("overrides", [
-    ["rollout.gpu_memory_utilization=0.2"],                       # offers parallel.rollout_tp=8
-    ["parallel.nodes=2"],                                         # offers more nodes, tp, ...
-    ["parallel.tp=1", "parallel.pp=1", "parallel.nodes=1", "parallel.distributed_optimizer=false",
-     "parallel.sequence_parallel=false"],                         # a combination
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.gpu_memory_utilization=0.2"],  # offers parallel.rollout_tp=8
+        ["parallel.nodes=2"],  # offers more nodes, tp, ...
+        [
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.nodes=1",
+            "parallel.distributed_optimizer=false",
+            "parallel.sequence_parallel=false",
+        ],  # a combination
+    ],
+)
 def test_every_layout_the_plan_offers_is_one_the_trainer_accepts(overrides):
     plan = memory_plan(_cfg(QWEN3_32B, *overrides))
     assert not plan["fits"] and plan["fixes"]
@@ -287,8 +354,9 @@ def test_presets_cover_every_size_and_fit():
         assert peak < 0.95 * plan["gpu_bytes"]
         assert plan["vllm"]["seqs_fit"] >= 16, path.name  # enough KV for real batching
     # the 32B preset is the example's layout
-    assert dataclasses.asdict(load_config(str(REPO / "examples/presets/qwen3_32b.yaml"), check=False).parallel) == \
-        dataclasses.asdict(load_config(str(QWEN3_32B), check=False).parallel)
+    assert dataclasses.asdict(
+        load_config(str(REPO / "examples/presets/qwen3_32b.yaml"), check=False).parallel
+    ) == dataclasses.asdict(load_config(str(QWEN3_32B), check=False).parallel)
 
 
 def test_launch_scripts_parse():
@@ -299,7 +367,12 @@ def test_launch_scripts_parse():
 def test_states_equal_megatron_tensor_bytes():
     """The weights / fp32 grad buffer / optimizer rows equal a real MegatronPolicy's tensor bytes
     (bf16 + fp32 master, untied). tools/plan_measure.py runs the fuller comparison."""
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "plan_measure.py"), "--states", "--quick"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "plan_measure.py"), "--states", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(" ok") == 3

@@ -1,5 +1,6 @@
 """The FLOP formula against an independent count, MFU / peak helpers, and the two profiling
 tools end to end on the tiny CPU model (profile_throughput: 2 steps per method)."""
+
 import json
 import os
 import statistics
@@ -17,8 +18,17 @@ from megatron_dppo.plan import Arch
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "qwen3_configs"
 # GQA (4 query heads, 2 KV groups), head_dim != hidden / heads, SwiGLU, tied head: what Qwen3 has.
-TINY = dict(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=50,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    tie_word_embeddings=True,
+    max_position_embeddings=128,
+)
 
 
 def _counted(length: int, backward: bool = False) -> dict:
@@ -37,8 +47,11 @@ def _counted(length: int, backward: bool = False) -> dict:
         if backward:
             logits.float().sum().backward()
     ops = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
-    return {"linear": ops.pop("aten.mm", 0) + ops.pop("aten.addmm", 0), "attention": ops.pop("aten.bmm", 0),
-            "other": sum(ops.values())}
+    return {
+        "linear": ops.pop("aten.mm", 0) + ops.pop("aten.addmm", 0),
+        "attention": ops.pop("aten.bmm", 0),
+        "other": sum(ops.values()),
+    }
 
 
 @pytest.mark.parametrize("length", [7, 32])
@@ -106,8 +119,10 @@ def test_mfu_and_peaks():
 
 
 def test_summarize_phases():
-    steps = [{"time/rollout": 1.0, "time/train": 2.0, "time/step": 3.5},
-             {"time/rollout": 3.0, "time/train": 2.0, "time/sync": 0.5, "time/step": 6.5}]
+    steps = [
+        {"time/rollout": 1.0, "time/train": 2.0, "time/step": 3.5},
+        {"time/rollout": 3.0, "time/train": 2.0, "time/sync": 0.5, "time/step": 6.5},
+    ]
     s = profiling.summarize_phases(steps)
     assert s["rollout"] == 2.0 and s["train"] == 2.0 and s["sync"] == 0.25 and s["logprob"] == 0.0
     assert s["step"] == 5.0 and s["other"] == pytest.approx(0.75)
@@ -133,11 +148,31 @@ def test_device_bench_tiny_on_cpu(tmp_path):
 
 def test_profile_throughput_tiny_grpo_vs_dppo(tmp_path):
     out = tmp_path / "prof"
-    res = _run([sys.executable, str(REPO / "tools" / "profile_throughput.py"),
-                "--config", str(REPO / "examples" / "tiny" / "addition.yaml"), "--steps", "2", "--warmup", "0",
-                "--peak-tflops", "0.05", "--out", str(out), "--trace", str(out / "trace"), "--trace-steps", "1",
-                "trainer.prompts_per_step=8", "rollout.group_size=4", "data.train_size=8", "trainer.threads=1"],
-               timeout=600)
+    res = _run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "profile_throughput.py"),
+            "--config",
+            str(REPO / "examples" / "tiny" / "addition.yaml"),
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--peak-tflops",
+            "0.05",
+            "--out",
+            str(out),
+            "--trace",
+            str(out / "trace"),
+            "--trace-steps",
+            "1",
+            "trainer.prompts_per_step=8",
+            "rollout.group_size=4",
+            "data.train_size=8",
+            "trainer.threads=1",
+        ],
+        timeout=600,
+    )
     r = json.loads((out / "profile.json").read_text())
     assert (out / "profile.png").stat().st_size > 0
     assert sorted(r["methods"]) == ["dppo", "grpo"] and r["peak_flops"] == 0.05e12
@@ -159,8 +194,9 @@ def test_profile_throughput_tiny_grpo_vs_dppo(tmp_path):
     assert len(measured["grpo"]) == len(measured["dppo"]) == 2
     mean = {n: sum(t) / len(t) for n, t in measured.items()}
     assert r["speedup"] == pytest.approx(mean["grpo"] / mean["dppo"])
-    assert r["speedup_median"] == pytest.approx(statistics.median(measured["grpo"]) /
-                                                statistics.median(measured["dppo"]))
+    assert r["speedup_median"] == pytest.approx(
+        statistics.median(measured["grpo"]) / statistics.median(measured["dppo"])
+    )
     pairs = [a / b for a, b in zip(measured["grpo"], measured["dppo"])]
     assert r["speedup_paired_median"] == pytest.approx(statistics.median(pairs))
     assert f"GRPO/DPPO step time: {r['speedup']:.2f}x mean" in res.stdout

@@ -6,9 +6,19 @@ import torch
 
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
-from megatron_dppo.algorithms.pruning import (CPPO, GRESO, STRATEGIES, CPPOGroup, GRESOSimple, PromptStats,
-                                              completion_candidates, get_strategy, prompt_candidates,
-                                              prune_completions, prune_prompts)
+from megatron_dppo.algorithms.pruning import (
+    CPPO,
+    GRESO,
+    STRATEGIES,
+    CPPOGroup,
+    GRESOSimple,
+    PromptStats,
+    completion_candidates,
+    get_strategy,
+    prompt_candidates,
+    prune_completions,
+    prune_prompts,
+)
 
 
 def _gen(seed=0):
@@ -127,15 +137,25 @@ def test_bad_inputs_name_the_argument():
 
 def test_every_strategy_declares_its_pipeline():
     # name: (unbiased, refills, filters_zero_variance, denominator, prompts per round for B=8, P=0.5)
-    expect = {"none": (True, False, False, "full", 8), "dppo": (True, False, False, "full", 8),
-              "reverse": (True, False, False, "full", 8), "cppo": (False, False, False, "kept", 16),
-              "cppo-group": (False, False, False, "full", 8), "greso": (False, True, True, "full", 12),
-              "greso-simple": (False, False, False, "full", 8)}
+    expect = {
+        "none": (True, False, False, "full", 8),
+        "dppo": (True, False, False, "full", 8),
+        "reverse": (True, False, False, "full", 8),
+        "cppo": (False, False, False, "kept", 16),
+        "cppo-group": (False, False, False, "full", 8),
+        "greso": (False, True, True, "full", 12),
+        "greso-simple": (False, False, False, "full", 8),
+    }
     assert sorted(STRATEGIES) == sorted(expect)
     for name, (unbiased, refills, filters, denominator, draw) in expect.items():
         s = get_strategy(name)
         assert s.name == name
-        assert (s.unbiased, s.refills, s.filters_zero_variance, s.denominator) == (unbiased, refills, filters, denominator)
+        assert (s.unbiased, s.refills, s.filters_zero_variance, s.denominator) == (
+            unbiased,
+            refills,
+            filters,
+            denominator,
+        )
         assert s.prompts_to_draw(8, 0.5, 0.5) == draw, name
         assert json.loads(json.dumps(s.state_dict())) == s.state_dict()  # JSON-able
 
@@ -200,8 +220,12 @@ def test_cppo_group_variant_keeps_top_abs_advantage_per_group():
 
 def _streak_stats(easy, hard):
     n = len(easy)
-    return PromptStats(score=torch.zeros(n), zero_var_streak=torch.tensor(easy) + torch.tensor(hard),
-                       easy_streak=torch.tensor(easy), hard_streak=torch.tensor(hard))
+    return PromptStats(
+        score=torch.zeros(n),
+        zero_var_streak=torch.tensor(easy) + torch.tensor(hard),
+        easy_streak=torch.tensor(easy),
+        hard_streak=torch.tensor(hard),
+    )
 
 
 def test_greso_skip_probability_is_one_minus_max_p_to_the_streak():

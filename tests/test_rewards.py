@@ -54,12 +54,12 @@ def test_last_boxed_and_gsm8k_extraction():
 
 def test_math_verify_boxed_and_gsm8k(math_scorer):
     completions = [
-        r"The total is \boxed{42}.",               # boxed, right
-        r"The total is \boxed{41}.",               # boxed, wrong
-        "She sold 48/2 = 24 clips.\n#### 42",      # GSM8K style, right
-        "#### 43",                                 # GSM8K style, wrong
-        r"\boxed{0.5}",                            # equivalent form of 1/2
-        r"\boxed{41} ... wait, \boxed{42}",        # the final answer is the last box
+        r"The total is \boxed{42}.",  # boxed, right
+        r"The total is \boxed{41}.",  # boxed, wrong
+        "She sold 48/2 = 24 clips.\n#### 42",  # GSM8K style, right
+        "#### 43",  # GSM8K style, wrong
+        r"\boxed{0.5}",  # equivalent form of 1/2
+        r"\boxed{41} ... wait, \boxed{42}",  # the final answer is the last box
         r"\boxed{42} ... wait, \boxed{41}",
         "I have no idea",
         r"\boxed{1+x^2}",
@@ -120,17 +120,25 @@ def test_every_failure_kind_is_counted_with_its_record():
     with RewardScorer(f"{HERE}:misbehaving_reward", timeout_s=2.0, num_workers=2, max_error_frac=1.0) as s:
         rewards, info = s.score(completions, ["a", "", "", "", "", "", "", "b", ""], records)
         assert rewards == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-        assert info["failures_by_kind"] == {"worker-died": 1, "raised": 1, "non-finite": 2, "non-numeric": 2,
-                                            "timeout": 1}
+        assert info["failures_by_kind"] == {
+            "worker-died": 1,
+            "raised": 1,
+            "non-finite": 2,
+            "non-numeric": 2,
+            "timeout": 1,
+        }
         assert info["failed"] == 7 and info["timeouts"] == 1 and info["errors"] == 6
         first = info["first_failures"]
         assert len(first) == 5 and all(m.startswith("record q") and "\n" not in m for m in first)
-        expected = {"q1": "worker-died: the worker process exited (code 7) during the check",
-                    "q2": "raised: RuntimeError: verifier bug", "q3": "non-finite: returned nan",
-                    "q4": "non-finite: returned -inf",
-                    "q5": "non-numeric: returned str '1', expected a real number",
-                    "q6": "non-numeric: returned NoneType 'None', expected a real number",
-                    "q8": "timeout: no result within timeout_s=2.0s (worker replaced)"}
+        expected = {
+            "q1": "worker-died: the worker process exited (code 7) during the check",
+            "q2": "raised: RuntimeError: verifier bug",
+            "q3": "non-finite: returned nan",
+            "q4": "non-finite: returned -inf",
+            "q5": "non-numeric: returned str '1', expected a real number",
+            "q6": "non-numeric: returned NoneType 'None', expected a real number",
+            "q8": "timeout: no result within timeout_s=2.0s (worker replaced)",
+        }
         for m in first:  # which five come first depends on the workers' timing
             rid = m.split(":")[0].removeprefix("record ")
             assert m == f"record {rid}: {expected[rid]}", m

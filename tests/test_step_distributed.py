@@ -5,6 +5,7 @@ every rank compares the Megatron gradient of the DPPO loss with a single-process
 the HF model (plain PyTorch), for every loss aggregation, GSPO, KL, pruning weights on and off,
 and 1 vs several micro-batches per rank.
 """
+
 import re
 from pathlib import Path
 
@@ -15,9 +16,11 @@ WORKER = Path(__file__).parent / "dist_step" / "grad_check.py"
 
 # TP=2 runs with selective and PP=2 with full activation recomputation: recomputing must not
 # change the gradient either (plain TP=2 / PP=2 forwards are compared in test_megatron_model.py).
-@pytest.mark.parametrize("nproc,tp,pp,recompute", [(1, 1, 1, "none"), (2, 1, 1, "none"), (2, 2, 1, "selective"),
-                                                   (2, 1, 2, "full")],
-                         ids=["single", "dp2", "tp2-selective-recompute", "pp2-full-recompute"])
+@pytest.mark.parametrize(
+    "nproc,tp,pp,recompute",
+    [(1, 1, 1, "none"), (2, 1, 1, "none"), (2, 2, 1, "selective"), (2, 1, 2, "full")],
+    ids=["single", "dp2", "tp2-selective-recompute", "pp2-full-recompute"],
+)
 def test_megatron_gradient_equals_single_process_reference(launch, nproc, tp, pp, recompute):
     res = launch(WORKER, nproc, "--tp", str(tp), "--pp", str(pp), "--recompute", recompute)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
@@ -42,4 +45,3 @@ def test_megatron_gradient_mean_over_masks_is_the_full_batch_gradient(launch):
     found = dict(re.findall(r"monte carlo (.+?): draws=20000 rel\.err=\S+ mc\.s\.e\.=(\S+)", res.stdout))
     assert sorted(found) == ["dppo", "dppo x1.1", "unweighted"], res.stdout
     assert all(float(se) <= 0.03 for se in found.values()), found
-

@@ -1,4 +1,5 @@
 """The committed tiny main-job assets (examples/tiny, built by tools/make_tiny_model.py)."""
+
 import json
 import os
 
@@ -26,8 +27,14 @@ def test_config_matches_the_design(tiny):
     tok, model = tiny
     c = model.config
     assert c.model_type == "qwen3" and c.tie_word_embeddings
-    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.intermediate_size) == (128, 3, 4, 2, 32, 512)
+    assert (
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        c.intermediate_size,
+    ) == (128, 3, 4, 2, 32, 512)
     assert c.vocab_size == len(tok) == 21
     assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 0.8e6
 
@@ -55,9 +62,10 @@ def test_greedy_heldout_accuracy_is_well_above_chance(tiny):
     records = load_records(os.path.join(ROOT, "data", "test.jsonl"))[:100]
     enc = tok([r.prompt for r in records], return_tensors="pt")  # equal lengths: no padding needed
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     acc = sum(exact_match(t, r.answer) for t, r in zip(texts, records)) / len(records)
     # Chance is ~0 (a 3-4 digit string). The warm-up stopped at ~0.30 on a validation split.
     assert acc > 0.15, (acc, texts[:5])
@@ -119,9 +127,10 @@ def test_longtail_model_is_long_tailed_and_partly_right(longtail):
     for group in by_len.values():
         enc = tok([r.prompt for r in group], return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=134, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-        for r, row in zip(group, out[:, enc["input_ids"].shape[1]:].tolist()):
+            out = model.generate(
+                **enc, do_sample=False, max_new_tokens=134, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+            )
+        for r, row in zip(group, out[:, enc["input_ids"].shape[1] :].tolist()):
             n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
             lengths.append(n)
             correct += final_answer_reward(tok.decode(row[:n], skip_special_tokens=True), r.answer)

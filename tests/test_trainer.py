@@ -1,6 +1,7 @@
 """The whole step end to end: weight sync, pruning before rollout, resume after a kill,
 a hanging verifier, and the tiny run's accuracy rising. Each run is a subprocess (the
 Megatron CPU shim and vLLM change process-wide state)."""
+
 import json
 import os
 import re
@@ -14,19 +15,41 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "tiny" / "addition.yaml"
-SMALL = ["trainer.prompts_per_step=8", "rollout.group_size=4", "data.train_size=16", "trainer.eval_every=0",
-         "logging.wandb=disabled", "logging.progress=false", "logging.tensorboard=false", "trainer.threads=1",
-         "trainer.max_time_s=0"]  # step budgets, not wall-clock ones: a loaded machine must not cut runs short
+SMALL = [
+    "trainer.prompts_per_step=8",
+    "rollout.group_size=4",
+    "data.train_size=16",
+    "trainer.eval_every=0",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "trainer.threads=1",
+    "trainer.max_time_s=0",
+]  # step budgets, not wall-clock ones: a loaded machine must not cut runs short
 
 
 def _env():
-    return dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    return dict(
+        os.environ,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
 
 
 def train_cmd(tmp_path, name, *overrides, resume=False):
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(CONFIG),
-           f"trainer.output_dir={tmp_path}", f"trainer.run_name={name}", *SMALL, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_dppo.cli",
+        "train",
+        "--config",
+        str(CONFIG),
+        f"trainer.output_dir={tmp_path}",
+        f"trainer.run_name={name}",
+        *SMALL,
+        *overrides,
+    ]
     return cmd + (["--resume"] if resume else [])
 
 
@@ -51,21 +74,44 @@ def test_vllm_logprobs_equal_megatron_after_weight_sync():
 
 def test_killed_run_resumes_and_prompt_pruning_removes_generation(tmp_path):
     # Two mini-batches (optimizer steps) per rollout batch: exercises the old-log-prob pass too.
-    base = ["trainer.max_steps=6", "trainer.save_every=2", "pruning.r_q=0.5", "pruning.r_o=0.5",
-            "trainer.minibatches_per_step=2"]
+    base = [
+        "trainer.max_steps=6",
+        "trainer.save_every=2",
+        "pruning.r_q=0.5",
+        "pruning.r_o=0.5",
+        "trainer.minibatches_per_step=2",
+    ]
     run(train_cmd(tmp_path, "full", *base))
     full = metrics(tmp_path, "full")
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
     assert max(full[s]["train/optimizer_steps"] for s in full) == 2
     assert any(full[s]["time/logprob"] > 0 for s in full)
-    for key in ("step", "reward/mean", "reward/accuracy", "prune/prompts_kept_frac",
-                "prune/completions_kept_frac", "pack/density", "time/rollout", "time/logprob", "time/train",
-                "time/sync", "time/step", "tokens/generated", "tokens/trained"):
+    for key in (
+        "step",
+        "reward/mean",
+        "reward/accuracy",
+        "prune/prompts_kept_frac",
+        "prune/completions_kept_frac",
+        "pack/density",
+        "time/rollout",
+        "time/logprob",
+        "time/train",
+        "time/sync",
+        "time/step",
+        "tokens/generated",
+        "tokens/trained",
+    ):
         assert key in full[6], key
 
     # Kill the same run as soon as its step-2 checkpoint exists, then resume.
-    proc = subprocess.Popen(train_cmd(tmp_path, "killed", *base), cwd=REPO, env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_cmd(tmp_path, "killed", *base),
+        cwd=REPO,
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = tmp_path / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 300
     while not (latest.exists() and latest.read_text().strip()) and time.time() < deadline and proc.poll() is None:
@@ -98,18 +144,36 @@ def test_reward_failures_are_counted_shown_and_stop_the_run(tmp_path):
     not a 0, and a hanging check does not stall the step; past reward.max_error_frac the run stops
     with a one-line message."""
     t0 = time.time()
-    res = run(train_cmd(tmp_path, "faulty", "trainer.max_steps=2", "reward.kind=trainer_rewards:raise_on_one_hang_on_nine",
-                        "reward.timeout_s=0.5", "reward.num_workers=2", "reward.max_error_frac=1.0"))
+    res = run(
+        train_cmd(
+            tmp_path,
+            "faulty",
+            "trainer.max_steps=2",
+            "reward.kind=trainer_rewards:raise_on_one_hang_on_nine",
+            "reward.timeout_s=0.5",
+            "reward.num_workers=2",
+            "reward.max_error_frac=1.0",
+        )
+    )
     assert time.time() - t0 < 240
     m = metrics(tmp_path, "faulty")
-    kinds = {k: sum(m[s].get(k, 0) for s in (1, 2)) for k in {k for s in (1, 2) for k in m[s]}
-             if k.startswith("reward/failures/")}
+    kinds = {
+        k: sum(m[s].get(k, 0) for s in (1, 2))
+        for k in {k for s in (1, 2) for k in m[s]}
+        if k.startswith("reward/failures/")
+    }
     assert sum(kinds.values()) == sum(m[s]["reward/failures"] for s in (1, 2)) > 0, kinds
     assert any("raise" in k or "error" in k for k in kinds), kinds
     assert any("timeout" in k or "deadline" in k for k in kinds), kinds
     assert "reward checks failed" in res.stdout + res.stderr and "record " in res.stdout + res.stderr
-    bad = subprocess.run(train_cmd(tmp_path, "nan", "trainer.max_steps=2", "reward.kind=trainer_rewards:always_nan"),
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    bad = subprocess.run(
+        train_cmd(tmp_path, "nan", "trainer.max_steps=2", "reward.kind=trainer_rewards:always_nan"),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert bad.returncode == 1
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert "max_error_frac" in lines[-1] and lines[-1].startswith("error:"), bad.stderr[-2000:]
@@ -120,16 +184,27 @@ def test_dapo_refill_by_weight_records_every_rolled_out_prompt(tmp_path):
     """DAPO + DPPO: zero-variance groups are dropped and more prompts drawn; the trained groups'
     weights add up to B exactly (no double counting of pruned prompts), and every rolled-out
     prompt, informative or not, is in the history."""
-    run(train_cmd(tmp_path, "dapo", "trainer.max_steps=4", "algorithm.dynamic_sampling=true",
-                  "algorithm.clip_high=0.28", "data.train_size=24", "pruning.r_q=0.5", "pruning.r_o=0.5",
-                  "algorithm.max_resample_rounds=8", "logging.rollouts=true", "trainer.save_every=4"))
+    run(
+        train_cmd(
+            tmp_path,
+            "dapo",
+            "trainer.max_steps=4",
+            "algorithm.dynamic_sampling=true",
+            "algorithm.clip_high=0.28",
+            "data.train_size=24",
+            "pruning.r_q=0.5",
+            "pruning.r_o=0.5",
+            "algorithm.max_resample_rounds=8",
+            "logging.rollouts=true",
+            "trainer.save_every=4",
+        )
+    )
     m = metrics(tmp_path, "dapo")
     assert any(m[s]["rollout/prompts_drawn"] > 8 for s in range(1, 5))  # refill happened
     assert any(m[s]["prune/prompts_kept_frac"] < 1.0 for s in range(2, 5))  # and prompt pruning with it
     for s in range(1, 5):
         assert abs(m[s]["groups/trained_weight"] - 8) < 1e-6, (s, m[s]["groups/trained_weight"])
-    rolled = {json.loads(line)["id"] for p in (tmp_path / "dapo" / "rollouts").glob("*.jsonl")
-              for line in open(p)}
+    rolled = {json.loads(line)["id"] for p in (tmp_path / "dapo" / "rollouts").glob("*.jsonl") for line in open(p)}
     history = json.loads((tmp_path / "dapo" / "checkpoints" / "step_000004" / "history.json").read_text())
     assert rolled == set(history["prompts"]), "a rolled-out prompt is missing from the history"
 
@@ -137,9 +212,21 @@ def test_dapo_refill_by_weight_records_every_rolled_out_prompt(tmp_path):
 def test_minibatches_and_epochs_train_against_the_rollout_policy(tmp_path):
     """pi_old is the rollout policy for every mini-batch and epoch: the first update's ratio is 1
     (the separate old-log-prob pass equals the training forward), later ones differ and clip."""
-    run(train_cmd(tmp_path, "mini", "trainer.max_steps=1", "trainer.minibatches_per_step=4",
-                  "trainer.epochs_per_step=2", "optim.lr=0.01", "pruning.strategy=none", "pruning.r_q=0",
-                  "pruning.r_o=0", "pruning.drop_zero_variance=false", "trainer.prompts_per_step=16"))
+    run(
+        train_cmd(
+            tmp_path,
+            "mini",
+            "trainer.max_steps=1",
+            "trainer.minibatches_per_step=4",
+            "trainer.epochs_per_step=2",
+            "optim.lr=0.01",
+            "pruning.strategy=none",
+            "pruning.r_q=0",
+            "pruning.r_o=0",
+            "pruning.drop_zero_variance=false",
+            "trainer.prompts_per_step=16",
+        )
+    )
     m = metrics(tmp_path, "mini")[1]
     assert m["train/optimizer_steps"] == 8
     assert m["train/first_update_ratio_dev_max"] < 1e-5, m
@@ -150,8 +237,17 @@ def test_minibatches_and_epochs_train_against_the_rollout_policy(tmp_path):
 def test_kl_reference_is_the_policy_the_run_started_from(tmp_path):
     """With kl_coef > 0 the reference log-probs are computed (KL 0 at the first update, > 0 after);
     a run started from model.init_checkpoint has that checkpoint as its reference, not the HF weights."""
-    run(train_cmd(tmp_path, "kl", "trainer.max_steps=2", "algorithm.kl_coef=0.1", "optim.lr=1e-3",
-                  "pruning.r_q=0", "pruning.r_o=0"))
+    run(
+        train_cmd(
+            tmp_path,
+            "kl",
+            "trainer.max_steps=2",
+            "algorithm.kl_coef=0.1",
+            "optim.lr=1e-3",
+            "pruning.r_q=0",
+            "pruning.r_o=0",
+        )
+    )
     m = metrics(tmp_path, "kl")
     assert m[1]["train/kl"] < 1e-7 and m[2]["train/kl"] > 1e-5, (m[1]["train/kl"], m[2]["train/kl"])
     ckpt = tmp_path / "kl" / "checkpoints" / "step_000002"
@@ -166,7 +262,10 @@ def test_rollouts_depend_on_the_seed_only(tmp_path):
     run(train_cmd(tmp_path, "s1", *same_prompts, "trainer.seed=1"))
 
     def completions(name):
-        return {r["id"]: r["completions"] for r in map(json.loads, open(tmp_path / name / "rollouts" / "step_000001.jsonl"))}
+        return {
+            r["id"]: r["completions"] for r in map(json.loads, open(tmp_path / name / "rollouts" / "step_000001.jsonl"))
+        }
+
     assert completions("s0") == completions("s0-again")
     a, b = completions("s0"), completions("s1")
     assert a.keys() == b.keys() and a != b  # same 8 prompts (train_size 8), other samples
@@ -174,8 +273,14 @@ def test_rollouts_depend_on_the_seed_only(tmp_path):
 
 def test_existing_run_dir_needs_resume_or_overwrite(tmp_path):
     run(train_cmd(tmp_path, "again", "trainer.max_steps=2"))
-    res = subprocess.run(train_cmd(tmp_path, "again", "trainer.max_steps=1"), cwd=REPO, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        train_cmd(tmp_path, "again", "trainer.max_steps=1"),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 1 and "--resume" in res.stderr and "--overwrite" in res.stderr, res.stderr[-2000:]
     run(train_cmd(tmp_path, "again", "trainer.max_steps=1") + ["--overwrite"])
     assert sorted(metrics(tmp_path, "again")) == [1]
@@ -189,7 +294,11 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     path = tmp_path / "term" / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (path.exists() and len(path.read_text().splitlines()) >= 2):
+    while (
+        time.time() < deadline
+        and proc.poll() is None
+        and not (path.exists() and len(path.read_text().splitlines()) >= 2)
+    ):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
@@ -204,27 +313,42 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
 
 def test_tiny_run_accuracy_rises(tmp_path):
     """The main job's config with a small budget: held-out greedy accuracy clearly rises."""
-    run(train_cmd(tmp_path, "rise", "trainer.max_steps=80", "trainer.eval_every=80", "trainer.eval_size=300",
-                  "trainer.prompts_per_step=32", "rollout.group_size=8", "data.train_size=1024",
-                  "trainer.threads=2"), timeout=900)
+    run(
+        train_cmd(
+            tmp_path,
+            "rise",
+            "trainer.max_steps=80",
+            "trainer.eval_every=80",
+            "trainer.eval_size=300",
+            "trainer.prompts_per_step=32",
+            "rollout.group_size=8",
+            "data.train_size=1024",
+            "trainer.threads=2",
+        ),
+        timeout=900,
+    )
     m = metrics(tmp_path, "rise")
     before, after = m[0]["eval/accuracy"], m[80]["eval/accuracy"]
     assert after > before + 0.03, (before, after)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("parallel.tp=3", "parallel.tp x parallel.pp = 3 x 1 does not divide the world size 1"),
-    ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
-    ("pruning.r_o=1.0", "pruning.r_o"),
-    ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
-    ("trainer.max_steps=-1", "trainer.max_steps"),
-    ("optim.lr=-1e-5", "optim.lr"),
-    ("rollout.top_p=1.5", "rollout.top_p"),
-    ("parallel.rollout_tp=3", "parallel.rollout_tp=3 must divide"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("parallel.tp=3", "parallel.tp x parallel.pp = 3 x 1 does not divide the world size 1"),
+        ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
+        ("pruning.r_o=1.0", "pruning.r_o"),
+        ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
+        ("trainer.max_steps=-1", "trainer.max_steps"),
+        ("optim.lr=-1e-5", "optim.lr"),
+        ("rollout.top_p=1.5", "rollout.top_p"),
+        ("parallel.rollout_tp=3", "parallel.rollout_tp=3 must divide"),
+    ],
+)
 def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path, override, message):
-    res = subprocess.run(train_cmd(tmp_path, "bad", override), cwd=REPO, env=_env(), capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        train_cmd(tmp_path, "bad", override), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 1
     assert re.search(message, res.stderr), res.stderr[-2000:]
     assert "Traceback" not in res.stderr  # one line, naming the key (a traceback only with --debug)

@@ -11,6 +11,7 @@ The model is the warmed-up tiny addition model with a 4th decoder layer appended
 projections are zero (it starts as the identity, so the model keeps its ~25% accuracy and RL
 has signal), because PP=2 needs an even number of layers.
 """
+
 import contextlib
 import json
 import os
@@ -30,10 +31,22 @@ from safetensors.torch import load_file, save_file
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny"
 STEPS = 2
-SMALL = ["trainer.prompts_per_step=8", "rollout.group_size=4", "data.train_size=8", "trainer.eval_every=0",
-         "logging.wandb=disabled", "logging.progress=false", "logging.tensorboard=false", "trainer.threads=1",
-         "trainer.max_time_s=0", "logging.rollouts=true", f"trainer.max_steps={STEPS}", "pruning.r_q=0.5",
-         "pruning.r_o=0.5", "optim.lr=1e-4"]
+SMALL = [
+    "trainer.prompts_per_step=8",
+    "rollout.group_size=4",
+    "data.train_size=8",
+    "trainer.eval_every=0",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "trainer.threads=1",
+    "trainer.max_time_s=0",
+    "logging.rollouts=true",
+    f"trainer.max_steps={STEPS}",
+    "pruning.r_q=0.5",
+    "pruning.r_o=0.5",
+    "optim.lr=1e-4",
+]
 
 
 def _free_port() -> int:
@@ -47,18 +60,37 @@ def _env():
 
 
 def train_cmd(out, name, model_dir, nproc, *overrides, resume=False):
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}"]
-    cmd = launcher + ["-m", "megatron_dppo.cli", "train", "--config", str(TINY / "addition.yaml"),
-                      f"model.hf_dir={model_dir}", f"trainer.output_dir={out}", f"trainer.run_name={name}",
-                      *SMALL, *overrides]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+        ]
+    )
+    cmd = launcher + [
+        "-m",
+        "megatron_dppo.cli",
+        "train",
+        "--config",
+        str(TINY / "addition.yaml"),
+        f"model.hf_dir={model_dir}",
+        f"trainer.output_dir={out}",
+        f"trainer.run_name={name}",
+        *SMALL,
+        *overrides,
+    ]
     return cmd + (["--resume"] if resume else [])
 
 
 def run(cmd, timeout=600):
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout,
-                         start_new_session=True)
+    res = subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res
 
@@ -81,9 +113,21 @@ def final_weights(run_dir, tmp) -> dict:
     if run_dir in _CONVERTED:
         return _CONVERTED[run_dir]
     out = tmp / f"hf-{run_dir.name}"
-    res = subprocess.run([sys.executable, "tools/convert_megatron_to_hf.py", "--megatron-dir",
-                          str(run_dir / "checkpoints"), "--out-dir", str(out)],
-                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "tools/convert_megatron_to_hf.py",
+            "--megatron-dir",
+            str(run_dir / "checkpoints"),
+            "--out-dir",
+            str(out),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     _CONVERTED[run_dir] = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
     return _CONVERTED[run_dir]
@@ -128,8 +172,11 @@ def work(tmp_path_factory):
         new = name.replace(f"layers.{last}.", f"layers.{last + 1}.")
         zero = name.endswith(("o_proj.weight", "down_proj.weight"))
         t = weights[name]
-        weights[new] = torch.zeros_like(t) if zero else (
-            t.clone() if "norm" in name else 0.02 * torch.randn(t.shape, generator=gen, dtype=t.dtype))
+        weights[new] = (
+            torch.zeros_like(t)
+            if zero
+            else (t.clone() if "norm" in name else 0.02 * torch.randn(t.shape, generator=gen, dtype=t.dtype))
+        )
     config["num_hidden_layers"] = last + 2
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"] + config["layer_types"][-1:]
@@ -162,8 +209,9 @@ def test_two_process_run_killed_after_checkpoint_resumes_and_repeats(work, tmp_p
     continued steps repeat the uninterrupted (1-process) run and metrics hold each step once."""
     root, model = work
     cmd = train_cmd(root, "killed", model, 2, "trainer.save_every=1")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     latest = root / "killed" / "checkpoints" / "latest"
     deadline = time.time() + 400
     while not (latest.exists() and latest.read_text().strip()) and time.time() < deadline and proc.poll() is None:
@@ -188,9 +236,14 @@ def test_a_killed_launcher_leaves_no_rank_running(work):
     the kernel (PR_SET_PDEATHSIG), finishes its step, saves a checkpoint together with the other
     rank and exits; nothing of the run is left."""
     root, model = work
-    proc = subprocess.Popen(train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"),
-                            cwd=REPO, env=_env(), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"),
+        cwd=REPO,
+        env=_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     path = root / "orphans" / "metrics.jsonl"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):

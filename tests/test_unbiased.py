@@ -1,4 +1,5 @@
 """Monte Carlo unbiasedness of the pruned-and-reweighted gradient (DPPO.md section 4)."""
+
 import subprocess
 import sys
 
@@ -13,8 +14,16 @@ from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_che
 @pytest.mark.parametrize("ratio_type,kl", [("token", 0.0), ("sequence", 0.0), ("token", 0.1)])
 def test_dppo_is_unbiased(agg, ratio_type, kl):
     # token-mean with r_q > 0 is judged on its bias (5%): draws enough for an s.e. below 2.5%
-    cfg = CheckConfig(strategy="dppo", loss_agg=agg, r_q=0.5, r_o=0.7, ratio_type=ratio_type, kl_coef=kl,
-                      draws=2500 if agg == "token-mean" else 1500, seed=1)
+    cfg = CheckConfig(
+        strategy="dppo",
+        loss_agg=agg,
+        r_q=0.5,
+        r_o=0.7,
+        ratio_type=ratio_type,
+        kl_coef=kl,
+        draws=2500 if agg == "token-mean" else 1500,
+        seed=1,
+    )
     res = run_check(cfg)
     assert res.exact == (agg != "token-mean")
     assert res.unbiased, res.summary(cfg)
@@ -56,12 +65,16 @@ def test_check_catches_a_missing_reweighting(monkeypatch):
 
 
 def test_cli_exit_codes():
-    ok = subprocess.run([sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--draws", "800"],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--draws", "800"], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "UNBIASED" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--strategy", "cppo",
-                          "--draws", "50"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--strategy", "cppo", "--draws", "50"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 1 and "BIASED" in bad.stdout
 
 
@@ -90,8 +103,9 @@ def test_dapo_refill_by_count_double_counts_and_is_caught():
 @pytest.mark.parametrize("agg", LOSS_AGGS)
 def test_dapo_with_completion_pruning_alone_is_exact(agg):
     """r_q = 0: the trained groups are unpruned DAPO's, whatever the stream order; exact."""
-    cfg = CheckConfig(strategy="dppo", num_prompts=8, r_q=0.0, r_o=0.7, loss_agg=agg, draws=1500, seed=4,
-                      fixed_order=True)
+    cfg = CheckConfig(
+        strategy="dppo", num_prompts=8, r_q=0.0, r_o=0.7, loss_agg=agg, draws=1500, seed=4, fixed_order=True
+    )
     res = run_dynamic_check(cfg)
     assert res.exact and res.unbiased, res.summary(cfg)
     assert res.rel_variance > 0
@@ -109,8 +123,17 @@ def test_dapo_check_refuses_what_it_cannot_check():
 def test_cli_dynamic_sampling_exit_codes():
     """The wiring (the 2500-draw verdicts are tested in process above): completion pruning alone
     is exact (a z-test, few draws suffice); the count rule is caught by its total weight."""
-    base = [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--dynamic-sampling", "-B", "8",
-            "--draws", "300"]
+    base = [
+        sys.executable,
+        "-m",
+        "megatron_dppo.cli",
+        "verify-unbiased",
+        "--dynamic-sampling",
+        "-B",
+        "8",
+        "--draws",
+        "300",
+    ]
     ok = subprocess.run(base + ["--r-q", "0"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "total weight 8.000 vs 8" in ok.stdout and "exact: UNBIASED" in ok.stdout

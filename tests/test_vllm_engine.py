@@ -4,6 +4,7 @@ One engine for the module (start-up costs seconds); a torchrun job covers TP=2. 
 non-norm weights are drawn with std 0.3 (not HF's 0.02) so the next-token distributions are
 peaked: greedy argmax has no near-ties for fp32 rounding to flip.
 """
+
 import contextlib
 import json
 from pathlib import Path
@@ -29,11 +30,22 @@ def _save_tiny_qwen3(path: Path, seed: int) -> Qwen3ForCausalLM:
     symbols = ["<pad>", "<bos>", "<eos>"] + list("0123456789+-*=abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTU")
     tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # one token per character
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    ).save_pretrained(path)
     cfg = Qwen3Config(
-        vocab_size=len(symbols), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, intermediate_size=128, max_position_embeddings=128,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+        vocab_size=len(symbols),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     model = Qwen3ForCausalLM(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed)
@@ -49,8 +61,10 @@ def _save_tiny_qwen3(path: Path, seed: int) -> Qwen3ForCausalLM:
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_qwen3")
     return {
-        "old_dir": root / "old", "old": _save_tiny_qwen3(root / "old", seed=0),
-        "new_dir": root / "new", "new": _save_tiny_qwen3(root / "new", seed=1),
+        "old_dir": root / "old",
+        "old": _save_tiny_qwen3(root / "old", seed=0),
+        "new_dir": root / "new",
+        "new": _save_tiny_qwen3(root / "new", seed=1),
     }
 
 
@@ -58,8 +72,9 @@ def tiny(tmp_path_factory):
 def engine(tiny):
     # block_size 32: vLLM's CPU default (128) exceeds max_model_len, so no prefix would ever be
     # cached and the stale-prefix check below would be vacuous.
-    eng = RolloutEngine(str(tiny["old_dir"]), dtype="float32", max_model_len=128, seed=0,
-                        kv_cache_memory_bytes=16 << 20, block_size=32)
+    eng = RolloutEngine(
+        str(tiny["old_dir"]), dtype="float32", max_model_len=128, seed=0, kv_cache_memory_bytes=16 << 20, block_size=32
+    )
     yield eng
     eng.close()
 
@@ -71,7 +86,7 @@ def _hf_greedy(model, prompt, max_new_tokens):
             ids.append(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item())
             if ids[-1] == EOS:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _max_err(model, prompts, completions, temperature=1.0):
@@ -186,8 +201,17 @@ def test_refuses_torchrun_without_process_group(monkeypatch):
 def test_tensor_parallel_two_ranks(tiny, tmp_path, torchrun):
     """TP=2 across two torchrun ranks, processed_logprobs, weight sync, close(): see the worker."""
     out = tmp_path / "tp.json"
-    torchrun(REPO / "tests/dist/vllm_tp_worker.py", 2, "--model-dir", tiny["old_dir"],
-             "--new-model-dir", tiny["new_dir"], "--out", out, timeout=400)
+    torchrun(
+        REPO / "tests/dist/vllm_tp_worker.py",
+        2,
+        "--model-dir",
+        tiny["old_dir"],
+        "--new-model-dir",
+        tiny["new_dir"],
+        "--out",
+        out,
+        timeout=400,
+    )
     result = json.loads(out.read_text())
     assert result["err_old"] < 1e-4 and result["err_new"] < 1e-4
     assert result["world_after_close"] == 2

@@ -16,5 +16,6 @@ def raise_on_one_hang_on_nine(completion: str, answer: str, record=None) -> floa
     """Exact match, except that completions starting with '1' raise and with '9' hang."""
     if completion.startswith("9"):
         import time
+
         time.sleep(10_000)
     return raise_on_leading_one(completion, answer, record)

@@ -17,6 +17,7 @@ again before the load) of the build and of the load. The table shows the largest
 ranks. "model/(TP*PP)" is the checkpoint's bytes divided by TP*PP; "peak - model/(TP*PP)" is
 the overhead the goal allows to be fixed (it must not grow with the model).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
 MIB = 2**20
-DIMS = dict(vocab_size=32000, hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-            intermediate_size=1536, dtype="float32")
+DIMS = dict(
+    vocab_size=32000,
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1536,
+    dtype="float32",
+)
 
 
 def _status_kib(field: str) -> int:
@@ -62,6 +70,7 @@ def reset_peak() -> None:
 # ---- one rank of one measurement (under torchrun) ---------------------------------------------
 def _whole_checkpoint(hf_dir: str) -> dict:
     from safetensors.torch import load_file
+
     sd = {}
     for name in sorted(os.listdir(hf_dir)):
         if name.endswith(".safetensors"):
@@ -73,10 +82,11 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.convert import qwen3 as mapping
     from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel
     from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_models, load_hf_into_policy, rank_layout
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+    from megatron_dppo.megatron.step import MegatronPolicy
 
     torch.set_num_threads(1)
     initialize_parallel(args.tp, args.pp, seed=0)
@@ -86,7 +96,7 @@ def worker(args) -> None:
     reset_peak()
     t0 = time.perf_counter()
     if args.mode == "policy":
-        policy = MegatronPolicy(cfg, OptimConfig(), LossConfig())
+        policy = MegatronPolicy(cfg, OptimConfig(), AlgorithmConfig())
         module, layout = policy.model.module, policy.layout
     else:
         module = build_gpt_model(cfg, params_dtype=torch.float32, attention="local")
@@ -118,8 +128,18 @@ def worker(args) -> None:
                 p.copy_(local[name])
         del local
     load_s, load_peak = time.perf_counter() - t0, hwm_mib()
-    row = dict(rank=dist.get_rank(), base=base, built=built, untrimmed=untrimmed, build_peak=build_peak,
-               weights=weights, load_peak=load_peak, after=rss_mib(), build_s=build_s, load_s=load_s)
+    row = dict(
+        rank=dist.get_rank(),
+        base=base,
+        built=built,
+        untrimmed=untrimmed,
+        build_peak=build_peak,
+        weights=weights,
+        load_peak=load_peak,
+        after=rss_mib(),
+        build_s=build_s,
+        load_s=load_s,
+    )
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() == 0:
@@ -135,11 +155,34 @@ def _free_port() -> int:
 
 
 def measure(hf_dir: str, tp: int, pp: int, mode: str, path: str) -> list:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp * pp}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", os.path.abspath(__file__), "--worker", "--hf-dir", hf_dir,
-           "--tp", str(tp), "--pp", str(pp), "--mode", mode, "--path", path]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
-                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={tp * pp}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        os.path.abspath(__file__),
+        "--worker",
+        "--hf-dir",
+        hf_dir,
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--mode",
+        mode,
+        "--path",
+        path,
+    ]
+    res = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+    )
     out = res.stdout + res.stderr
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("ROWS ")), None)
     if res.returncode or line is None:
@@ -167,15 +210,20 @@ def main():
         return worker(args)
 
     import bench_convert_memory  # its random-model writer: tensor by tensor, sharded, with an index
+
     from megatron_dppo.convert.hf_io import parse_size
+
     bench_convert_memory.PRESETS.setdefault("load-bench", DIMS)
     hf_dir = os.path.join(args.workdir, f"hf_L{args.layers}")
     shutil.rmtree(hf_dir, ignore_errors=True)
     info = bench_convert_memory.write_random_model(hf_dir, "load-bench", args.layers, parse_size(args.shard_size))
     model_mib = info["total"] / MIB
     layouts = [tuple(map(int, x.split("x"))) for x in args.layouts.split(",")]
-    print(f"random Qwen3 {DIMS}, {args.layers} layers, untied: {model_mib:.0f} MiB in {info['files']} shards + index; "
-          f"largest tensor {info['largest'] / MIB:.0f} MiB, one layer {info['layer'] / MIB:.1f} MiB", flush=True)
+    print(
+        f"random Qwen3 {DIMS}, {args.layers} layers, untied: {model_mib:.0f} MiB in {info['files']} shards + index; "
+        f"largest tensor {info['largest'] / MIB:.0f} MiB, one layer {info['layer'] / MIB:.1f} MiB",
+        flush=True,
+    )
     table = []
     try:
         for mode in args.modes.split(","):
@@ -186,17 +234,23 @@ def main():
                     table.append((mode, tp, pp, path, rows, time.time() - t0))
                     r = max(rows, key=lambda x: max(x["load_peak"], x["build_peak"]))
                     peak = max(r["load_peak"], r["build_peak"])
-                    print(f"  measured {mode} tp={tp} pp={pp} {path}: peak {peak:.0f} MiB "
-                          f"({time.time() - t0:.0f} s)", flush=True)
+                    print(
+                        f"  measured {mode} tp={tp} pp={pp} {path}: peak {peak:.0f} MiB ({time.time() - t0:.0f} s)",
+                        flush=True,
+                    )
     finally:
         if not args.keep:
             shutil.rmtree(hf_dir, ignore_errors=True)
 
-    print("\nper rank, max over ranks (MiB). base: RSS after imports (torch, megatron.core, transformers) and "
-          "parallel init; build: RSS the model build added (after malloc_trim; its peak in brackets); weights: the "
-          "rank's parameter bytes; load: peak during the load minus RSS before it; load peak: VmHWM during the load")
-    print(f"{'mode':8} {'TPxPP':5} {'path':4} | {'base':>5} {'build (peak)':>13} {'weights':>7} | {'load':>5} "
-          f"{'load s':>6} {'load peak':>9} | {'model/(TP*PP)':>13} {'load peak - model/(TP*PP)':>25}")
+    print(
+        "\nper rank, max over ranks (MiB). base: RSS after imports (torch, megatron.core, transformers) and "
+        "parallel init; build: RSS the model build added (after malloc_trim; its peak in brackets); weights: the "
+        "rank's parameter bytes; load: peak during the load minus RSS before it; load peak: VmHWM during the load"
+    )
+    print(
+        f"{'mode':8} {'TPxPP':5} {'path':4} | {'base':>5} {'build (peak)':>13} {'weights':>7} | {'load':>5} "
+        f"{'load s':>6} {'load peak':>9} | {'model/(TP*PP)':>13} {'load peak - model/(TP*PP)':>25}"
+    )
     for mode, tp, pp, path, rows, _ in table:
         base = max(r["base"] for r in rows)
         build = max(r["built"] - r["base"] for r in rows)
@@ -206,8 +260,10 @@ def main():
         load_s = max(r["load_s"] for r in rows)
         peak = max(r["load_peak"] for r in rows)
         share = model_mib / (tp * pp)
-        print(f"{mode:8} {tp}x{pp:<3} {path:4} | {base:5.0f} {build:6.0f} ({build_peak:4.0f}) {weights:7.0f} | "
-              f"{load:5.0f} {load_s:6.1f} {peak:9.0f} | {share:13.0f} {peak - share:25.0f}")
+        print(
+            f"{mode:8} {tp}x{pp:<3} {path:4} | {base:5.0f} {build:6.0f} ({build_peak:4.0f}) {weights:7.0f} | "
+            f"{load:5.0f} {load_s:6.1f} {peak:9.0f} | {share:13.0f} {peak - share:25.0f}"
+        )
 
 
 if __name__ == "__main__":

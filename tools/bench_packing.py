@@ -30,6 +30,7 @@ Sections:
              the buckets: MEGATRON_DPPO_THD_ATTENTION=loop) vs the default, on the addition and
              the long-tailed task.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def timed(fn, *args, repeat=3):
 
 # ------------------------------------------------------------------------------------ density
 
+
 def rollout_lengths(rng, prompts, group, max_response, median, sigma, keep_frac):
     prompt = rng.integers(80, 301, size=prompts)
     completion = np.clip(rng.lognormal(np.log(median), sigma, size=(prompts, group)), 1, max_response)
@@ -74,15 +76,26 @@ def rollout_lengths(rng, prompts, group, max_response, median, sigma, keep_frac)
 
 
 def section_density(args) -> dict:
-    lengths = rollout_lengths(np.random.default_rng(args.seed), args.prompts, args.group,
-                              args.max_response, args.median, args.sigma, args.keep)
+    lengths = rollout_lengths(
+        np.random.default_rng(args.seed),
+        args.prompts,
+        args.group,
+        args.max_response,
+        args.median,
+        args.sigma,
+        args.keep,
+    )
     n = len(lengths)
-    print(f"== density: {n} sequences ({args.prompts} prompts x {args.group}, keep {args.keep}); length "
-          f"mean {np.mean(lengths):.0f} median {np.median(lengths):.0f} max {max(lengths)}, "
-          f"{sum(lengths)} tokens; dp={args.dp}")
-    methods = [("padded", lambda c: pack_padded(lengths, c)),
-               ("padded/mb", lambda c: pack_padded(lengths, c, per_microbatch=True)),
-               ("ffd", lambda c: pack_ffd(lengths, c))]
+    print(
+        f"== density: {n} sequences ({args.prompts} prompts x {args.group}, keep {args.keep}); length "
+        f"mean {np.mean(lengths):.0f} median {np.median(lengths):.0f} max {max(lengths)}, "
+        f"{sum(lengths)} tokens; dp={args.dp}"
+    )
+    methods = [
+        ("padded", lambda c: pack_padded(lengths, c)),
+        ("padded/mb", lambda c: pack_padded(lengths, c, per_microbatch=True)),
+        ("ffd", lambda c: pack_ffd(lengths, c)),
+    ]
     methods += [(f"window={w}", lambda c, w=w: pack(lengths, c, w)) for w in args.windows]
     methods += [("window=all", lambda c: pack(lengths, c, n))]
     results = []
@@ -92,20 +105,33 @@ def section_density(args) -> dict:
         for name, fn in methods:
             packs, ms = timed(fn, cap)
             ranks = balance_packs(packs, lengths, args.dp)
-            row = dict(capacity=cap, method=name, micro_batches=len(packs), density=density(lengths, packs, cap),
-                       pack_ms=ms, mb_per_rank=len(ranks[0]), dp_imbalance=dp_imbalance(ranks, lengths))
+            row = dict(
+                capacity=cap,
+                method=name,
+                micro_batches=len(packs),
+                density=density(lengths, packs, cap),
+                pack_ms=ms,
+                mb_per_rank=len(ranks[0]),
+                dp_imbalance=dp_imbalance(ranks, lengths),
+            )
             results.append(row)
-            print(f"  {name:<12}{row['micro_batches']:>14}{row['density']:>9.4f}{ms:>9.1f}"
-                  f"{row['mb_per_rank']:>9}{row['dp_imbalance']:>14.4f}")
-    big = rollout_lengths(np.random.default_rng(args.seed + 1), 2500, args.group, args.max_response,
-                          args.median, args.sigma, args.keep)
+            print(
+                f"  {name:<12}{row['micro_batches']:>14}{row['density']:>9.4f}{ms:>9.1f}"
+                f"{row['mb_per_rank']:>9}{row['dp_imbalance']:>14.4f}"
+            )
+    big = rollout_lengths(
+        np.random.default_rng(args.seed + 1), 2500, args.group, args.max_response, args.median, args.sigma, args.keep
+    )
     timing = {w: timed(pack, big, args.capacities[0], w)[1] for w in [*args.windows, len(big)]}
-    print(f"\npack() on {len(big)} sequences, capacity {args.capacities[0]}: "
-          + ", ".join(f"window={w if w < len(big) else 'all'} {ms:.0f} ms" for w, ms in timing.items()))
+    print(
+        f"\npack() on {len(big)} sequences, capacity {args.capacities[0]}: "
+        + ", ".join(f"window={w if w < len(big) else 'all'} {ms:.0f} ms" for w, ms in timing.items())
+    )
     return dict(num_sequences=n, results=results, pack_ms_10k={str(w): ms for w, ms in timing.items()})
 
 
 # ---------------------------------------------------------------------------------- attention
+
 
 def task_lengths(task: str, rng: random.Random, n: int) -> list[int]:
     """Sequence lengths (<bos> + prompt + completion + <eos>) of n problems of a bundled task,
@@ -141,11 +167,15 @@ def section_attention(args) -> dict:
     torch.set_num_threads(args.threads)
     hq, hk, d = 4, 2, 32
     rng = random.Random(args.seed)
-    cases = {"uniform (add3)": fill(task_lengths("add3", rng, 4000), args.attn_capacity),
-             "long-tailed (mulsteps)": fill(task_lengths("mulsteps", rng, 4000), args.attn_capacity)}
-    print(f"\n== attention: one layer, forward + backward, {hq} query / {hk} KV heads x {d}, fp32, "
-          f"{args.threads} thread(s), micro-batch of <= {args.attn_capacity} tokens; "
-          f"median of {args.rounds * 5} interleaved timings (process CPU time), microseconds per real token")
+    cases = {
+        "uniform (add3)": fill(task_lengths("add3", rng, 4000), args.attn_capacity),
+        "long-tailed (mulsteps)": fill(task_lengths("mulsteps", rng, 4000), args.attn_capacity),
+    }
+    print(
+        f"\n== attention: one layer, forward + backward, {hq} query / {hk} KV heads x {d}, fp32, "
+        f"{args.threads} thread(s), micro-batch of <= {args.attn_capacity} tokens; "
+        f"median of {args.rounds * 5} interleaved timings (process CPU time), microseconds per real token"
+    )
     results = {}
     for name, lengths in cases.items():
         total = sum(lengths)
@@ -153,16 +183,20 @@ def section_attention(args) -> dict:
         row = PackedRow.from_cu(cu, None, total)
         width = max(lengths)
 
-        def padded(q, k, v, rows=len(lengths), width=width):
+        rows = len(lengths)
+
+        def padded(q, k, v, rows=rows, width=width):
             # [rows, width] right-padded rows under a causal mask, as build_padded_batch lays them
             # out and PackedDotProductAttention._forward_bshd runs them: Megatron hands [s, b, h, d]
             qs, ks, vs = (x.unflatten(0, (width, rows)).permute(1, 2, 0, 3) for x in (q, k, v))
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             return out.permute(2, 0, 1, 3).reshape(width, rows, -1)
 
-        impls = {"loop": (lambda q, k, v: loop_attention(q, k, v, row, scale=d ** -0.5), total),
-                 "bucketed": (lambda q, k, v: bucketed_attention(q, k, v, row, scale=d ** -0.5), total),
-                 "padded rows": (padded, len(lengths) * width)}
+        impls = {
+            "loop": (lambda q, k, v, row=row: loop_attention(q, k, v, row, scale=d**-0.5), total),
+            "bucketed": (lambda q, k, v, row=row: bucketed_attention(q, k, v, row, scale=d**-0.5), total),
+            "padded rows": (padded, len(lengths) * width),
+        }
         inputs = {}
         for impl, (_, tokens) in impls.items():
             g = torch.Generator().manual_seed(0)
@@ -180,19 +214,27 @@ def section_attention(args) -> dict:
                 times[impl].append(time.process_time() - t0)
         per_token = {impl: 1e6 * statistics.median(t) / total for impl, t in times.items()}
         buckets = len(row.bucket_plan("cpu", BUCKET_CALL_COST / (hq * d)).shapes)
-        print(f"  {name}: {len(lengths)} sequences, {total} real tokens, lengths median "
-              f"{statistics.median(lengths):.0f} max {width}; {buckets} bucket(s); padded rows hold "
-              f"{len(lengths) * width} tokens")
+        print(
+            f"  {name}: {len(lengths)} sequences, {total} real tokens, lengths median "
+            f"{statistics.median(lengths):.0f} max {width}; {buckets} bucket(s); padded rows hold "
+            f"{len(lengths) * width} tokens"
+        )
         for impl, us in per_token.items():
             print(f"    {impl:<12} {us:8.3f} us/token   {us / per_token['bucketed']:6.2f}x bucketed")
-        results[name] = dict(sequences=len(lengths), real_tokens=total, max_len=width, buckets=buckets,
-                             us_per_real_token=per_token,
-                             loop_over_bucketed=per_token["loop"] / per_token["bucketed"],
-                             padded_over_bucketed=per_token["padded rows"] / per_token["bucketed"])
+        results[name] = dict(
+            sequences=len(lengths),
+            real_tokens=total,
+            max_len=width,
+            buckets=buckets,
+            us_per_real_token=per_token,
+            loop_over_bucketed=per_token["loop"] / per_token["bucketed"],
+            padded_over_bucketed=per_token["padded rows"] / per_token["bucketed"],
+        )
     return results
 
 
 # ------------------------------------------------------------------------------------ profile
+
 
 def tiny_train_batches(task: str, hf_dir: str, vocab: int, packing: str, capacity: int, seed: int):
     """The micro-batches a DPPO step of the tiny job trains: 32 prompts x 8 completions at the
@@ -201,13 +243,20 @@ def tiny_train_batches(task: str, hf_dir: str, vocab: int, packing: str, capacit
 
     rng = random.Random(seed)
     samples = []
-    for q in range(32):
+    for _ in range(32):
         group = task_lengths(task, rng, 8)
         for i in sorted(rng.sample(range(8), 4)):
             n = group[i]
             prompt = min(n - 1, 9)
-            samples.append(pk.Sample(tokens=[rng.randint(3, vocab - 1) for _ in range(n)], prompt_len=prompt,
-                                     advantage=rng.uniform(-1, 1), weight=2.0, seq_id=len(samples)))
+            samples.append(
+                pk.Sample(
+                    tokens=[rng.randint(3, vocab - 1) for _ in range(n)],
+                    prompt_len=prompt,
+                    advantage=rng.uniform(-1, 1),
+                    weight=2.0,
+                    seq_id=len(samples),
+                )
+            )
     lengths = [len(s.tokens) for s in samples]
     if packing == "padded":
         return [pk.build_padded_batch([samples[i] for i in p]) for p in pk.pack_padded(lengths, capacity)]
@@ -219,16 +268,16 @@ def section_profile(args) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
 
-    from megatron_dppo.config import OptimConfig
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import cpu_compat, initialize_parallel
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy
+    from megatron_dppo.megatron.step import MegatronPolicy
 
     torch.set_num_threads(args.threads)
     initialize_parallel(1, 1, args.seed)
     results = {}
     for task, hf_dir in (("add3", "examples/tiny/model"), ("mulsteps", "examples/tiny/longtail/model")):
         cfg = AutoConfig.from_pretrained(os.path.join(REPO, hf_dir))
-        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-6), LossConfig())
+        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-6), AlgorithmConfig())
         batches = tiny_train_batches(task, hf_dir, cfg.vocab_size, "window", 1024, args.seed)
         tokens = sum(int(b.tokens.numel()) for b in batches)
         policy.train_step(batches, denominator=float(tokens))  # warm-up
@@ -240,13 +289,17 @@ def section_profile(args) -> dict:
         events = prof.key_averages()
         aten_s = sum(e.self_cpu_time_total for e in events if e.key.startswith(("aten::", "c10d::"))) / 1e6 / 3
         calls = sum(e.count for e in events if e.key.startswith("aten::")) / 3
-        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top_ops]
-        print(f"\n== profile: MegatronPolicy.train_step, {task}, {len(batches)} packed micro-batch(es) of <= 1024 "
-              f"tokens ({tokens} tokens), {args.threads} thread(s)")
-        print(f"  step {1e3 * step_s:.1f} ms (profiled); inside ATen/c10d ops {1e3 * aten_s:.1f} ms "
-              f"({100 * aten_s / step_s:.0f}%); the rest (Python, autograd, dispatch, the CPU shim) "
-              f"{1e3 * (step_s - aten_s) / len(batches):.1f} ms per micro-batch; {calls / len(batches):.0f} "
-              f"ATen calls per micro-batch")
+        top = sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top_ops]
+        print(
+            f"\n== profile: MegatronPolicy.train_step, {task}, {len(batches)} packed micro-batch(es) of <= 1024 "
+            f"tokens ({tokens} tokens), {args.threads} thread(s)"
+        )
+        print(
+            f"  step {1e3 * step_s:.1f} ms (profiled); inside ATen/c10d ops {1e3 * aten_s:.1f} ms "
+            f"({100 * aten_s / step_s:.0f}%); the rest (Python, autograd, dispatch, the CPU shim) "
+            f"{1e3 * (step_s - aten_s) / len(batches):.1f} ms per micro-batch; {calls / len(batches):.0f} "
+            f"ATen calls per micro-batch"
+        )
         total = sum(e.self_cpu_time_total for e in events)
         for e in top:
             print(f"    {e.key[:60]:<60} {100 * e.self_cpu_time_total / total:5.1f}%  {e.count // 3:6d} calls/step")
@@ -255,40 +308,58 @@ def section_profile(args) -> dict:
         # allocates nothing on "cuda"); price that by pushing the mode back inside the forward.
         forward = policy.model.forward
 
-        def with_shim(*a, **k):
+        def with_shim(*a, forward=forward, **k):
             with cpu_compat._MODE:
                 return forward(*a, **k)
 
         shim = {"with shim": [], "shim lifted": []}
         for r in range(2 * args.rounds):
-            for mode in (shim if r % 2 == 0 else reversed(list(shim))):
+            for mode in shim if r % 2 == 0 else reversed(list(shim)):
                 policy.model.forward = with_shim if mode == "with shim" else forward
                 t0 = time.process_time()
                 policy.forward_backward(batches, denominator=float(tokens))
                 shim[mode].append(time.process_time() - t0)
         policy.model.forward = forward
         fb = {k: statistics.median(v) for k, v in shim.items()}
-        print(f"  forward_backward (CPU time): {1e3 * fb['with shim']:.1f} ms with the CPU shim's TorchFunctionMode "
-              f"in the model's forward, {1e3 * fb['shim lifted']:.1f} ms without it (what _forward_step does) "
-              f"({fb['with shim'] / fb['shim lifted']:.2f}x)")
-        results[task] = dict(step_ms=1e3 * step_s, aten_ms=1e3 * aten_s, micro_batches=len(batches),
-                             overhead_ms_per_microbatch=1e3 * (step_s - aten_s) / len(batches),
-                             aten_calls_per_microbatch=calls / len(batches),
-                             top_ops=[(e.key, e.self_cpu_time_total / total, e.count // 3) for e in top],
-                             forward_backward_ms={k: 1e3 * v for k, v in fb.items()})
+        print(
+            f"  forward_backward (CPU time): {1e3 * fb['with shim']:.1f} ms with the CPU shim's TorchFunctionMode "
+            f"in the model's forward, {1e3 * fb['shim lifted']:.1f} ms without it (what _forward_step does) "
+            f"({fb['with shim'] / fb['shim lifted']:.2f}x)"
+        )
+        results[task] = dict(
+            step_ms=1e3 * step_s,
+            aten_ms=1e3 * aten_s,
+            micro_batches=len(batches),
+            overhead_ms_per_microbatch=1e3 * (step_s - aten_s) / len(batches),
+            aten_calls_per_microbatch=calls / len(batches),
+            top_ops=[(e.key, e.self_cpu_time_total / total, e.count // 3) for e in top],
+            forward_backward_ms={k: 1e3 * v for k, v in fb.items()},
+        )
     return results
 
 
 # ------------------------------------------------------------------------------------ trainer
 
+
 def run_train(config: str, name: str, steps: int, overrides: list[str], env_extra: dict, threads: int) -> list[dict]:
     """One CLI run; returns its metrics.jsonl records."""
     out_dir = os.path.join(REPO, "runs", name)
     shutil.rmtree(out_dir, ignore_errors=True)
-    cmd = [os.path.join(REPO, ".venv", "bin", "megatron-dppo"), "train", "--config", config,
-           f"trainer.max_steps={steps}", f"trainer.run_name={name}", "logging.wandb=disabled",
-           "logging.progress=false", "trainer.eval_every=0", f"trainer.save_every={10 * steps}",
-           f"trainer.threads={threads}", "trainer.max_time_s=0", *overrides]
+    cmd = [
+        os.path.join(REPO, ".venv", "bin", "megatron-dppo"),
+        "train",
+        "--config",
+        config,
+        f"trainer.max_steps={steps}",
+        f"trainer.run_name={name}",
+        "logging.wandb=disabled",
+        "logging.progress=false",
+        "trainer.eval_every=0",
+        f"trainer.save_every={10 * steps}",
+        f"trainer.threads={threads}",
+        "trainer.max_time_s=0",
+        *overrides,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), **env_extra)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -303,8 +374,10 @@ def section_trainer(args) -> dict:
         "padded": (["trainer.packing=padded"], {}),
         "window+loop-attention": (["trainer.packing=window"], {"MEGATRON_DPPO_THD_ATTENTION": "loop"}),
     }
-    print(f"\n== trainer: {args.trainer_steps} steps a run (step 1 dropped), {args.rounds} interleaved "
-          f"round(s), {args.threads} thread(s), seed 0; time/train summed over the kept steps")
+    print(
+        f"\n== trainer: {args.trainer_steps} steps a run (step 1 dropped), {args.rounds} interleaved "
+        f"round(s), {args.threads} thread(s), seed 0; time/train summed over the kept steps"
+    )
     results = {}
     for task in args.tasks:
         config = TASK_CONFIGS[task]
@@ -318,11 +391,14 @@ def section_trainer(args) -> dict:
                 records = run_train(config, name, args.trainer_steps, overrides, env, args.threads)[1:]
                 steps[v].append([m["time/train"] for m in records])
                 density_of[v].append(statistics.mean(m["pack/density"] for m in records))
-                print(f"  {task} round {r + 1} {v:<22} time/train {sum(steps[v][-1]):7.3f} s "
-                      f"(median step {1e3 * statistics.median(steps[v][-1]):6.1f} ms)  "
-                      f"pack/density {density_of[v][-1]:.3f}", flush=True)
+                print(
+                    f"  {task} round {r + 1} {v:<22} time/train {sum(steps[v][-1]):7.3f} s "
+                    f"(median step {1e3 * statistics.median(steps[v][-1]):6.1f} ms)  "
+                    f"pack/density {density_of[v][-1]:.3f}",
+                    flush=True,
+                )
 
-        def ratio(a, b, how):
+        def ratio(a, b, how, steps=steps):
             per_round = [how(x) / how(y) for x, y in zip(steps[a], steps[b])]
             return statistics.median(per_round), per_round
 
@@ -333,16 +409,19 @@ def section_trainer(args) -> dict:
             for how_name, how in (("sum", sum), ("median step", statistics.median)):
                 med, rounds = ratio(a, "window", how)
                 out[f"{label} ({how_name})"] = dict(median=med, rounds=rounds)
-                print(f"  {task}: {label} = {med:.2f}x by {how_name} "
-                      f"(rounds: {', '.join(f'{x:.2f}' for x in rounds)})")
+                print(f"  {task}: {label} = {med:.2f}x by {how_name} (rounds: {', '.join(f'{x:.2f}' for x in rounds)})")
         results[task] = dict(time_train_s=steps, density=density_of, ratios=out)
     return results
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sections", nargs="+", default=["density", "attention", "profile", "trainer"],
-                    choices=["density", "attention", "profile", "trainer"])
+    ap.add_argument(
+        "--sections",
+        nargs="+",
+        default=["density", "attention", "profile", "trainer"],
+        choices=["density", "attention", "profile", "trainer"],
+    )
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-response", type=int, default=4096)
@@ -364,8 +443,12 @@ def main():
 
     out = {"args": vars(args)}
     for section in args.sections:
-        out[section] = {"density": section_density, "attention": section_attention, "profile": section_profile,
-                        "trainer": section_trainer}[section](args)
+        out[section] = {
+            "density": section_density,
+            "attention": section_attention,
+            "profile": section_profile,
+            "trainer": section_trainer,
+        }[section](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

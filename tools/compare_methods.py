@@ -31,6 +31,7 @@ Outputs: <out-dir>/results.{json,md,png} always; without --quick also docs/resul
 docs/results.png and docs/results.md, where only the part between the GENERATED markers is
 rewritten (the hand-written discussion around it is kept).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,17 +54,30 @@ PYTHON = sys.executable
 
 # GRPO as DPPO.md section 1 defines it; every method starts from here.
 COMMON = {
-    "pruning.strategy": "none", "pruning.r_q": 0.0, "pruning.r_o": 0.0,
-    "algorithm.advantage": "grpo", "algorithm.loss_agg": "token-mean",
-    "algorithm.clip_low": 0.2, "algorithm.clip_high": 0.2, "algorithm.ratio_type": "token",
-    "algorithm.kl_coef": 0.0, "algorithm.dynamic_sampling": False,
-    "trainer.packing": "window", "trainer.max_time_s": 0,
-    "logging.wandb": "disabled", "logging.progress": False, "logging.tensorboard": False,
+    "pruning.strategy": "none",
+    "pruning.r_q": 0.0,
+    "pruning.r_o": 0.0,
+    "algorithm.advantage": "grpo",
+    "algorithm.loss_agg": "token-mean",
+    "algorithm.clip_low": 0.2,
+    "algorithm.clip_high": 0.2,
+    "algorithm.ratio_type": "token",
+    "algorithm.kl_coef": 0.0,
+    "algorithm.dynamic_sampling": False,
+    "trainer.packing": "window",
+    "trainer.max_time_s": 0,
+    "logging.wandb": "disabled",
+    "logging.progress": False,
+    "logging.tensorboard": False,
 }
 DAPO = {"algorithm.clip_high": 0.28, "algorithm.loss_agg": "token-mean", "algorithm.dynamic_sampling": True}
 # GSPO (Zheng et al. 2025, sec. 5.1): sequence-level ratio, clipping ranges 3e-4 (left) / 4e-4 (right).
-GSPO = {"algorithm.ratio_type": "sequence", "algorithm.loss_agg": "seq-mean-token-mean",
-        "algorithm.clip_low": 3e-4, "algorithm.clip_high": 4e-4}
+GSPO = {
+    "algorithm.ratio_type": "sequence",
+    "algorithm.loss_agg": "seq-mean-token-mean",
+    "algorithm.clip_low": 3e-4,
+    "algorithm.clip_high": 4e-4,
+}
 
 
 def _dppo(r_q, r_o):
@@ -78,33 +92,58 @@ METHODS = [
     {"name": "dppo-0.3-0.3", "label": "DPPO (0.3, 0.3)", "overrides": _dppo(0.3, 0.3)},
     {"name": "dppo-0.7-0.7", "label": "DPPO (0.7, 0.7)", "overrides": _dppo(0.7, 0.7)},
     {"name": "dppo-0.9-0.9", "label": "DPPO (0.9, 0.9)", "overrides": _dppo(0.9, 0.9)},
-    {"name": "reverse-0.5-0.5", "label": "Reverse rule (0.5, 0.5)",
-     "overrides": {"pruning.strategy": "reverse", "pruning.r_q": 0.5, "pruning.r_o": 0.5}},
-    {"name": "dppo-0.5-0.5-padded", "label": "DPPO (0.5, 0.5), no dense packing",
-     "overrides": {**_dppo(0.5, 0.5), "trainer.packing": "padded"}},
+    {
+        "name": "reverse-0.5-0.5",
+        "label": "Reverse rule (0.5, 0.5)",
+        "overrides": {"pruning.strategy": "reverse", "pruning.r_q": 0.5, "pruning.r_o": 0.5},
+    },
+    {
+        "name": "dppo-0.5-0.5-padded",
+        "label": "DPPO (0.5, 0.5), no dense packing",
+        "overrides": {**_dppo(0.5, 0.5), "trainer.packing": "padded"},
+    },
     # The baselines as their authors' code runs them (docs/algorithm.md): CPPO's verl recipe draws
     # B / (1 - P) prompts and keeps the top (1 - P) of all completions by |A|; GRESO skips easy/hard
     # prompts with adaptive p (starting at 1 - r_q = 0.5) inside DAPO-style dynamic sampling.
     # "quick": on top of --quick's budget: one draw of these two is 2B / 1.5B prompts, more than
     # --quick's 8-prompt training set, so they get a set of one draw (still revisited at step 2).
-    {"name": "cppo-0.5", "label": "CPPO (P = 0.5)", "overrides": {"pruning.strategy": "cppo", "pruning.r_o": 0.5},
-     "quick": {"data.train_size": 16}},
-    {"name": "greso-0.5", "label": "GRESO (p0 = 0.5)",
-     "overrides": {"pruning.strategy": "greso", "pruning.r_q": 0.5, "algorithm.dynamic_sampling": True},
-     "quick": {"data.train_size": 12}},
+    {
+        "name": "cppo-0.5",
+        "label": "CPPO (P = 0.5)",
+        "overrides": {"pruning.strategy": "cppo", "pruning.r_o": 0.5},
+        "quick": {"data.train_size": 16},
+    },
+    {
+        "name": "greso-0.5",
+        "label": "GRESO (p0 = 0.5)",
+        "overrides": {"pruning.strategy": "greso", "pruning.r_q": 0.5, "algorithm.dynamic_sampling": True},
+        "quick": {"data.train_size": 12},
+    },
     {"name": "dapo", "label": "DAPO", "overrides": dict(DAPO)},
     {"name": "dapo-dppo-0.5-0.5", "label": "DAPO + DPPO (0.5, 0.5)", "overrides": {**DAPO, **_dppo(0.5, 0.5)}},
     {"name": "gspo", "label": "GSPO", "overrides": dict(GSPO)},
     {"name": "gspo-dppo-0.5-0.5", "label": "GSPO + DPPO (0.5, 0.5)", "overrides": {**GSPO, **_dppo(0.5, 0.5)}},
     # The earlier, weaker variants of the two baselines (per-group CPPO without over-sampling; GRESO
     # with one streak, fixed p, no refill), kept to show what the faithful versions change.
-    {"name": "cppo-group-0.5", "label": "CPPO per group (P = 0.5), weaker variant", "default": False,
-     "overrides": {"pruning.strategy": "cppo-group", "pruning.r_o": 0.5}},
-    {"name": "greso-simple-0.5", "label": "GRESO one streak (p = 0.5), weaker variant", "default": False,
-     "overrides": {"pruning.strategy": "greso-simple", "pruning.r_q": 0.5}},
+    {
+        "name": "cppo-group-0.5",
+        "label": "CPPO per group (P = 0.5), weaker variant",
+        "default": False,
+        "overrides": {"pruning.strategy": "cppo-group", "pruning.r_o": 0.5},
+    },
+    {
+        "name": "greso-simple-0.5",
+        "label": "GRESO one streak (p = 0.5), weaker variant",
+        "default": False,
+        "overrides": {"pruning.strategy": "greso-simple", "pruning.r_q": 0.5},
+    },
     # A paper-like GRPO baseline: also trains the all-equal-reward groups (zero gradient, full cost).
-    {"name": "grpo-nofilter", "label": "GRPO, zero-variance groups trained", "default": False,
-     "overrides": {"pruning.drop_zero_variance": False}},
+    {
+        "name": "grpo-nofilter",
+        "label": "GRPO, zero-variance groups trained",
+        "default": False,
+        "overrides": {"pruning.drop_zero_variance": False},
+    },
 ]
 METHOD_BY_NAME = {m["name"]: m for m in METHODS}
 BASELINE = "grpo"
@@ -114,8 +153,14 @@ DEFAULT_STEPS = 150
 DEFAULT_EVAL_EVERY = 10
 DEFAULT_EVAL_SIZE = 500
 # --quick: 8 training prompts, so step 2 revisits step 1's prompts and prompt pruning acts.
-QUICK = {"trainer.max_steps": 2, "trainer.eval_every": 2, "trainer.eval_size": 20,
-         "trainer.prompts_per_step": 8, "rollout.group_size": 4, "data.train_size": 8}
+QUICK = {
+    "trainer.max_steps": 2,
+    "trainer.eval_every": 2,
+    "trainer.eval_size": 20,
+    "trainer.prompts_per_step": 8,
+    "rollout.group_size": 4,
+    "data.train_size": 8,
+}
 
 DONE_FILE = "compare.json"
 GEN_BEGIN = "<!-- BEGIN GENERATED by tools/compare_methods.py: do not edit between these markers -->"
@@ -140,7 +185,7 @@ def overrides_list(d: dict) -> list[str]:
 class Run:
     method: str
     seed: int
-    overrides: list          # everything after --config, in order
+    overrides: list  # everything after --config, in order
     run_dir: Path
     order: int = 0
 
@@ -153,8 +198,11 @@ def budget_overrides(args) -> dict:
     if args.quick:
         b = dict(QUICK)
     else:
-        b = {"trainer.max_steps": args.steps, "trainer.eval_every": args.eval_every,
-             "trainer.eval_size": args.eval_size}
+        b = {
+            "trainer.max_steps": args.steps,
+            "trainer.eval_every": args.eval_every,
+            "trainer.eval_size": args.eval_size,
+        }
     if args.prompts_per_step:
         b["trainer.prompts_per_step"] = args.prompts_per_step
     if args.group_size:
@@ -199,8 +247,11 @@ def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> lis
             ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(budget)
             if args.quick:
                 ov += overrides_list(m.get("quick", {}))
-            ov += [f"trainer.seed={seed}", f"trainer.output_dir={out_dir}",
-                   f"trainer.run_name={m['name']}-s{seed}"] + list(args.override or [])
+            ov += [
+                f"trainer.seed={seed}",
+                f"trainer.output_dir={out_dir}",
+                f"trainer.run_name={m['name']}-s{seed}",
+            ] + list(args.override or [])
             runs.append(Run(m["name"], seed, ov, out_dir / f"{m['name']}-s{seed}", order=len(runs)))
     return runs
 
@@ -209,6 +260,7 @@ def validate_runs(config: str, runs: list[Run]) -> None:
     """Every run's overrides through the trainer's own config loader (unknown keys, bad values)."""
     sys.path.insert(0, str(REPO))
     from megatron_dppo.config import load_config
+
     for r in runs:
         try:
             load_config(config, r.overrides)
@@ -250,8 +302,13 @@ def run_is_done(run: Run, max_steps: int) -> bool:
 
 
 def _env(threads: int) -> dict:
-    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        TOKENIZERS_PARALLELISM="false",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)
     return env
 
@@ -266,8 +323,11 @@ def code_version() -> dict:
             return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError):
             return ""
+
     head = git("rev-parse", "--short", "HEAD").strip()
-    diff = git("diff", "HEAD", "--", "megatron_dppo") + git("ls-files", "--others", "--exclude-standard", "megatron_dppo")
+    diff = git("diff", "HEAD", "--", "megatron_dppo") + git(
+        "ls-files", "--others", "--exclude-standard", "megatron_dppo"
+    )
     return {"head": head or None, "dirty": hashlib.sha1(diff.encode()).hexdigest()[:10] if diff else None}
 
 
@@ -303,9 +363,10 @@ class Launched:
         self.load_start = os.getloadavg()
         self.code = code_version()
         self.t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=_env(threads), stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.cpu_marks: dict[int, float] = {}   # step -> process CPU seconds when its line appeared
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=REPO, env=_env(threads), stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.cpu_marks: dict[int, float] = {}  # step -> process CPU seconds when its line appeared
         self._metrics_size = 0
         self.rusage = None
 
@@ -338,11 +399,20 @@ class Launched:
         rc = self.proc.returncode
         wall = time.time() - self.t0
         self.log.close()
-        info = {"method": self.run.method, "seed": self.run.seed, "overrides": self.run.overrides,
-                "command": self.cmd, "returncode": rc, "process_wall_s": wall, "started": self.t0,
-                "loadavg_start": self.load_start, "loadavg_end": os.getloadavg(), "code": self.code,
-                "process_cpu_s": self.rusage.ru_utime + self.rusage.ru_stime if self.rusage else None,
-                "cpu_marks": {str(k): v for k, v in sorted(self.cpu_marks.items())}}
+        info = {
+            "method": self.run.method,
+            "seed": self.run.seed,
+            "overrides": self.run.overrides,
+            "command": self.cmd,
+            "returncode": rc,
+            "process_wall_s": wall,
+            "started": self.t0,
+            "loadavg_start": self.load_start,
+            "loadavg_end": os.getloadavg(),
+            "code": self.code,
+            "process_cpu_s": self.rusage.ru_utime + self.rusage.ru_stime if self.rusage else None,
+            "cpu_marks": {str(k): v for k, v in sorted(self.cpu_marks.items())},
+        }
         if rc == 0 and not keep_checkpoints:
             _remove_tree(self.run.run_dir / "checkpoints")
         (self.run.run_dir / DONE_FILE).write_text(json.dumps(info, indent=1))
@@ -359,12 +429,22 @@ class Launched:
 
 def _remove_tree(path: Path) -> None:
     import shutil
+
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)
 
 
-def execute(runs: list[Run], config: str, parallel: int, threads: int, max_steps: int, force: bool,
-            keep_checkpoints: bool, retries: int = 1, log=print) -> dict:
+def execute(
+    runs: list[Run],
+    config: str,
+    parallel: int,
+    threads: int,
+    max_steps: int,
+    force: bool,
+    keep_checkpoints: bool,
+    retries: int = 1,
+    log=print,
+) -> dict:
     todo = [r for r in runs if force or not run_is_done(r, max_steps)]
     skipped = len(runs) - len(todo)
     if skipped:
@@ -378,7 +458,8 @@ def execute(runs: list[Run], config: str, parallel: int, threads: int, max_steps
         while queue or active:
             while queue and len(active) < parallel:
                 r = queue.pop(0)
-                log(f"[{time.strftime('%H:%M:%S')}] start {r.name} (attempt {attempts[r.name] + 1}; {len(queue)} queued)")
+                now = time.strftime("%H:%M:%S")
+                log(f"[{now}] start {r.name} (attempt {attempts[r.name] + 1}; {len(queue)} queued)")
                 attempts[r.name] += 1
                 active.append(Launched(r, config, threads))
             time.sleep(0.1)
@@ -387,8 +468,10 @@ def execute(runs: list[Run], config: str, parallel: int, threads: int, max_steps
             for job in [j for j in active if j.poll()]:
                 active.remove(job)
                 info = job.finish(keep_checkpoints)
-                msg = f"[{time.strftime('%H:%M:%S')}] done  {job.run.name}: rc={info['returncode']} " \
-                      f"wall {info['process_wall_s']:.0f}s"
+                msg = (
+                    f"[{time.strftime('%H:%M:%S')}] done  {job.run.name}: rc={info['returncode']} "
+                    f"wall {info['process_wall_s']:.0f}s"
+                )
                 rows = read_metrics(job.run.run_dir / "metrics.jsonl")
                 steps = [x for x in rows if "time/step" in x]
                 if steps:
@@ -468,12 +551,18 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
         except (json.JSONDecodeError, KeyError):
             marks = None
     return {
-        "method": run.method, "seed": run.seed, "finished": finished, "steps": len(steps),
-        "train_time_s": cum, "phase_time_s": phases,
+        "method": run.method,
+        "seed": run.seed,
+        "finished": finished,
+        "steps": len(steps),
+        "train_time_s": cum,
+        "phase_time_s": phases,
         "median_step_s": sorted(r["time/step"] for r in steps)[len(steps) // 2],
         "train_cpu_s": train_cpu_time(rows, {int(k): v for k, v in (marks or {}).items()}),
         "eval_time_s": sum(r.get("time/eval", 0.0) for r in rows),
-        "process_wall_s": info.get("process_wall_s"), "started": info.get("started"), "code": info.get("code"),
+        "process_wall_s": info.get("process_wall_s"),
+        "started": info.get("started"),
+        "code": info.get("code"),
         "loadavg": [info.get("loadavg_start"), info.get("loadavg_end")],
         "tokens_generated": sum(r.get("tokens/generated", 0) for r in steps),
         "tokens_trained": sum(r.get("tokens/trained", 0) for r in steps),
@@ -533,28 +622,39 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
         for step in sorted(common or []):
             pts = [next(c for c in r["curve"] if c[0] == step) for r in rs]
             curve.append((step, _mean([p[1] for p in pts]), _mean([p[2] for p in pts])))
-        rows.append({
-            "method": m["name"], "label": m["label"], "overrides": overrides_list(m["overrides"]),
-            "seeds_finished": sorted(r["seed"] for r in rs), "seeds_planned": seeds,
-            "train_time_s": _mean([r["train_time_s"] for r in rs]),
-            "train_time_se": _se([r["train_time_s"] for r in rs]),
-            "process_wall_s": _mean([r["process_wall_s"] for r in rs]),
-            "median_step_s": _mean([r["median_step_s"] for r in rs]),
-            # Over the seeds whose CPU time was sampled (the work per step hardly depends on the seed).
-            "train_cpu_s": _mean([r["train_cpu_s"] for r in rs]),
-            "train_cpu_seeds": sorted(r["seed"] for r in rs if r["train_cpu_s"] is not None),
-            "phase_time_s": {p: _mean([r["phase_time_s"][p] for r in rs]) for p in
-                             ("rollout", "reward", "logprob", "train", "sync")} if rs else {},
-            "tokens_generated": _mean([r["tokens_generated"] for r in rs]),
-            "tokens_trained": _mean([r["tokens_trained"] for r in rs]),
-            "completion_tokens_trained": _mean([r["completion_tokens_trained"] for r in rs]),
-            "prompts_kept_frac": _mean([r["prompts_kept_frac"] for r in rs]),
-            "completions_kept_frac": _mean([r["completions_kept_frac"] for r in rs]),
-            "pack_density": _mean([r["pack_density"] for r in rs]),
-            "acc_initial": _mean([r["acc_initial"] for r in rs]),
-            "acc_final": _mean(accs), "acc_final_se": _se(accs), "acc_final_per_seed": accs,
-            "curve": [{"step": s, "train_time_s": t, "acc": a} for s, t, a in curve],
-        })
+        rows.append(
+            {
+                "method": m["name"],
+                "label": m["label"],
+                "overrides": overrides_list(m["overrides"]),
+                "seeds_finished": sorted(r["seed"] for r in rs),
+                "seeds_planned": seeds,
+                "train_time_s": _mean([r["train_time_s"] for r in rs]),
+                "train_time_se": _se([r["train_time_s"] for r in rs]),
+                "process_wall_s": _mean([r["process_wall_s"] for r in rs]),
+                "median_step_s": _mean([r["median_step_s"] for r in rs]),
+                # Over the seeds whose CPU time was sampled (the work per step hardly depends on the seed).
+                "train_cpu_s": _mean([r["train_cpu_s"] for r in rs]),
+                "train_cpu_seeds": sorted(r["seed"] for r in rs if r["train_cpu_s"] is not None),
+                "phase_time_s": {
+                    p: _mean([r["phase_time_s"][p] for r in rs])
+                    for p in ("rollout", "reward", "logprob", "train", "sync")
+                }
+                if rs
+                else {},
+                "tokens_generated": _mean([r["tokens_generated"] for r in rs]),
+                "tokens_trained": _mean([r["tokens_trained"] for r in rs]),
+                "completion_tokens_trained": _mean([r["completion_tokens_trained"] for r in rs]),
+                "prompts_kept_frac": _mean([r["prompts_kept_frac"] for r in rs]),
+                "completions_kept_frac": _mean([r["completions_kept_frac"] for r in rs]),
+                "pack_density": _mean([r["pack_density"] for r in rs]),
+                "acc_initial": _mean([r["acc_initial"] for r in rs]),
+                "acc_final": _mean(accs),
+                "acc_final_se": _se(accs),
+                "acc_final_per_seed": accs,
+                "curve": [{"step": s, "train_time_s": t, "acc": a} for s, t, a in curve],
+            }
+        )
     for r in rows:
         fit = isotonic([p["acc"] for p in r["curve"]])
         for p, f in zip(r["curve"], fit):
@@ -566,27 +666,53 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
     if target is not None:
         base_ttt = time_to_target([(p["train_time_s"], p["acc_fit"]) for p in base["curve"]], target)
     for r in rows:
-        r["speedup"] = (base["train_time_s"] / r["train_time_s"]
-                        if base and base["train_time_s"] and r["train_time_s"] else None)
-        r["speedup_cpu"] = (base["train_cpu_s"] / r["train_cpu_s"]
-                            if base and base["train_cpu_s"] and r["train_cpu_s"] else None)
-        r["speedup_median_step"] = (base["median_step_s"] / r["median_step_s"]
-                                    if base and base["median_step_s"] and r["median_step_s"] else None)
-        r["acc_delta_vs_grpo"] = (r["acc_final"] - base["acc_final"]
-                                  if base and base["acc_final"] is not None and r["acc_final"] is not None else None)
-        ttt = (time_to_target([(p["train_time_s"], p["acc_fit"]) for p in r["curve"]], target)
-               if target is not None else None)
+        r["speedup"] = (
+            base["train_time_s"] / r["train_time_s"] if base and base["train_time_s"] and r["train_time_s"] else None
+        )
+        r["speedup_cpu"] = (
+            base["train_cpu_s"] / r["train_cpu_s"] if base and base["train_cpu_s"] and r["train_cpu_s"] else None
+        )
+        r["speedup_median_step"] = (
+            base["median_step_s"] / r["median_step_s"]
+            if base and base["median_step_s"] and r["median_step_s"]
+            else None
+        )
+        r["acc_delta_vs_grpo"] = (
+            r["acc_final"] - base["acc_final"]
+            if base and base["acc_final"] is not None and r["acc_final"] is not None
+            else None
+        )
+        ttt = (
+            time_to_target([(p["train_time_s"], p["acc_fit"]) for p in r["curve"]], target)
+            if target is not None
+            else None
+        )
         r["time_to_target_s"] = ttt
         r["speedup_at_target"] = base_ttt / ttt if base_ttt and ttt else None
     finished = sum(1 for r in per_run if r["finished"])
     # The comparison's own elapsed time, across interruptions: first start to last finish.
-    spans = [(r["started"], r["started"] + r["process_wall_s"]) for r in per_run
-             if r["finished"] and r.get("started") and r.get("process_wall_s")]
+    spans = [
+        (r["started"], r["started"] + r["process_wall_s"])
+        for r in per_run
+        if r["finished"] and r.get("started") and r.get("process_wall_s")
+    ]
     span = max(e for _, e in spans) - min(s for s, _ in spans) if spans else None
-    versions = sorted({f"{r['code']['head']}{'+' + r['code']['dirty'] if r['code'].get('dirty') else ''}"
-                       for r in per_run if r.get("code")})
-    return {"rows": rows, "span_s": span, "code_versions": versions, "target_acc": target, "runs_finished": finished,
-            "runs_planned": len(methods) * len(seeds), "partial": finished < len(methods) * len(seeds)}
+    versions = sorted(
+        {
+            f"{r['code']['head']}{'+' + r['code']['dirty'] if r['code'].get('dirty') else ''}"
+            for r in per_run
+            if r.get("code")
+        }
+    )
+    return {
+        "rows": rows,
+        "span_s": span,
+        "code_versions": versions,
+        "target_acc": target,
+        "runs_finished": finished,
+        "runs_planned": len(methods) * len(seeds),
+        "partial": finished < len(methods) * len(seeds),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,64 +727,102 @@ def markdown_table(result: dict) -> str:
     s = result["settings"]
     lines = []
     if result["partial"]:
-        lines.append(f"**PARTIAL RESULTS: {result['runs_finished']} of {result['runs_planned']} runs finished.** "
-                     "Methods with fewer seeds than planned are marked.\n")
-    lines.append(f"Config `{s['config']}`, {s['steps']} steps, seeds {s['seeds']}, "
-                 f"{s['prompts_per_step']} prompts x {s['group_size']} completions per step, "
-                 f"held-out eval on {s['eval_size']} problems every {s['eval_every']} steps, "
-                 f"{s['parallel']} run(s) at a time with {s['threads']} thread(s) each"
-                 f"{', QUICK (pipeline check, numbers meaningless)' if s['quick'] else ''}. "
-                 f"From the first run's start to the last run's end: {_f(result.get('span_s'), '{:.0f}')} s"
-                 + (f"; this invocation ran {s['ran']} run(s) in {s['elapsed_s']:.0f} s and reused {s['reused']}"
-                    if "ran" in s else "") + ".\n")
+        lines.append(
+            f"**PARTIAL RESULTS: {result['runs_finished']} of {result['runs_planned']} runs finished.** "
+            "Methods with fewer seeds than planned are marked.\n"
+        )
+    lines.append(
+        f"Config `{s['config']}`, {s['steps']} steps, seeds {s['seeds']}, "
+        f"{s['prompts_per_step']} prompts x {s['group_size']} completions per step, "
+        f"held-out eval on {s['eval_size']} problems every {s['eval_every']} steps, "
+        f"{s['parallel']} run(s) at a time with {s['threads']} thread(s) each"
+        f"{', QUICK (pipeline check, numbers meaningless)' if s['quick'] else ''}. "
+        f"From the first run's start to the last run's end: {_f(result.get('span_s'), '{:.0f}')} s"
+        + (
+            f"; this invocation ran {s['ran']} run(s) in {s['elapsed_s']:.0f} s and reused {s['reused']}"
+            if "ran" in s
+            else ""
+        )
+        + ".\n"
+    )
     if len(result.get("code_versions") or []) > 1:
-        lines.append(f"**Note: the runs used {len(result['code_versions'])} different versions of the trainer code** "
-                     f"({', '.join(result['code_versions'])}; git HEAD + hash of uncommitted changes).\n")
-    lines.append("| Method | Train time (s) | Speedup vs GRPO | Process wall (s) | Generated tokens | "
-                 "Trained tokens | Prompts kept | Compl. trained | Final acc (mean ± SE) | Δ acc vs GRPO | "
-                 "Time to target acc (s) | Speedup at equal acc |")
+        lines.append(
+            f"**Note: the runs used {len(result['code_versions'])} different versions of the trainer code** "
+            f"({', '.join(result['code_versions'])}; git HEAD + hash of uncommitted changes).\n"
+        )
+    lines.append(
+        "| Method | Train time (s) | Speedup vs GRPO | Process wall (s) | Generated tokens | "
+        "Trained tokens | Prompts kept | Compl. trained | Final acc (mean ± SE) | Δ acc vs GRPO | "
+        "Time to target acc (s) | Speedup at equal acc |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
         label = r["label"]
         if len(r["seeds_finished"]) < len(r["seeds_planned"]):
             label += f" (seeds {r['seeds_finished']} of {r['seeds_planned']})"
-        acc = "-" if r["acc_final"] is None else (
-            f"{100 * r['acc_final']:.1f}" + (f" ± {100 * r['acc_final_se']:.1f}" if r["acc_final_se"] is not None else ""))
-        lines.append("| " + " | ".join([
-            label, _f(r["train_time_s"]), _f(r["speedup"], "{:.2f}x"), _f(r["process_wall_s"], "{:.0f}"),
-            _f(r["tokens_generated"], "{:,.0f}"), _f(r["tokens_trained"], "{:,.0f}"),
-            _f(r["prompts_kept_frac"], "{:.2f}"), _f(r["completions_kept_frac"], "{:.2f}"), acc,
-            _f(None if r["acc_delta_vs_grpo"] is None else 100 * r["acc_delta_vs_grpo"], "{:+.1f}"),
-            _f(r["time_to_target_s"]), _f(r["speedup_at_target"], "{:.2f}x"),
-        ]) + " |")
+        acc = (
+            "-"
+            if r["acc_final"] is None
+            else (
+                f"{100 * r['acc_final']:.1f}"
+                + (f" ± {100 * r['acc_final_se']:.1f}" if r["acc_final_se"] is not None else "")
+            )
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    _f(r["train_time_s"]),
+                    _f(r["speedup"], "{:.2f}x"),
+                    _f(r["process_wall_s"], "{:.0f}"),
+                    _f(r["tokens_generated"], "{:,.0f}"),
+                    _f(r["tokens_trained"], "{:,.0f}"),
+                    _f(r["prompts_kept_frac"], "{:.2f}"),
+                    _f(r["completions_kept_frac"], "{:.2f}"),
+                    acc,
+                    _f(None if r["acc_delta_vs_grpo"] is None else 100 * r["acc_delta_vs_grpo"], "{:+.1f}"),
+                    _f(r["time_to_target_s"]),
+                    _f(r["speedup_at_target"], "{:.2f}x"),
+                ]
+            )
+            + " |"
+        )
     lines.append("")
-    lines.append(f"Accuracies in %, greedy, at the last step; SE = standard error over seeds. Target accuracy = "
-                 f"{_f(None if result['target_acc'] is None else 100 * result['target_acc'])}%: GRPO's final accuracy "
-                 "on a monotone (isotonic) fit of its seed-averaged accuracy-vs-train-time curve; a method's time to "
-                 "target is where its own fitted curve first reaches it (linear interpolation between evaluations), "
-                 "'-' if it never does within the budget. "
-                 "Train time = sum of the runs' `time/step` (no start-up, evaluation or checkpointing), mean over "
-                 "seeds. Trained tokens count prompt + completion tokens of the trained sequences (generated "
-                 "tokens count completions only). \"Compl. trained\" = fraction of generated completions that "
-                 "reached the update (zero-variance groups are dropped exactly in every method, since kl_coef = 0).")
+    lines.append(
+        f"Accuracies in %, greedy, at the last step; SE = standard error over seeds. Target accuracy = "
+        f"{_f(None if result['target_acc'] is None else 100 * result['target_acc'])}%: GRPO's final accuracy "
+        "on a monotone (isotonic) fit of its seed-averaged accuracy-vs-train-time curve; a method's time to "
+        "target is where its own fitted curve first reaches it (linear interpolation between evaluations), "
+        "'-' if it never does within the budget. "
+        "Train time = sum of the runs' `time/step` (no start-up, evaluation or checkpointing), mean over "
+        "seeds. Trained tokens count prompt + completion tokens of the trained sequences (generated "
+        'tokens count completions only). "Compl. trained" = fraction of generated completions that '
+        "reached the update (zero-variance groups are dropped exactly in every method, since kl_coef = 0)."
+    )
     lines.append("")
-    lines.append("Where the time goes (mean seconds per run). Two cross-checks of the speedup that other "
-                 "processes on the machine disturb less: the median step time, and the training steps' CPU time "
-                 "(process CPU seconds sampled as each step is logged, evaluation steps left out and the rest "
-                 "scaled to all steps; with 1 thread per run it counts the work, not the waiting):\n")
-    lines.append("| Method | Rollout | Reward | Update | Weight sync | Median step (s) | Speedup by median step "
-                 "| Train CPU time (s) | Speedup by CPU time | Pack density |")
+    lines.append(
+        "Where the time goes (mean seconds per run). Two cross-checks of the speedup that other "
+        "processes on the machine disturb less: the median step time, and the training steps' CPU time "
+        "(process CPU seconds sampled as each step is logged, evaluation steps left out and the rest "
+        "scaled to all steps; with 1 thread per run it counts the work, not the waiting):\n"
+    )
+    lines.append(
+        "| Method | Rollout | Reward | Update | Weight sync | Median step (s) | Speedup by median step "
+        "| Train CPU time (s) | Speedup by CPU time | Pack density |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
         p = r["phase_time_s"] or {}
-        lines.append(f"| {r['label']} | {_f(p.get('rollout'))} | {_f(p.get('reward'))} | "
-                     f"{_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | {_f(p.get('sync'))} | "
-                     f"{_f(r['median_step_s'], '{:.3f}')} | {_f(r['speedup_median_step'], '{:.2f}x')} | "
-                     f"{_f(r['train_cpu_s'])} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
-                     f"{_f(r['pack_density'], '{:.2f}')} |")
+        lines.append(
+            f"| {r['label']} | {_f(p.get('rollout'))} | {_f(p.get('reward'))} | "
+            f"{_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | {_f(p.get('sync'))} | "
+            f"{_f(r['median_step_s'], '{:.3f}')} | {_f(r['speedup_median_step'], '{:.2f}x')} | "
+            f"{_f(r['train_cpu_s'])} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
+            f"{_f(r['pack_density'], '{:.2f}')} |"
+        )
     lines.append("")
-    lines.append("Method overrides (on top of the common GRPO settings "
-                 f"`{' '.join(overrides_list(COMMON))}`):\n")
+    lines.append(f"Method overrides (on top of the common GRPO settings `{' '.join(overrides_list(COMMON))}`):\n")
     for r in result["rows"]:
         lines.append(f"- {r['label']}: `{' '.join(r['overrides']) or '(none)'}`")
     return "\n".join(lines) + "\n"
@@ -680,6 +844,7 @@ def write_markdown(path: Path, table: str, png_name: str | None) -> None:
 def plot(result: dict, png: Path) -> None:
     """Accuracy against train time (DPPO ratios / baselines), against step, and the speedups."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -715,11 +880,21 @@ def plot(result: dict, png: Path) -> None:
     ys = list(range(len(ordered)))
     have_cpu = any(r.get("speedup_cpu") for r in ordered)
     h = 0.4 if have_cpu else 0.8
-    ax.barh([y - (h / 2 if have_cpu else 0) for y in ys], [r["speedup"] for r in ordered], height=h,
-            color="C0", label="wall-clock train time")
+    ax.barh(
+        [y - (h / 2 if have_cpu else 0) for y in ys],
+        [r["speedup"] for r in ordered],
+        height=h,
+        color="C0",
+        label="wall-clock train time",
+    )
     if have_cpu:
-        ax.barh([y + h / 2 for y in ys], [r.get("speedup_cpu") or 0 for r in ordered], height=h, color="C1",
-                label="CPU time of the steps")
+        ax.barh(
+            [y + h / 2 for y in ys],
+            [r.get("speedup_cpu") or 0 for r in ordered],
+            height=h,
+            color="C1",
+            label="CPU time of the steps",
+        )
     ax.set_yticks(ys, [r["label"] for r in ordered], fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="gray", lw=1)
@@ -728,8 +903,12 @@ def plot(result: dict, png: Path) -> None:
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="x")
     s = result["settings"]
-    fig.suptitle(f"Tiny main job (3-digit addition, 0.74M Qwen3, 2-core CPU): {s['steps']} steps, seeds {s['seeds']}"
-                 + (" - PARTIAL" if result["partial"] else "") + (" - QUICK" if s["quick"] else ""), fontsize=12)
+    fig.suptitle(
+        f"Tiny main job (3-digit addition, 0.74M Qwen3, 2-core CPU): {s['steps']} steps, seeds {s['seeds']}"
+        + (" - PARTIAL" if result["partial"] else "")
+        + (" - QUICK" if s["quick"] else ""),
+        fontsize=12,
+    )
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=90)
@@ -740,16 +919,24 @@ def report(args, methods, seeds, runs, out_dir: Path, exec_info: dict | None) ->
     budget = budget_overrides(args)
     max_steps = budget["trainer.max_steps"]
     from megatron_dppo.config import load_config
+
     cfg = load_config(args.config, runs[0].overrides)
     per_run = [x for x in (summarize_run(r, max_steps) for r in runs) if x is not None]
     result = aggregate(methods, per_run, seeds, max_steps)
     result["settings"] = {
         "config": os.path.relpath(args.config, REPO) if args.config.startswith(str(REPO)) else args.config,
-        "steps": max_steps, "seeds": seeds, "quick": args.quick,
-        "prompts_per_step": cfg.trainer.prompts_per_step, "group_size": cfg.rollout.group_size,
-        "eval_size": cfg.trainer.eval_size, "eval_every": cfg.trainer.eval_every,
-        "parallel": args.parallel, "threads": args.threads, "out_dir": str(out_dir),
-        "common_overrides": overrides_list(COMMON), "budget_overrides": overrides_list(budget),
+        "steps": max_steps,
+        "seeds": seeds,
+        "quick": args.quick,
+        "prompts_per_step": cfg.trainer.prompts_per_step,
+        "group_size": cfg.rollout.group_size,
+        "eval_size": cfg.trainer.eval_size,
+        "eval_every": cfg.trainer.eval_every,
+        "parallel": args.parallel,
+        "threads": args.threads,
+        "out_dir": str(out_dir),
+        "common_overrides": overrides_list(COMMON),
+        "budget_overrides": overrides_list(budget),
         "extra_overrides": list(args.override or []),
         **(exec_info or {}),
     }
@@ -787,9 +974,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=0, help="override rollout.group_size")
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (default 2)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (default: 2 // parallel, >= 1)")
-    p.add_argument("--quick", action="store_true",
-                   help="pipeline check: every method for 2 steps on tiny batches; writes only under --out-dir")
-    p.add_argument("--out-dir", default="", help="run directory (default runs/compare, runs/compare-quick with --quick)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="pipeline check: every method for 2 steps on tiny batches; writes only under --out-dir",
+    )
+    p.add_argument(
+        "--out-dir", default="", help="run directory (default runs/compare, runs/compare-quick with --quick)"
+    )
     p.add_argument("--override", action="append", help="extra dotted override for every run (repeatable)")
     p.add_argument("--force", action="store_true", help="rerun runs that already finished")
     p.add_argument("--dry-run", action="store_true", help="list the runs and validate their configs; run nothing")
@@ -825,10 +1017,22 @@ def main(argv=None) -> int:
         return 0
     exec_info = None
     if not args.report_only:
-        print(f"{len(runs)} runs ({len(methods)} methods x {len(seeds)} seeds), {args.parallel} at a time, "
-              f"{args.threads} thread(s) each, into {out_dir}", flush=True)
-        exec_info = execute(runs, args.config, args.parallel, args.threads, max_steps, args.force,
-                            args.keep_checkpoints, retries=args.retries, log=lambda m: print(m, flush=True))
+        print(
+            f"{len(runs)} runs ({len(methods)} methods x {len(seeds)} seeds), {args.parallel} at a time, "
+            f"{args.threads} thread(s) each, into {out_dir}",
+            flush=True,
+        )
+        exec_info = execute(
+            runs,
+            args.config,
+            args.parallel,
+            args.threads,
+            max_steps,
+            args.force,
+            args.keep_checkpoints,
+            retries=args.retries,
+            log=lambda m: print(m, flush=True),
+        )
     result = report(args, methods, seeds, runs, out_dir, exec_info)
     print(markdown_table(result))
     if exec_info and exec_info["failed"]:

@@ -17,6 +17,7 @@ through transformers (fp32 both) and prints the max |logit difference|; the exit
 it is above --tolerance. --verify-only skips the conversion and verifies an existing --out-dir
 (it launches torchrun itself when tp*pp > 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (auto: as in the HF files)")
     ap.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
     ap.add_argument("--verify-only", action="store_true", help="only verify an existing --out-dir")
-    ap.add_argument("--tolerance", type=float, default=1e-2,
-                    help="max |logit difference| accepted (both run in fp32; a wrong layout gives ~0.1-1)")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-2,
+        help="max |logit difference| accepted (both run in fp32; a wrong layout gives ~0.1-1)",
+    )
     ap.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
     return ap.parse_args(argv)
 
@@ -54,11 +59,35 @@ def _free_port() -> int:
 def launch_verify(args) -> int:
     """Run this script with --verify-only in tp*pp processes (torchrun when more than one)."""
     n = args.tp * args.pp
-    script = [os.path.abspath(__file__), "--hf-dir", args.hf_dir, "--out-dir", args.out_dir, "--tp", str(args.tp),
-              "--pp", str(args.pp), "--tolerance", str(args.tolerance), "--prompt", args.prompt, "--verify-only"]
-    cmd = [sys.executable] + script if n == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}"] + script
+    script = [
+        os.path.abspath(__file__),
+        "--hf-dir",
+        args.hf_dir,
+        "--out-dir",
+        args.out_dir,
+        "--tp",
+        str(args.tp),
+        "--pp",
+        str(args.pp),
+        "--tolerance",
+        str(args.tolerance),
+        "--prompt",
+        args.prompt,
+        "--verify-only",
+    ]
+    cmd = (
+        [sys.executable] + script
+        if n == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={n}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+        ]
+        + script
+    )
     return subprocess.call(cmd)
 
 
@@ -74,8 +103,11 @@ def verify(args) -> int:
     destroy_parallel()
     ok = diff <= args.tolerance
     if rank0:
-        print(f"verify {'OK' if ok else 'FAILED'}: max |logit difference| {diff:.3e} "
-              f"{'<=' if ok else '>'} tolerance {args.tolerance:g}", flush=True)
+        print(
+            f"verify {'OK' if ok else 'FAILED'}: max |logit difference| {diff:.3e} "
+            f"{'<=' if ok else '>'} tolerance {args.tolerance:g}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 
@@ -93,9 +125,12 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir} in {info['seconds']:.1f} s: {info['weights_bytes'] / 2**20:.0f} MiB of HF weights, "
-          f"peak RSS {info['peak_rss_mib']:.0f} MiB (RSS before streaming {info['rss_before_mib']:.0f} MiB); "
-          f"assets: {', '.join(info['assets']) or 'none'}", flush=True)
+    print(
+        f"wrote {args.out_dir} in {info['seconds']:.1f} s: {info['weights_bytes'] / 2**20:.0f} MiB of HF weights, "
+        f"peak RSS {info['peak_rss_mib']:.0f} MiB (RSS before streaming {info['rss_before_mib']:.0f} MiB); "
+        f"assets: {', '.join(info['assets']) or 'none'}",
+        flush=True,
+    )
     return launch_verify(args) if args.verify else 0
 
 

@@ -13,6 +13,7 @@ OUT must not exist (or be empty): everything is written to .OUT.partial-<host>-<
 and renamed to OUT at the end, so a failed or killed run leaves no OUT (and its leftover is
 removed by the next run to the same OUT).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--megatron-dir", required=True)
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                    help="weights dtype (auto: as stored in the checkpoint)")
+    ap.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="weights dtype (auto: as stored in the checkpoint)",
+    )
     ap.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (e.g. 500MB, 5GB)")
     ap.add_argument("--tokenizer-dir", help="copy tokenizer files from here when CKPT has no hf_assets/")
     args = ap.parse_args(argv)
@@ -39,19 +44,28 @@ def main(argv=None) -> int:
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     try:
-        info = megatron_to_hf_checkpoint(args.megatron_dir, args.out_dir, dtype=dtype,
-                                         max_shard_bytes=parse_size(args.max_shard_size),
-                                         tokenizer_dir=args.tokenizer_dir)
+        info = megatron_to_hf_checkpoint(
+            args.megatron_dir,
+            args.out_dir,
+            dtype=dtype,
+            max_shard_bytes=parse_size(args.max_shard_size),
+            tokenizer_dir=args.tokenizer_dir,
+        )
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir} from {info['checkpoint']} in {info['seconds']:.1f} s: {len(info['files'])} shard(s), "
-          f"{info['weights_bytes'] / 2**20:.0f} MiB of weights, peak RSS {info['peak_rss_mib']:.0f} MiB "
-          f"(RSS before streaming {info['rss_before_mib']:.0f} MiB); assets: {', '.join(info['assets']) or 'none'}",
-          flush=True)
+    print(
+        f"wrote {args.out_dir} from {info['checkpoint']} in {info['seconds']:.1f} s: {len(info['files'])} shard(s), "
+        f"{info['weights_bytes'] / 2**20:.0f} MiB of weights, peak RSS {info['peak_rss_mib']:.0f} MiB "
+        f"(RSS before streaming {info['rss_before_mib']:.0f} MiB); assets: {', '.join(info['assets']) or 'none'}",
+        flush=True,
+    )
     if not info["assets"]:
-        print("warning: no tokenizer files copied (no hf_assets/ in the checkpoint and no --tokenizer-dir): "
-              "vLLM needs a tokenizer next to the weights", file=sys.stderr)
+        print(
+            "warning: no tokenizer files copied (no hf_assets/ in the checkpoint and no --tokenizer-dir): "
+            "vLLM needs a tokenizer next to the weights",
+            file=sys.stderr,
+        )
     return 0
 
 

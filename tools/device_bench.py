@@ -27,6 +27,7 @@ recorded and the next one still runs (exit status 1 if any check failed):
               peak, and a measured 8192^3 bf16 matmul rate beside it).
 What the GPU image lacks and how to bring it (a wheel of megatron-core): docs/profiling.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,14 @@ sys.path.insert(0, str(REPO / "tools"))
 NEEDED = ("torch", "numpy", "packaging", "yaml", "einops", "megatron", "transformers", "safetensors")
 _missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
 if _missing:
-    sys.exit(f"device_bench: cannot import {', '.join(_missing)}: install them first (for megatron: the "
-             "megatron-core 0.16.1 wheel, docs/profiling.md 'Device benchmark')")
-
-import torch  # noqa: E402
+    sys.exit(
+        f"device_bench: cannot import {', '.join(_missing)}: install them first (for megatron: the "
+        "megatron-core 0.16.1 wheel, docs/profiling.md 'Device benchmark')"
+    )
 
 import device_checks  # noqa: E402
+import torch  # noqa: E402
+
 from megatron_dppo import packing, profiling  # noqa: E402
 
 CONFIGS = REPO / "examples" / "qwen3_configs"
@@ -84,9 +87,15 @@ def rl_lengths(n: int, max_len: int, seed: int = 0) -> list[tuple[int, int]]:
 
 def samples(lengths, vocab: int, seed: int = 0) -> list[packing.Sample]:
     g = torch.Generator().manual_seed(seed)
-    return [packing.Sample(tokens=torch.randint(0, vocab, (total,), generator=g).tolist(), prompt_len=p,
-                           advantage=1.0 if k % 2 else -1.0, seq_id=k)
-            for k, (p, total) in enumerate(lengths)]
+    return [
+        packing.Sample(
+            tokens=torch.randint(0, vocab, (total,), generator=g).tolist(),
+            prompt_len=p,
+            advantage=1.0 if k % 2 else -1.0,
+            seq_id=k,
+        )
+        for k, (p, total) in enumerate(lengths)
+    ]
 
 
 def microbatches(seqs, layout: str, capacity: int):
@@ -106,19 +115,26 @@ def _sync():
 
 
 def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron.model import module_device
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+    from megatron_dppo.megatron.step import MegatronPolicy
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32
     t0 = time.perf_counter()
     # The trainer's GPU default: the distributed optimizer (one rank here, so it shards nothing,
     # but the reduce-scatter / param all-gather path is the one that runs).
-    policy = MegatronPolicy(cfg, OptimConfig(lr=1e-6), LossConfig(), params_dtype=dtype, attention="local",
-                            distributed_optimizer=True)
-    out = {"model": name, "dtype": str(dtype).replace("torch.", ""), "build_s": time.perf_counter() - t0,
-           "matmul_params": profiling.matmul_params(vars(cfg)), "distributed_optimizer": True,
-           "packed_attention": device_checks._thd_impl(module_device(policy.model), dtype, cfg.head_dim)}
+    policy = MegatronPolicy(
+        cfg, OptimConfig(lr=1e-6), AlgorithmConfig(), params_dtype=dtype, attention="local", distributed_optimizer=True
+    )
+    out = {
+        "model": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "build_s": time.perf_counter() - t0,
+        "matmul_params": profiling.matmul_params(vars(cfg)),
+        "distributed_optimizer": True,
+        "packed_attention": device_checks._thd_impl(module_device(policy.model), dtype, cfg.head_dim),
+    }
     real = [len(s.tokens) for s in seqs]
     flops = profiling.train_flops(vars(cfg), real)
     denominator = float(sum(len(s.tokens) - s.prompt_len for s in seqs))  # token-mean over the batch
@@ -136,13 +152,20 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
                 times.append(time.perf_counter() - t)
         step_s = statistics.median(times)  # robust to a stray slow step
         out[layout] = {
-            "micro_batches": len(mbs), "density": density, "step_s": step_s, "step_s_all": times,
-            "tokens_per_s": sum(real) / step_s, "mfu": profiling.mfu(flops, step_s, peak),
+            "micro_batches": len(mbs),
+            "density": density,
+            "step_s": step_s,
+            "step_s_all": times,
+            "tokens_per_s": sum(real) / step_s,
+            "mfu": profiling.mfu(flops, step_s, peak),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         }
-        print(f"{name} {layout}: {len(mbs)} micro-batches, density {density:.3f}, {step_s:.3f}s/step, "
-              f"{sum(real) / step_s:,.0f} tokens/s, MFU {100 * out[layout]['mfu']:.1f}%"
-              + (f" (attention {out['packed_attention']})" if layout == "packed" else ""), flush=True)
+        print(
+            f"{name} {layout}: {len(mbs)} micro-batches, density {density:.3f}, {step_s:.3f}s/step, "
+            f"{sum(real) / step_s:,.0f} tokens/s, MFU {100 * out[layout]['mfu']:.1f}%"
+            + (f" (attention {out['packed_attention']})" if layout == "packed" else ""),
+            flush=True,
+        )
     out["packed_speedup"] = out["padded"]["step_s"] / out["packed"]["step_s"]
     out["model_flops_per_step"] = flops
     del policy
@@ -163,8 +186,12 @@ def parse_args(argv=None):
     p.add_argument("--capacity", type=int, default=16384, help="max tokens per micro-batch")
     p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per layout")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--budget-s", type=float, default=420.0,
-                   help="wall-clock budget: a bench model whose estimated time no longer fits is skipped")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="wall-clock budget: a bench model whose estimated time no longer fits is skipped",
+    )
     p.add_argument("--peak-tflops", type=float, default=0.0, help="override the device peak")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -195,24 +222,47 @@ def _estimate_s(cfg, seqs, args, measured: list[dict]) -> float:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    out_path = Path(args.out or (Path(os.environ["OUT"]) / "device_bench.json" if os.environ.get("OUT")
-                                 else REPO / "runs" / "device_bench.json"))
+    out_path = Path(
+        args.out
+        or (
+            Path(os.environ["OUT"]) / "device_bench.json"
+            if os.environ.get("OUT")
+            else REPO / "runs" / "device_bench.json"
+        )
+    )
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
 
     initialize_parallel(1, 1, seed=0)
     cuda = torch.cuda.is_available()
     kind = profiling.detect_device()
     peak, source = profiling.device_peak_flops(kind, args.peak_tflops * 1e12 if args.peak_tflops else None)
-    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "mode": "smoke" if args.smoke else "full", "peak_flops": peak, "peak_source": source,
-              "seqs": args.seqs, "max_len": args.max_len, "capacity": args.capacity, "steps": args.steps,
-              "attention": "local spec (megatron/attention.py; no Transformer Engine)",
-              "checks": {}, "models": [], "skipped": [], "errors": []}
+    result = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "mode": "smoke" if args.smoke else "full",
+        "peak_flops": peak,
+        "peak_source": source,
+        "seqs": args.seqs,
+        "max_len": args.max_len,
+        "capacity": args.capacity,
+        "steps": args.steps,
+        "attention": "local spec (megatron/attention.py; no Transformer Engine)",
+        "checks": {},
+        "models": [],
+        "skipped": [],
+        "errors": [],
+    }
     if cuda and not args.smoke:  # an achievable bf16 matmul rate beside the data sheet's
         result["matmul_flops_measured"] = profiling.measure_matmul_flops(n=8192, seconds=1.0, device="cuda")
-    print(f"{result['device']}: peak {peak / 1e12:.2f} TFLOP/s ({source})"
-          + (f", measured bf16 matmul {result['matmul_flops_measured'] / 1e12:.0f} TFLOP/s"
-             if "matmul_flops_measured" in result else ""), flush=True)
+    print(
+        f"{result['device']}: peak {peak / 1e12:.2f} TFLOP/s ({source})"
+        + (
+            f", measured bf16 matmul {result['matmul_flops_measured'] / 1e12:.0f} TFLOP/s"
+            if "matmul_flops_measured" in result
+            else ""
+        ),
+        flush=True,
+    )
     failed = []
 
     def save():
@@ -239,8 +289,11 @@ def main(argv=None) -> int:
                 failed.append(f"grad-check {r['dtype']}")
 
     def convert():
-        cfg = (dict(device_checks.TOY) if args.smoke else
-               device_checks.config_from_file(CONFIGS / "0.6B" / "config.json", num_hidden_layers=2))
+        cfg = (
+            dict(device_checks.TOY)
+            if args.smoke
+            else device_checks.config_from_file(CONFIGS / "0.6B" / "config.json", num_hidden_layers=2)
+        )
         with tempfile.TemporaryDirectory(prefix="device_bench_") as work:
             r = device_checks.convert_and_verify(Path(work), cfg, tolerance=1e-3)
         result["checks"]["convert"] = r
@@ -270,8 +323,11 @@ def main(argv=None) -> int:
         destroy_parallel()
     result["failed"] = failed
     save()
-    print(f"wrote {out_path} after {result['wall_s']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else
-                                                                   "; all checks passed"), flush=True)
+    print(
+        f"wrote {out_path} after {result['wall_s']:.0f} s"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "; all checks passed"),
+        flush=True,
+    )
     return 1 if failed else 0
 
 

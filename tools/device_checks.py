@@ -14,6 +14,7 @@ convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/co
                          transformers on the CPU (megatron_logits moves inputs and logits).
 Both need transformers (the GPU image has it) and a parallel state: device_bench.py sets it up.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A toy Qwen3 that still has GQA, head_dim != hidden / heads, and head_dim a multiple of 8
 # (varlen flash attention's condition).
-TOY = dict(vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           head_dim=64, intermediate_size=512, max_position_embeddings=1024, tie_word_embeddings=False,
-           architectures=["Qwen3ForCausalLM"], rms_norm_eps=1e-6)
+TOY = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    architectures=["Qwen3ForCausalLM"],
+    rms_norm_eps=1e-6,
+)
 
 
 def _hf_model(cfg: dict, seed: int):
@@ -72,21 +83,29 @@ def _problem(vocab: int, prompts: int, group: int, max_new: int, seed: int):
 
 def _seq_logp(model, tokens, prompt_len):
     logits = model(tokens[None]).logits[0].float()
-    return torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0][prompt_len - 1:]
+    return torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0][prompt_len - 1 :]
 
 
 def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) -> dict:
     """Relative error of MegatronPolicy.hf_grads (distributed optimizer on) against the reference."""
-    from megatron_dppo.algorithms import losses
-    from megatron_dppo.megatron.model import module_device
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
-    from megatron_dppo.packing import Sample, build_thd_batch, pack
     from transformers import Qwen3Config
 
+    from megatron_dppo.algorithms import losses
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
+    from megatron_dppo.megatron.model import module_device
+    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.packing import Sample, build_thd_batch, pack
+
     t0 = time.perf_counter()
-    loss_cfg = LossConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0)
-    policy = MegatronPolicy(Qwen3Config(**cfg), OptimConfig(lr=1e-3), loss_cfg, params_dtype=dtype,
-                            attention="local", distributed_optimizer=True)
+    loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    policy = MegatronPolicy(
+        Qwen3Config(**cfg),
+        OptimConfig(lr=1e-3),
+        loss_cfg,
+        params_dtype=dtype,
+        attention="local",
+        distributed_optimizer=True,
+    )
     device = module_device(policy.model)
     model = _hf_model(cfg, seed)
     hf_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -105,10 +124,24 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     with torch.no_grad():
         for k, (tokens, plen, adv, w) in enumerate(raw):
             lp = _seq_logp(model, tokens.to(device), plen).cpu()
-            samples.append(Sample(tokens=tokens, prompt_len=plen, advantage=adv, weight=w, seq_id=k,
-                                  old_logp=lp + spread * torch.randn(lp.shape, generator=noise)))
-    denom = losses.full_batch_denominator(loss_cfg.loss_agg, num_prompts=4, group_size=4, completion_lengths=lengths,
-                                          prompt_weight=torch.ones(4), max_response_length=96)
+            samples.append(
+                Sample(
+                    tokens=tokens,
+                    prompt_len=plen,
+                    advantage=adv,
+                    weight=w,
+                    seq_id=k,
+                    old_logp=lp + spread * torch.randn(lp.shape, generator=noise),
+                )
+            )
+    denom = losses.full_batch_denominator(
+        loss_cfg.loss_agg,
+        num_prompts=4,
+        group_size=4,
+        completion_lengths=lengths,
+        prompt_weight=torch.ones(4),
+        max_response_length=96,
+    )
     # Reference: plain PyTorch, one sequence at a time, fp32.
     model.zero_grad()
     lp = torch.cat([_seq_logp(model, torch.as_tensor(s.tokens).to(device), s.prompt_len) for s in samples])
@@ -116,10 +149,19 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     seq_index = torch.repeat_interleave(torch.arange(len(samples), device=device), seq_len)
     adv = torch.tensor([s.advantage for s in samples], device=device)[seq_index]
     old = torch.cat([s.old_logp for s in samples]).to(device)
-    token_loss, _ = losses.policy_loss(lp, old, adv, clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high,
-                                       ratio_type="token", seq_index=seq_index, num_seqs=len(samples))
-    coef = losses.token_coefficients(seq_index, torch.tensor([s.weight for s in samples], device=device), seq_len,
-                                     loss_cfg.loss_agg, denom)
+    token_loss, _ = losses.policy_loss(
+        lp,
+        old,
+        adv,
+        clip_low=loss_cfg.clip_low,
+        clip_high=loss_cfg.clip_high,
+        ratio_type="token",
+        seq_index=seq_index,
+        num_seqs=len(samples),
+    )
+    coef = losses.token_coefficients(
+        seq_index, torch.tensor([s.weight for s in samples], device=device), seq_len, loss_cfg.loss_agg, denom
+    )
     losses.aggregate(token_loss, coef).backward()
     ref = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
 
@@ -135,13 +177,24 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     after = {k: v.float().cpu() for k, v in policy.hf_state_dict().items()}
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
     impl = _thd_impl(device, dtype, cfg["head_dim"])
-    out = {"dtype": str(dtype).replace("torch.", ""), "device": str(device), "distributed_optimizer": True,
-           "micro_batches": len(mbs), "sequences": len(samples), "packed_attention": impl,
-           "rel_grad_error": rel, "update_ok": step["update_ok"], "grad_norm": step["grad_norm"],
-           "max_weight_change": moved, "seconds": time.perf_counter() - t0}
-    log(f"grad check {out['dtype']} on {device} (distributed optimizer, packed attention {impl}, "
+    out = {
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "distributed_optimizer": True,
+        "micro_batches": len(mbs),
+        "sequences": len(samples),
+        "packed_attention": impl,
+        "rel_grad_error": rel,
+        "update_ok": step["update_ok"],
+        "grad_norm": step["grad_norm"],
+        "max_weight_change": moved,
+        "seconds": time.perf_counter() - t0,
+    }
+    log(
+        f"grad check {out['dtype']} on {device} (distributed optimizer, packed attention {impl}, "
         f"{len(mbs)} micro-batches): relative gradient error vs transformers {rel:.2e}; optimizer step "
-        f"{'ok' if step['update_ok'] else 'SKIPPED'}, max weight change {moved:.2e}")
+        f"{'ok' if step['update_ok'] else 'SKIPPED'}, max weight change {moved:.2e}"
+    )
     del policy, model
     return out
 
@@ -150,9 +203,15 @@ def _thd_impl(device, dtype, head_dim) -> str:
     """Which packed attention the local spec runs for these tensors (megatron/attention.py)."""
     try:
         from megatron_dppo.megatron import attention
-        facts = dict(device_type=device.type, dtype=dtype, dropout_p=0.0, head_dim=head_dim,
-                     varlen_importable=attention.varlen_attn is not None,
-                     flash_usable=device.type == "cuda" and attention._flash_usable(device.index or 0))
+
+        facts = dict(
+            device_type=device.type,
+            dtype=dtype,
+            dropout_p=0.0,
+            head_dim=head_dim,
+            varlen_importable=attention.varlen_attn is not None,
+            flash_usable=device.type == "cuda" and attention._flash_usable(device.index or 0),
+        )
         return attention.choose_thd_impl(attention.thd_impl_from_env(), **facts)
     except (ImportError, AttributeError, TypeError) as e:  # another version of attention.py
         return f"unknown ({type(e).__name__})"
@@ -166,23 +225,39 @@ def convert_and_verify(work: Path, cfg: dict, tolerance: float, timeout: float =
     model = _hf_model(cfg, seed=3)
     model.save_pretrained(hf_dir, max_shard_size="200MB")
     del model
-    cmd = [sys.executable, str(REPO / "tools" / "convert_hf_to_megatron.py"), "--hf-dir", str(hf_dir),
-           "--out-dir", str(mg_dir), "--verify", "--tolerance", str(tolerance)]
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "convert_hf_to_megatron.py"),
+        "--hf-dir",
+        str(hf_dir),
+        "--out-dir",
+        str(mg_dir),
+        "--verify",
+        "--tolerance",
+        str(tolerance),
+    ]
+    res = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore")
+    )
     output = res.stdout + res.stderr
     verdict = re.search(r"verify (OK|FAILED): max \|logit difference\| (\S+)", output)
     where = re.search(r"\(tp=\d+, pp=\d+, (\S+)\) vs transformers", output)
-    out = {"returncode": res.returncode, "ok": res.returncode == 0,
-           "logit_diff": float(verdict.group(2)) if verdict else None,
-           "megatron_device": where.group(1) if where else None, "tolerance": tolerance,
-           "params": sum(os.path.getsize(p) for p in hf_dir.glob("*.safetensors")) // 4,
-           "seconds": time.perf_counter() - t0}
+    out = {
+        "returncode": res.returncode,
+        "ok": res.returncode == 0,
+        "logit_diff": float(verdict.group(2)) if verdict else None,
+        "megatron_device": where.group(1) if where else None,
+        "tolerance": tolerance,
+        "params": sum(os.path.getsize(p) for p in hf_dir.glob("*.safetensors")) // 4,
+        "seconds": time.perf_counter() - t0,
+    }
     if not verdict:
         out["output_tail"] = output[-3000:]
-    log(f"convert --verify: {'OK' if out['ok'] else 'FAILED'} (exit {res.returncode}), max |logit difference| "
+    log(
+        f"convert --verify: {'OK' if out['ok'] else 'FAILED'} (exit {res.returncode}), max |logit difference| "
         f"{out['logit_diff']} with megatron on {out['megatron_device']}, {out['params'] / 1e6:.0f}M params, "
-        f"{out['seconds']:.0f} s")
+        f"{out['seconds']:.0f} s"
+    )
     return out
 
 

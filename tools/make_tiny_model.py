@@ -24,6 +24,7 @@
 Seeded: the same seed and thread count give the same data, weights and stopping point (checked
 every --eval-every steps, every step once close), unless the time cap cuts in first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content
 # Where each task's assets go and how long its sequences get (prompt + solution + <bos>/<eos>).
 TASK_LAYOUT = {
     "add3": dict(model_dir="examples/tiny/model", data_dir="examples/tiny/data", n_train=20000, positions=64),
-    "mulsteps": dict(model_dir="examples/tiny/longtail/model", data_dir="examples/tiny/longtail",
-                     n_train=8000, positions=160),
+    "mulsteps": dict(
+        model_dir="examples/tiny/longtail/model", data_dir="examples/tiny/longtail", n_train=8000, positions=160
+    ),
 }
 
 
@@ -68,25 +70,41 @@ def build_tokenizer(symbols=SYMBOLS, max_length: int = 64):
     tok.add_special_tokens(SPECIALS)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
     tok.decoder = decoders.Fuse()  # join characters without spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>", model_max_length=max_length,
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_max_length=max_length,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def build_model(tokenizer, seed: int, positions: int = 64):
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=positions,
-        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, dtype="float32")
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     # Token ids only: vLLM takes sampling defaults (temperature, top_p...) from this file.
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     return model
 
 
@@ -120,13 +138,20 @@ def training_batch(records, codec: CharCodec):
         labels.append([-100] * len(p) + a)
     n = max(map(len, seqs))
     ids = torch.tensor([s + [codec.pad] * (n - len(s)) for s in seqs])
-    lab = torch.tensor([l + [-100] * (n - len(l)) for l in labels])
+    lab = torch.tensor([lb + [-100] * (n - len(lb)) for lb in labels])
     return ids, lab
 
 
 @torch.no_grad()
-def greedy_completions(model, records, codec: CharCodec, max_new_tokens: int = 8, batch_size: int = 500,
-                       kv_cache: bool = False, sample_seed: int | None = None) -> list[list[int]]:
+def greedy_completions(
+    model,
+    records,
+    codec: CharCodec,
+    max_new_tokens: int = 8,
+    batch_size: int = 500,
+    kv_cache: bool = False,
+    sample_seed: int | None = None,
+) -> list[list[int]]:
     """Completion ids (up to and without <eos>) of each record, greedy, or sampled at temperature
     1 when sample_seed is given. Prompts of one length are batched together, so no padding is
     needed. Without kv_cache the whole sequence is recomputed each step (at <= 20 tokens that is
@@ -139,7 +164,7 @@ def greedy_completions(model, records, codec: CharCodec, max_new_tokens: int = 8
     out: list[list[int]] = [[] for _ in records]
     for group in by_len.values():
         for s in range(0, len(group), batch_size):
-            chunk = group[s:s + batch_size]
+            chunk = group[s : s + batch_size]
             ids = torch.tensor([[codec.bos] + codec.ids(records[k]["prompt"]) for k in chunk])
             start, past, step_in = ids.shape[1], None, ids
             for _ in range(max_new_tokens):
@@ -158,13 +183,14 @@ def greedy_completions(model, records, codec: CharCodec, max_new_tokens: int = 8
                 if (ids[:, start:] == codec.eos).any(1).all():
                     break
             for k, row in zip(chunk, ids[:, start:].tolist()):
-                out[k] = row[:row.index(codec.eos)] if codec.eos in row else row
+                out[k] = row[: row.index(codec.eos)] if codec.eos in row else row
     model.train()
     return out
 
 
-def greedy_accuracy(model, records, codec: CharCodec, task, max_new_tokens: int = 8, batch_size: int = 500,
-                    kv_cache: bool = False) -> float:
+def greedy_accuracy(
+    model, records, codec: CharCodec, task, max_new_tokens: int = 8, batch_size: int = 500, kv_cache: bool = False
+) -> float:
     """Accuracy of greedy answers under the task's verifier (exact match, or the final number)."""
     completions = greedy_completions(model, records, codec, max_new_tokens, batch_size, kv_cache)
     return sum(task.score(codec.text(c), r["answer"]) for c, r in zip(completions, records)) / len(records)
@@ -174,8 +200,13 @@ def length_stats(lengths) -> dict:
     """Completion tokens (with <eos>): mean, median, max, coefficient of variation, max/median."""
     t = torch.tensor(lengths, dtype=torch.float64)
     med = float(t.median())
-    return {"mean": round(float(t.mean()), 2), "median": med, "max": int(t.max()),
-            "cv": round(float(t.std(unbiased=False) / t.mean()), 3), "max_over_median": round(float(t.max()) / med, 2)}
+    return {
+        "mean": round(float(t.mean()), 2),
+        "median": med,
+        "max": int(t.max()),
+        "cv": round(float(t.std(unbiased=False) / t.mean()), 3),
+        "max_over_median": round(float(t.max()) / med, 2),
+    }
 
 
 def batch_loss(model, records, codec: CharCodec, chunks: int = 1):
@@ -187,13 +218,28 @@ def batch_loss(model, records, codec: CharCodec, chunks: int = 1):
         return model(input_ids=ids, labels=labels).loss
     records = sorted(records, key=lambda r: len(r.get("solution", r["answer"])))
     size = -(-len(records) // chunks)
-    pieces = [training_batch(records[i:i + size], codec) for i in range(0, len(records), size)]
+    pieces = [training_batch(records[i : i + size], codec) for i in range(0, len(records), size)]
     counts = [int((labels[:, 1:] != -100).sum()) for _, labels in pieces]  # HF shifts labels by one
     return sum(model(input_ids=ids, labels=labels).loss * n for (ids, labels), n in zip(pieces, counts)) / sum(counts)
 
 
-def warm_up(model, train, val, codec, *, threshold, max_seconds, eval_every, batch_size, lr, seed, evaluate,
-            chunks=1, close_every=1, log=print):
+def warm_up(
+    model,
+    train,
+    val,
+    codec,
+    *,
+    threshold,
+    max_seconds,
+    eval_every,
+    batch_size,
+    lr,
+    seed,
+    evaluate,
+    chunks=1,
+    close_every=1,
+    log=print,
+):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     curve, t0, step, acc, train_s = [], time.monotonic(), 0, 0.0, 0.0
@@ -213,12 +259,19 @@ def warm_up(model, train, val, codec, *, threshold, max_seconds, eval_every, bat
         if step % every == 0:
             acc = evaluate(model, val)
             elapsed = time.monotonic() - t0
-            curve.append({"step": step, "seconds": round(elapsed, 2), "loss": round(loss.item(), 4),
-                          "val_accuracy": acc})
+            curve.append(
+                {"step": step, "seconds": round(elapsed, 2), "loss": round(loss.item(), 4), "val_accuracy": acc}
+            )
             log(f"step {step:5d}  {elapsed:6.1f}s  loss {loss.item():.4f}  val greedy acc {acc:.3f}")
             if acc >= threshold or elapsed >= max_seconds:
-                return {"steps": step, "seconds": round(elapsed, 2), "train_seconds": round(train_s, 2),
-                        "val_accuracy": acc, "reached_threshold": acc >= threshold, "curve": curve}
+                return {
+                    "steps": step,
+                    "seconds": round(elapsed, 2),
+                    "train_seconds": round(train_s, 2),
+                    "val_accuracy": acc,
+                    "reached_threshold": acc >= threshold,
+                    "curve": curve,
+                }
 
 
 def _portable_tokenizer_class(model_dir: str) -> None:
@@ -269,14 +322,26 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tiny Qwen3: {n_params / 1e6:.3f}M parameters, vocab {len(tokenizer)}; task {args.task}")
 
-    stats = warm_up(model, splits["train"], splits["val"], codec, threshold=args.threshold,
-                    max_seconds=args.max_seconds, eval_every=args.eval_every,
-                    batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                    evaluate=lambda m, recs: evaluate(m, recs, codec),
-                    chunks=4 if worked else 1, close_every=5 if worked else 1)
+    stats = warm_up(
+        model,
+        splits["train"],
+        splits["val"],
+        codec,
+        threshold=args.threshold,
+        max_seconds=args.max_seconds,
+        eval_every=args.eval_every,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        evaluate=lambda m, recs: evaluate(m, recs, codec),
+        chunks=4 if worked else 1,
+        close_every=5 if worked else 1,
+    )
     stats["test_accuracy"] = evaluate(model, splits["test"], codec)
-    print(f"stopped after {stats['steps']} steps, {stats['seconds']}s: val {stats['val_accuracy']:.3f}, "
-          f"test ({args.n_test} problems) {stats['test_accuracy']:.3f}")
+    print(
+        f"stopped after {stats['steps']} steps, {stats['seconds']}s: val {stats['val_accuracy']:.3f}, "
+        f"test ({args.n_test} problems) {stats['test_accuracy']:.3f}"
+    )
     if worked:  # what the long tail looks like at the starting point of RL (+1: the <eos>)
         for mode, seed in (("greedy", None), ("sampled_t1", args.seed)):
             comps = greedy_completions(model, splits["test"], codec, max_new, kv_cache=True, sample_seed=seed)
@@ -287,8 +352,16 @@ def main(argv=None):
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     _portable_tokenizer_class(model_dir)
-    stats.update(task=args.task, seed=args.seed, threshold=args.threshold, batch_size=args.batch_size,
-                 lr=args.lr, threads=args.threads, parameters=n_params, torch=torch.__version__)
+    stats.update(
+        task=args.task,
+        seed=args.seed,
+        threshold=args.threshold,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        threads=args.threads,
+        parameters=n_params,
+        torch=torch.__version__,
+    )
     with open(os.path.join(model_dir, "warmup.json"), "w") as f:
         json.dump(stats, f, indent=1)
     if not stats["reached_threshold"]:

@@ -15,6 +15,7 @@
 3. Peak RSS growth of a whole train_step for a few token budgets (glibc told to return large
    blocks to the OS, so RSS follows frees), against the plan's activations + logits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_dppo import plan as P  # noqa: E402
-from megatron_dppo.config import Config  # noqa: E402
+from megatron_dppo.config import AlgorithmConfig, Config, OptimConfig
 from megatron_dppo.megatron import initialize_parallel  # noqa: E402
 from megatron_dppo.megatron import step as step_mod  # noqa: E402
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig  # noqa: E402
+from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
 from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 
 TINY = REPO / "examples" / "tiny" / "model"
@@ -54,8 +55,17 @@ def tiny_hf(layers=3, vocab=None, tied=True) -> tuple[Qwen3Config, dict]:
     if (TINY / "config.json").is_file():
         d = json.loads((TINY / "config.json").read_text())
     else:
-        d = dict(vocab_size=21, hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=32, intermediate_size=512, max_position_embeddings=64, tie_word_embeddings=True)
+        d = dict(
+            vocab_size=21,
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            intermediate_size=512,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
     d.update(num_hidden_layers=layers, tie_word_embeddings=tied, layer_types=["full_attention"] * layers)
     if vocab:
         d["vocab_size"] = vocab
@@ -66,8 +76,9 @@ def plan_for(d: dict, dtype: str, tmp: Path, recompute="none", T=1024, world=1, 
     (tmp / "config.json").write_text(json.dumps(d))
     cfg = Config()
     cfg.model.hf_dir, cfg.model.dtype = str(tmp), dtype
-    cfg.parallel = dataclasses.replace(cfg.parallel, nodes=1, gpus_per_node=world, distributed_optimizer=dist_opt,
-                                       recompute=recompute)
+    cfg.parallel = dataclasses.replace(
+        cfg.parallel, nodes=1, gpus_per_node=world, distributed_optimizer=dist_opt, recompute=recompute
+    )
     cfg.rollout.max_model_len = SEQ
     cfg.trainer.max_tokens_per_microbatch = T
     return P.memory_plan(cfg, fixes=False)
@@ -95,33 +106,53 @@ def make_batch(hf, T: int, seed=0):
     samples = []
     for i in range(T // SEQ):
         toks = torch.randint(3, hf.vocab_size, (SEQ,), generator=g)
-        samples.append(Sample(tokens=toks, prompt_len=8, advantage=1.0 if i % 2 else -1.0, weight=1.0, seq_id=i,
-                              old_logp=torch.full((SEQ - 8,), -3.0)))
+        samples.append(
+            Sample(
+                tokens=toks,
+                prompt_len=8,
+                advantage=1.0 if i % 2 else -1.0,
+                weight=1.0,
+                seq_id=i,
+                old_logp=torch.full((SEQ - 8,), -3.0),
+            )
+        )
     return build_thd_batch(samples)
 
 
 def check_states(tmp: Path, dist_opt=False, quick=False) -> bool:
     """Plan rows vs tensor bytes on this rank (under torchrun: DP = world size)."""
     world, ok = torch.distributed.get_world_size(), True
-    cases = [("bfloat16", torch.bfloat16, False)] if quick else \
-        [(n, t, tied) for n, t in (("float32", torch.float32), ("bfloat16", torch.bfloat16)) for tied in (True, False)]
+    cases = (
+        [("bfloat16", torch.bfloat16, False)]
+        if quick
+        else [
+            (n, t, tied)
+            for n, t in (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+            for tied in (True, False)
+        ]
+    )
     for dtype, tdtype, tied in cases:
         hf, d = tiny_hf(tied=tied)
-        pol = MegatronPolicy(hf, OptimConfig(lr=1e-4), LossConfig(), distributed_optimizer=dist_opt,
-                             params_dtype=tdtype)
+        pol = MegatronPolicy(
+            hf, OptimConfig(lr=1e-4), AlgorithmConfig(), distributed_optimizer=dist_opt, params_dtype=tdtype
+        )
         pol.train_step([make_batch(hf, 256)], denominator=256.0)  # Adam creates m, v at its first step
         params = list(pol.model.module.parameters())
-        got = {"weights": sum(storages(params).values()),
-               "gradients": sum(b.grad_data.numel() * b.grad_data.element_size() for b in pol.model.buffers),
-               "optimizer": optimizer_bytes(pol.optimizer, pol.model.module)}
+        got = {
+            "weights": sum(storages(params).values()),
+            "gradients": sum(b.grad_data.numel() * b.grad_data.element_size() for b in pol.model.buffers),
+            "optimizer": optimizer_bytes(pol.optimizer, pol.model.module),
+        }
         want = plan_for(d, dtype, tmp, world=world, dist_opt=dist_opt)["stages"]["only"]["train"]
         for k, v in got.items():
             # exact, except that the distributed optimizer pads each bucket to a multiple of DP
             match = abs(v - want[k]) <= (0.01 * want[k] if dist_opt else 0)
             ok &= match
             if torch.distributed.get_rank() == 0:
-                print(f"states DP={world} dist_opt={dist_opt!s:5s} {dtype:9s} tied={tied!s:5s} {k:10s} "
-                      f"measured {v:10d} B  plan {int(want[k]):10d} B  {'ok' if match else 'MISMATCH'}")
+                print(
+                    f"states DP={world} dist_opt={dist_opt!s:5s} {dtype:9s} tied={tied!s:5s} {k:10s} "
+                    f"measured {v:10d} B  plan {int(want[k]):10d} B  {'ok' if match else 'MISMATCH'}"
+                )
         del pol
     return ok
 
@@ -145,12 +176,15 @@ def saved_bytes(pol, batch) -> int:
 
 
 def policy(hf, recompute="none"):
-    extra = {"none": {}, "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
-             "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)}[recompute]
+    extra = {
+        "none": {},
+        "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+        "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    }[recompute]
     orig = step_mod.build_gpt_model
     step_mod.build_gpt_model = partial(orig, **extra)
     try:
-        return MegatronPolicy(hf, OptimConfig(lr=1e-5), LossConfig())
+        return MegatronPolicy(hf, OptimConfig(lr=1e-5), AlgorithmConfig())
     finally:
         step_mod.build_gpt_model = orig
 
@@ -165,17 +199,27 @@ def check_activations(tmp: Path, T=2048) -> list[dict]:
         per_layer = (got[6] - got[3]) / 3 / T
         rest = (got[3] - 3 * per_layer * T) / T
         plan = plan_for(d, "float32", tmp, recompute, T)
-        rows.append(dict(recompute=recompute, measured_per_layer_token=per_layer,
-                         plan_per_layer_token=plan["activation_bytes_per_token_layer"], outside_layers_per_token=rest))
-        print(f"saved activations recompute={recompute:9s}: {per_layer:7.0f} B per layer per token measured, "
-              f"plan {plan['activation_bytes_per_token_layer']:6.0f} B (fused GPU path); "
-              f"outside the layers {rest:5.0f} B per token")
+        rows.append(
+            dict(
+                recompute=recompute,
+                measured_per_layer_token=per_layer,
+                plan_per_layer_token=plan["activation_bytes_per_token_layer"],
+                outside_layers_per_token=rest,
+            )
+        )
+        print(
+            f"saved activations recompute={recompute:9s}: {per_layer:7.0f} B per layer per token measured, "
+            f"plan {plan['activation_bytes_per_token_layer']:6.0f} B (fused GPU path); "
+            f"outside the layers {rest:5.0f} B per token"
+        )
     # The logits term: a vocabulary big enough to see (8192, padded 8192).
     hf, d = tiny_hf(3, vocab=8192)
     small, _ = tiny_hf(3)
     big, base = saved_bytes(policy(hf), make_batch(hf, T)), saved_bytes(policy(small), make_batch(small, T))
-    print(f"saved logits: {(big - base) / T / (8192 - 128):.2f} B per token per vocab entry "
-          f"(the fp32 softmax the loss keeps: plan's 4 of its dtype + 8)")
+    print(
+        f"saved logits: {(big - base) / T / (8192 - 128):.2f} B per token per vocab entry "
+        f"(the fp32 softmax the loss keeps: plan's 4 of its dtype + 8)"
+    )
     rows.append(dict(logits_saved_bytes_per_token_vocab=(big - base) / T / (8192 - 128)))
     return rows
 
@@ -205,12 +249,14 @@ def check_rss(tmp: Path) -> list[dict]:
         pol.train_step([make_batch(hf, 512)], 512.0)  # optimizer state and first-touch allocations
         for T in (1024, 4096, 16384):
             batch = make_batch(hf, T)
-            grow = peak_rss_growth(lambda: pol.train_step([batch], float(T)))
+            grow = peak_rss_growth(lambda pol=pol, batch=batch, T=T: pol.train_step([batch], float(T)))
             tr = plan_for(d, "float32", tmp, "none", T)["stages"]["only"]["train"]
             predicted = tr["activations"] + tr["logits"]
             rows.append(dict(vocab=hf.vocab_size, tokens=T, rss_growth=grow, plan_activations_logits=predicted))
-            print(f"train_step RSS growth vocab={hf.vocab_size:5d} T={T:6d}: {grow / 2**20:8.1f} MiB measured, "
-                  f"plan activations+logits {predicted / 2**20:8.1f} MiB (ratio {grow / predicted:.2f})")
+            print(
+                f"train_step RSS growth vocab={hf.vocab_size:5d} T={T:6d}: {grow / 2**20:8.1f} MiB measured, "
+                f"plan activations+logits {predicted / 2**20:8.1f} MiB (ratio {grow / predicted:.2f})"
+            )
     return rows
 
 
@@ -218,13 +264,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--states", action="store_true", help="only the exact state checks")
     ap.add_argument("--quick", action="store_true", help="states: only bf16 untied (the test)")
-    ap.add_argument("--dist-opt", action="store_true", help="states with the distributed optimizer (run under "
-                    "torchrun --nproc_per_node 2 for DP=2)")
+    ap.add_argument(
+        "--dist-opt",
+        action="store_true",
+        help="states with the distributed optimizer (run under torchrun --nproc_per_node 2 for DP=2)",
+    )
     ap.add_argument("--json", help="write the measurements here")
     args = ap.parse_args()
     torch.set_num_threads(2)
     initialize_parallel(1, 1)
     import tempfile
+
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         ok = check_states(tmp, args.dist_opt, args.quick)

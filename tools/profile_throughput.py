@@ -32,6 +32,7 @@ On a CPU the peak is a matmul rate measured between step pairs, best kept (docs/
 
 Writes <out>/profile.json and <out>/profile.png (phase-time stacked bars, GRPO vs DPPO).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,7 @@ METHODS = {  # method -> overrides on top of the config and the common overrides
     "dppo": ["pruning.strategy=dppo", "pruning.r_q=0.5", "pruning.r_o=0.5"],
 }
 # Profiling runs: no evaluation, no logging side channels (Trainer.step never checkpoints).
-QUIET = ["trainer.eval_every=0", "logging.wandb=disabled", "logging.progress=false",
-         "logging.tensorboard=false"]
+QUIET = ["trainer.eval_every=0", "logging.wandb=disabled", "logging.progress=false", "logging.tensorboard=false"]
 
 
 # ---- worker: one method, one Trainer, steps on demand ---------------------------------------------
@@ -135,8 +135,9 @@ def worker(args) -> int:
     rec = Recorder(trainer)
     mp = trainer.cfg.parallel.tp * trainer.cfg.parallel.pp
     if rank == 0:
-        (hs / f"ready-{name}").write_text(json.dumps({"world": trainer.world, "model_parallel": mp,
-                                                       "engine_init_s": trainer.engine_init_s}))
+        (hs / f"ready-{name}").write_text(
+            json.dumps({"world": trainer.world, "model_parallel": mp, "engine_init_s": trainer.engine_init_s})
+        )
     prof = None
     try:
         for step in range(1, total + 1):
@@ -169,23 +170,54 @@ def worker(args) -> int:
 
 # ---- coordinator -------------------------------------------------------------------------------
 def _spawn(args, name: str, out: Path, hs: Path) -> subprocess.Popen:
-    overrides = [*args.overrides, *QUIET, *METHODS[name], *shlex.split(getattr(args, name)),
-                 f"trainer.output_dir={out / 'runs'}", f"trainer.run_name={name}"]
-    me = [str(Path(__file__).resolve()), "--worker", name, "--handshake", str(hs), "--config", args.config,
-          "--steps", str(args.steps), "--warmup", str(args.warmup), "--trace-steps", str(args.trace_steps)]
+    overrides = [
+        *args.overrides,
+        *QUIET,
+        *METHODS[name],
+        *shlex.split(getattr(args, name)),
+        f"trainer.output_dir={out / 'runs'}",
+        f"trainer.run_name={name}",
+    ]
+    me = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--handshake",
+        str(hs),
+        "--config",
+        args.config,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--trace-steps",
+        str(args.trace_steps),
+    ]
     if args.trace:
         me += ["--trace", str(Path(args.trace).resolve())]
     launcher = [sys.executable]
     if args.nproc > 1:
-        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "--master_addr=127.0.0.1",
-                     f"--master_port={_free_port()}"]
+        launcher += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+        ]
     log = open(out / f"{name}.log", "w")
-    return subprocess.Popen([*launcher, *me, *overrides], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    return subprocess.Popen(
+        [*launcher, *me, *overrides],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
 
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -218,8 +250,12 @@ def summarize(steps: list[dict], peak: float, world: int, mp: int) -> dict:
         "phases_s": ph,  # means: what a run of these steps costs
         # the median step resists another job's burst on a shared machine
         "step_s_median": statistics.median(s["time/step"] for s in steps),
-        "tokens_per_step": {"generated": mean("tokens/generated"), "trained": mean("tokens/trained"),
-                            "rank_rollout": mean("rank/tokens_rollout"), "rank_trained": mean("rank/tokens_trained")},
+        "tokens_per_step": {
+            "generated": mean("tokens/generated"),
+            "trained": mean("tokens/trained"),
+            "rank_rollout": mean("rank/tokens_rollout"),
+            "rank_trained": mean("rank/tokens_trained"),
+        },
         "tokens_per_s_per_gpu": {
             # NeMo-RL style: every rolled-out token (prompt + completion) over the whole step
             "step": mean("rank/tokens_rollout") / ph["step"],
@@ -245,6 +281,7 @@ def summarize(steps: list[dict], peak: float, world: int, mp: int) -> dict:
 
 def chart(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -257,14 +294,23 @@ def chart(result: dict, path: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     for i, n in enumerate(names):
         m = result["methods"][n]
-        ax.text(i, bottom[i], f"mean {m['phases_s']['step']:.3f}s, median {m['step_s_median']:.3f}s\n"
-                f"MFU train {100 * m['mfu']['train']:.1f}%",
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            i,
+            bottom[i],
+            f"mean {m['phases_s']['step']:.3f}s, median {m['step_s_median']:.3f}s\n"
+            f"MFU train {100 * m['mfu']['train']:.1f}%",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(0, max(bottom) * 1.25)
     ax.set_ylabel("mean seconds per step")
-    ax.set_title(f"{Path(result['config']).name}, {result['steps']} steps each: GRPO / DPPO step time\n"
-                 f"{result['speedup']:.2f}x mean, {result['speedup_median']:.2f}x median, "
-                 f"{result['speedup_paired_median']:.2f}x median of pairs", fontsize=9)
+    ax.set_title(
+        f"{Path(result['config']).name}, {result['steps']} steps each: GRPO / DPPO step time\n"
+        f"{result['speedup']:.2f}x mean, {result['speedup_median']:.2f}x median, "
+        f"{result['speedup_paired_median']:.2f}x median of pairs",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -279,6 +325,7 @@ def coordinate(args) -> int:
     hs = out / "handshake"
     if hs.exists():
         import shutil
+
         shutil.rmtree(hs)
     (hs / "go").mkdir(parents=True)
     (hs / "done").mkdir()
@@ -291,12 +338,15 @@ def coordinate(args) -> int:
     sample_peak = kind == "cpu" and not args.peak_tflops
     if sample_peak:
         import torch
+
         threads = load_config(args.config, args.overrides).trainer.threads
         if threads:
             torch.set_num_threads(threads)
     peak, peak_source = profiling.device_peak_flops(kind, args.peak_tflops * 1e12 if args.peak_tflops else None)
     if sample_peak:
-        peak_source = f"cpu: best 1024x1024 fp32 matmul rate, sampled between step pairs, {threads or 'default'} thread(s)"
+        peak_source = (
+            f"cpu: best 1024x1024 fp32 matmul rate, sampled between step pairs, {threads or 'default'} thread(s)"
+        )
     print(f"device {kind}: peak {peak / 1e12:.3f} TFLOP/s at start ({peak_source})", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SystemExit: the except below stops the workers
 
@@ -310,13 +360,16 @@ def coordinate(args) -> int:
             _await(hs / f"ready-{n}", procs, out, args.timeout)
             info[n] = json.loads((hs / f"ready-{n}").read_text())
         for step in range(1, total + 1):
-            for n in (names if step % 2 else names[::-1]):  # alternate who goes first
+            for n in names if step % 2 else names[::-1]:  # alternate who goes first
                 (hs / "go" / f"{n}-{step}").touch()
                 _await(hs / "done" / f"{n}-{step}.json", {n: procs[n]}, out, args.timeout)
                 m = json.loads((hs / "done" / f"{n}-{step}.json").read_text())
                 steps[n].append(m)
-                print(f"step {step:3d} {n}: {m['time/step']:.3f}s (rollout {m['time/rollout']:.3f} "
-                      f"train {m['time/train']:.3f} sync {m['time/sync']:.3f})", flush=True)
+                print(
+                    f"step {step:3d} {n}: {m['time/step']:.3f}s (rollout {m['time/rollout']:.3f} "
+                    f"train {m['time/train']:.3f} sync {m['time/sync']:.3f})",
+                    flush=True,
+                )
             if sample_peak:
                 peak = max(peak, profiling.measure_matmul_flops(seconds=0.2))
     except BaseException:
@@ -324,15 +377,19 @@ def coordinate(args) -> int:
         raise
     (hs / "stop").touch()  # the workers close their Trainers while the summary and chart are made
 
-    measured = {n: [s for s in steps[n][args.warmup:] if not s["traced"]] for n in names}
+    measured = {n: [s for s in steps[n][args.warmup :] if not s["traced"]] for n in names}
     result = {
-        "config": args.config, "overrides": args.overrides,
+        "config": args.config,
+        "overrides": args.overrides,
         "method_overrides": {n: METHODS[n] + shlex.split(getattr(args, n)) for n in names},
-        "device": kind, "peak_flops": peak, "peak_source": peak_source,
+        "device": kind,
+        "peak_flops": peak,
+        "peak_source": peak_source,
         "flop_formula": "forward/token = 2*N_matmul + 4*n_layers*n_heads*head_dim*(i+1) at position i; "
-                        "train = 3x forward; N_matmul excludes the embedding lookup, includes the head "
-                        "(docs/profiling.md)",
-        "steps": args.steps, "warmup": args.warmup,
+        "train = 3x forward; N_matmul excludes the embedding lookup, includes the head "
+        "(docs/profiling.md)",
+        "steps": args.steps,
+        "warmup": args.warmup,
         "engine_init_s": {n: info[n]["engine_init_s"] for n in names},
         "methods": {n: summarize(measured[n], peak, info[n]["world"], info[n]["model_parallel"]) for n in names},
         "per_step": steps,
@@ -348,8 +405,9 @@ def coordinate(args) -> int:
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     chart(result, out / "profile.png")
     print(report(result))
-    print(f"wrote {out / 'profile.json'} and {out / 'profile.png'}" +
-          (f"; traces in {args.trace}" if args.trace else ""))
+    print(
+        f"wrote {out / 'profile.json'} and {out / 'profile.png'}" + (f"; traces in {args.trace}" if args.trace else "")
+    )
     _stop(hs, procs)
     return 0
 
@@ -367,27 +425,33 @@ def _stop(hs: Path, procs: dict) -> None:
 
 
 def report(result: dict) -> str:
-    rows = [("step s (median)", lambda m: m["step_s_median"], "{:.3f}"),
-            ("step s (mean)", lambda m: m["phases_s"]["step"], "{:.3f}")]
+    rows = [
+        ("step s (median)", lambda m: m["step_s_median"], "{:.3f}"),
+        ("step s (mean)", lambda m: m["phases_s"]["step"], "{:.3f}"),
+    ]
     rows += [(f"  {p} s", lambda m, p=p: m["phases_s"][p], "{:.3f}") for p in (*profiling.PHASES, "other")]
-    rows += [("tokens/s/GPU step", lambda m: m["tokens_per_s_per_gpu"]["step"], "{:.0f}"),
-             ("tokens/s/GPU generation", lambda m: m["tokens_per_s_per_gpu"]["generation"], "{:.0f}"),
-             ("tokens/s/GPU train", lambda m: m["tokens_per_s_per_gpu"]["train"], "{:.0f}"),
-             ("MFU train %", lambda m: 100 * m["mfu"]["train"], "{:.2f}"),
-             ("MFU rollout %", lambda m: 100 * m["mfu"]["rollout"], "{:.2f}"),
-             ("MFU step %", lambda m: 100 * m["mfu"]["step"], "{:.2f}"),
-             ("pack density", lambda m: m["pack_density"], "{:.3f}"),
-             ("prompts kept", lambda m: m["prompts_kept_frac"], "{:.3f}"),
-             ("completions trained", lambda m: m["completions_kept_frac"], "{:.3f}"),
-             ("tokens trained/step", lambda m: m["tokens_per_step"]["trained"], "{:.0f}")]
+    rows += [
+        ("tokens/s/GPU step", lambda m: m["tokens_per_s_per_gpu"]["step"], "{:.0f}"),
+        ("tokens/s/GPU generation", lambda m: m["tokens_per_s_per_gpu"]["generation"], "{:.0f}"),
+        ("tokens/s/GPU train", lambda m: m["tokens_per_s_per_gpu"]["train"], "{:.0f}"),
+        ("MFU train %", lambda m: 100 * m["mfu"]["train"], "{:.2f}"),
+        ("MFU rollout %", lambda m: 100 * m["mfu"]["rollout"], "{:.2f}"),
+        ("MFU step %", lambda m: 100 * m["mfu"]["step"], "{:.2f}"),
+        ("pack density", lambda m: m["pack_density"], "{:.3f}"),
+        ("prompts kept", lambda m: m["prompts_kept_frac"], "{:.3f}"),
+        ("completions trained", lambda m: m["completions_kept_frac"], "{:.3f}"),
+        ("tokens trained/step", lambda m: m["tokens_per_step"]["trained"], "{:.0f}"),
+    ]
     ms = result["methods"]
     lines = [f"{'':26s}" + "".join(f"{n.upper():>10s}" for n in ms)]
     for label, get, fmt in rows:
         lines.append(f"{label:26s}" + "".join(f"{fmt.format(get(m)):>10s}" for m in ms.values()))
-    lines.append(f"GRPO/DPPO step time: {result['speedup']:.2f}x mean, {result['speedup_median']:.2f}x median, "
-                 f"{result['speedup_paired_median']:.2f}x median of step pairs, "
-                 f"over {result['steps']} steps each "
-                 f"(peak {result['peak_flops'] / 1e12:.3f} TFLOP/s, {result['peak_source']})")
+    lines.append(
+        f"GRPO/DPPO step time: {result['speedup']:.2f}x mean, {result['speedup_median']:.2f}x median, "
+        f"{result['speedup_paired_median']:.2f}x median of step pairs, "
+        f"over {result['steps']} steps each "
+        f"(peak {result['peak_flops'] / 1e12:.3f} TFLOP/s, {result['peak_source']})"
+    )
     return "\n".join(lines)
 
 
@@ -400,8 +464,12 @@ def main(argv=None) -> int:
     p.add_argument("--grpo", default="", help="extra overrides for GRPO (quoted, space-separated)")
     p.add_argument("--dppo", default="", help="extra overrides for DPPO, e.g. 'pruning.r_q=0.3 pruning.r_o=0.3'")
     p.add_argument("--device", default="", help="h100 | h200 | a100 | cpu (default: detect)")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak; default: the table, or "
-                   "on a CPU a quick matmul measurement")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=0.0,
+        help="device peak; default: the table, or on a CPU a quick matmul measurement",
+    )
     p.add_argument("--nproc", type=int, default=1, help="processes per method (torchrun)")
     p.add_argument("--trace", default="", help="write torch profiler chrome traces of extra steps here")
     p.add_argument("--trace-steps", type=int, default=2)

@@ -26,6 +26,7 @@ growth sites between two late snapshots (at 50% and 100% of the post-warm-up ste
 The summary prints the RSS growth from the end of the warm-up to the last step (target: <= 5%
 over 1000 steps) and the least-squares slope in MB per 100 steps over the post-warm-up rows.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,32 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-SOAK_DEFAULTS = ["trainer.eval_every=250", "trainer.save_every=250", "trainer.max_time_s=0",
-                 "logging.wandb=disabled", "logging.progress=false", "trainer.threads=1"]
+SOAK_DEFAULTS = [
+    "trainer.eval_every=250",
+    "trainer.save_every=250",
+    "trainer.max_time_s=0",
+    "logging.wandb=disabled",
+    "logging.progress=false",
+    "trainer.threads=1",
+]
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc():
@@ -93,8 +112,10 @@ class PhaseGrowth:
     def report(self) -> str:
         if not self.totals:
             return ""
-        lines = ["growth by phase after the warm-up (sum over calls of the change across each call):",
-                 f"  {'phase':<10} {'calls':>6} {'malloc_used_mb':>15} {'rss_mb':>10}"]
+        lines = [
+            "growth by phase after the warm-up (sum over calls of the change across each call):",
+            f"  {'phase':<10} {'calls':>6} {'malloc_used_mb':>15} {'rss_mb':>10}",
+        ]
         for phase, (used, rss, calls) in self.totals.items():
             lines.append(f"  {phase:<10} {calls:>6} {used:>+15.1f} {rss:>+10.1f}")
         return "\n".join(lines)
@@ -129,20 +150,25 @@ class MemoryLog:
         row = {"step": step, "rss_mb": rss_mb(), "py_objects": len(gc.get_objects())}
         if self.libc is not None:
             mi = self.libc.mallinfo2()
-            row.update(malloc_used_mb=mi.uordblks / 2**20, malloc_free_mb=mi.fordblks / 2**20,
-                       mmap_mb=mi.hblkhd / 2**20)
+            row.update(
+                malloc_used_mb=mi.uordblks / 2**20, malloc_free_mb=mi.fordblks / 2**20, mmap_mb=mi.hblkhd / 2**20
+            )
         if tracemalloc.is_tracing():
             row["traced_mb"] = tracemalloc.get_traced_memory()[0] / 2**20
         self.rows.append(row)
         print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     def table(self) -> str:
-        cols = [c for c in ("step", "rss_mb", "py_objects", "malloc_used_mb", "malloc_free_mb", "mmap_mb",
-                            "traced_mb") if any(c in r for r in self.rows)]
+        cols = [
+            c
+            for c in ("step", "rss_mb", "py_objects", "malloc_used_mb", "malloc_free_mb", "mmap_mb", "traced_mb")
+            if any(c in r for r in self.rows)
+        ]
         lines = [" ".join(f"{c:>14}" for c in cols)]
         for r in self.rows:
-            lines.append(" ".join(f"{r[c]:>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, ''):>14}"
-                                  for c in cols))
+            lines.append(
+                " ".join(f"{r[c]:>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, ''):>14}" for c in cols)
+            )
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -154,9 +180,11 @@ class MemoryLog:
         xs, ys = [r["step"] for r in late], [r["rss_mb"] for r in late]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9)
-        return (f"RSS {first['rss_mb']:.1f} MB at step {first['step']} (end of warm-up) -> {last['rss_mb']:.1f} MB "
-                f"at step {last['step']}: {growth:+.1%} over {last['step'] - first['step']} steps; slope "
-                f"{slope * 100:+.2f} MB per 100 steps (target: <= +5% over 1000 steps)")
+        return (
+            f"RSS {first['rss_mb']:.1f} MB at step {first['step']} (end of warm-up) -> {last['rss_mb']:.1f} MB "
+            f"at step {last['step']}: {growth:+.1%} over {last['step'] - first['step']} steps; slope "
+            f"{slope * 100:+.2f} MB per 100 steps (target: <= +5% over 1000 steps)"
+        )
 
     def growth_sites(self, top: int = 15) -> str:
         if len(self.snapshots) < 2:
@@ -179,10 +207,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=100, help="steps before the growth is measured")
     ap.add_argument("--tracemalloc", action="store_true")
     ap.add_argument("--malloc-trim-every", type=int, default=0)
-    ap.add_argument("--by-phase", action="store_true", help="attribute malloc/RSS growth to rollout, reward, train, sync")
-    ap.add_argument("--no-vllm-onednn", action="store_true",
-                    help="CPU: vLLM's linear layers use torch's GEMM instead of oneDNN handlers (whose per-shape "
-                         "primitive caches grow with every new batch size)")
+    ap.add_argument(
+        "--by-phase", action="store_true", help="attribute malloc/RSS growth to rollout, reward, train, sync"
+    )
+    ap.add_argument(
+        "--no-vllm-onednn",
+        action="store_true",
+        help="CPU: vLLM's linear layers use torch's GEMM instead of oneDNN handlers (whose per-shape "
+        "primitive caches grow with every new batch size)",
+    )
     ap.add_argument("--malloc-arena-max", type=int, default=0, help="re-run with MALLOC_ARENA_MAX set")
     ap.add_argument("--out", default="", help="run dir parent (default: a temporary dir)")
     ap.add_argument("overrides", nargs="*")
@@ -198,22 +231,29 @@ def main() -> int:
     from megatron_dppo.quiet import quiet_libraries
 
     out = args.out or tempfile.mkdtemp(prefix="soak-")
-    overrides = SOAK_DEFAULTS + [f"trainer.max_steps={args.steps}", f"trainer.output_dir={out}",
-                                 "trainer.run_name=soak"] + args.overrides
+    overrides = (
+        SOAK_DEFAULTS
+        + [f"trainer.max_steps={args.steps}", f"trainer.output_dir={out}", "trainer.run_name=soak"]
+        + args.overrides
+    )
     cfg = load_config(args.config, overrides)
     quiet_libraries(verbose=cfg.logging.verbose)
     validate(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.no_vllm_onednn:
         import vllm._custom_ops
+
         vllm._custom_ops._supports_onednn = False  # read when the engine's model is loaded
     from megatron_dppo.trainer import Trainer
 
     log = MemoryLog(args.every, args.warmup, args.steps, args.tracemalloc, args.malloc_trim_every)
-    print(f"soak: {args.steps} steps of {args.config} {' '.join(args.overrides)} in {out}; "
-          f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')}, malloc_trim every "
-          f"{args.malloc_trim_every or 'never'}, tracemalloc {'on' if args.tracemalloc else 'off'}, vLLM oneDNN GEMM "
-          f"{'off' if args.no_vllm_onednn else 'on'}", flush=True)
+    print(
+        f"soak: {args.steps} steps of {args.config} {' '.join(args.overrides)} in {out}; "
+        f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')}, malloc_trim every "
+        f"{args.malloc_trim_every or 'never'}, tracemalloc {'on' if args.tracemalloc else 'off'}, vLLM oneDNN GEMM "
+        f"{'off' if args.no_vllm_onednn else 'on'}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     print(f"trainer started in {time.perf_counter() - t0:.1f}s, RSS {rss_mb():.1f} MB", flush=True)
@@ -227,8 +267,12 @@ def main() -> int:
     trainer.step = measured_step
     if args.by_phase:
         log.phases = PhaseGrowth(log.libc)
-        for obj, attr, phase in ((trainer.engine, "generate", "rollout"), (trainer.scorer, "score", "reward"),
-                                 (trainer.policy, "train_step", "train"), (trainer, "_sync_weights", "sync")):
+        for obj, attr, phase in (
+            (trainer.engine, "generate", "rollout"),
+            (trainer.scorer, "score", "reward"),
+            (trainer.policy, "train_step", "train"),
+            (trainer, "_sync_weights", "sync"),
+        ):
             log.phases.wrap(obj, attr, phase)
     t0 = time.perf_counter()
     try:
@@ -237,8 +281,10 @@ def main() -> int:
         trainer.close()
     print(f"\n{args.steps} steps in {time.perf_counter() - t0:.0f}s\n{log.table()}\n{log.summary()}")
     if args.malloc_trim_every:
-        print(f"malloc_trim(0) every {args.malloc_trim_every} steps took {log.trim_s:.2f}s in total "
-              f"({log.trim_s / (args.steps // args.malloc_trim_every) * 1000:.1f} ms a call)")
+        print(
+            f"malloc_trim(0) every {args.malloc_trim_every} steps took {log.trim_s:.2f}s in total "
+            f"({log.trim_s / (args.steps // args.malloc_trim_every) * 1000:.1f} ms a call)"
+        )
     for extra in (log.phases.report() if log.phases else "", log.growth_sites()):
         if extra:
             print(extra)

@@ -1,12 +1,17 @@
 """Argument checks shared by the algorithm functions: each error names the argument."""
+
 import math
 
 import torch
 
 
 def check_ratio(name: str, ratio: float) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio) \
-            or not 0.0 <= ratio < 1.0:
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, (int, float))
+        or not math.isfinite(ratio)
+        or not 0.0 <= ratio < 1.0
+    ):
         raise ValueError(f"{name} must be a number in [0, 1), got {ratio!r}")
     return float(ratio)
 

@@ -1,4 +1,5 @@
 """Group-relative advantages, computed on the FULL group before any completion is pruned."""
+
 from typing import get_args
 
 import torch

@@ -4,6 +4,7 @@ Keyed by a stable prompt id (str). The trainer records EVERY rolled-out prompt, 
 filter (zero-variance groups included: they are the most prunable). Saved as JSON beside the
 checkpoint: no pickled code.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,13 @@ class PromptHistory:
 
         def column(k, missing, dtype):
             return torch.tensor([missing if r is None else r[k] for r in rows], dtype=dtype)
-        return PromptStats(score=column(0, math.nan, torch.float32), zero_var_streak=column(1, 0, torch.long),
-                           easy_streak=column(3, 0, torch.long), hard_streak=column(4, 0, torch.long))
+
+        return PromptStats(
+            score=column(0, math.nan, torch.float32),
+            zero_var_streak=column(1, 0, torch.long),
+            easy_streak=column(3, 0, torch.long),
+            hard_streak=column(4, 0, torch.long),
+        )
 
     def update(self, prompt_ids, rewards: torch.Tensor) -> None:
         """Record one rollout of each prompt: rewards [len(prompt_ids), G]."""
@@ -57,11 +63,13 @@ class PromptHistory:
         for pid, std, mean in zip(ids, stds, means):
             old = self._rows.get(pid, [None, 0, 0, 0, 0])
             score = std if old[0] is None or self.ema == 0 else self.ema * old[0] + (1 - self.ema) * std
-            self._rows[pid] = [score,
-                               old[1] + 1 if std == 0 else 0,
-                               old[2] + 1,
-                               old[3] + 1 if mean >= EASY_MEAN else 0,
-                               old[4] + 1 if mean <= HARD_MEAN else 0]
+            self._rows[pid] = [
+                score,
+                old[1] + 1 if std == 0 else 0,
+                old[2] + 1,
+                old[3] + 1 if mean >= EASY_MEAN else 0,
+                old[4] + 1 if mean <= HARD_MEAN else 0,
+            ]
 
     def state_dict(self) -> dict:
         return {"version": _VERSION, "ema": self.ema, "prompts": {pid: list(r) for pid, r in self._rows.items()}}
@@ -69,9 +77,11 @@ class PromptHistory:
     def load_state_dict(self, state: dict) -> None:
         """Loads version 2 and the older version 1 (which had no easy/hard streaks: they start at
         0, so GRESO treats those prompts as neither easy nor hard until their next rollout)."""
-        expected = ("{'version': 2, 'ema': float, 'prompts': {id: [score, zero_var_streak, visits, "
-                    "easy_streak, hard_streak]}} (or version 1: {'ema': float, 'prompts': {id: [score, "
-                    "zero_var_streak, visits]}})")
+        expected = (
+            "{'version': 2, 'ema': float, 'prompts': {id: [score, zero_var_streak, visits, "
+            "easy_streak, hard_streak]}} (or version 1: {'ema': float, 'prompts': {id: [score, "
+            "zero_var_streak, visits]}})"
+        )
         if not isinstance(state, dict):
             raise ValueError(f"prompt history state must be a JSON object {expected}, got {type(state).__name__}")
         version = state.get("version", 1)
@@ -88,8 +98,10 @@ class PromptHistory:
         rows = {}
         for pid, v in prompts.items():
             if not isinstance(v, list) or len(v) != width:
-                raise ValueError(f"prompt history state is malformed: prompt {pid!r} has {v!r}, expected a list "
-                                 f"of {width} numbers [{', '.join(_FIELDS[:width])}] (version {version})")
+                raise ValueError(
+                    f"prompt history state is malformed: prompt {pid!r} has {v!r}, expected a list "
+                    f"of {width} numbers [{', '.join(_FIELDS[:width])}] (version {version})"
+                )
             try:
                 row = [float(v[0])] + [int(x) for x in v[1:]] + [0] * (len(_FIELDS) - width)
             except (TypeError, ValueError) as e:
@@ -108,7 +120,7 @@ class PromptHistory:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str) -> "PromptHistory":
+    def load(cls, path: str) -> PromptHistory:
         with open(path) as f:
             try:
                 state = json.load(f)

@@ -9,6 +9,7 @@ changes (the DPPO weight of t's sequence over a full-batch denominator). Summing
 micro-batches, pipeline stages and data-parallel ranks gives the same number whatever the
 split, and its expectation over the pruning masks is the full-batch loss.
 """
+
 from __future__ import annotations
 
 from typing import get_args
@@ -25,7 +26,8 @@ KL_ESTIMATORS = get_args(KlEstimator)
 def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
     sums = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_index, values)
     counts = torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(
-        0, seq_index, torch.ones_like(values))
+        0, seq_index, torch.ones_like(values)
+    )
     return sums / counts.clamp(min=1)
 
 
@@ -41,11 +43,20 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-                clip_low: float = 0.2, clip_high: float = 0.2, ratio_type: str = "token",
-                seq_index: torch.Tensor | None = None, num_seqs: int | None = None,
-                ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3"):
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio_type: str = "token",
+    seq_index: torch.Tensor | None = None,
+    num_seqs: int | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+):
     """Per-token clipped surrogate loss (+ beta * KL): returns (loss [T], stats dict).
 
     ratio_type "token": rho_t = pi/pi_old per token (GRPO; DAPO = clip_high 0.28).
@@ -55,8 +66,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     if ratio_type not in RATIO_TYPES:
         raise ValueError(f"ratio_type must be one of {RATIO_TYPES}, got {ratio_type!r}")
     if not (logp.shape == old_logp.shape == advantages.shape) or logp.dim() != 1:
-        raise ValueError(f"logp, old_logp and advantages must be equal 1-D shapes, got "
-                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}")
+        raise ValueError(
+            f"logp, old_logp and advantages must be equal 1-D shapes, got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}"
+        )
     log_ratio = logp - old_logp
     if ratio_type == "sequence":
         if seq_index is None or num_seqs is None:
@@ -79,8 +92,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, stats
 
 
-def token_coefficients(seq_index: torch.Tensor, seq_weight: torch.Tensor, seq_length: torch.Tensor,
-                       loss_agg: str, denominator: float) -> torch.Tensor:
+def token_coefficients(
+    seq_index: torch.Tensor, seq_weight: torch.Tensor, seq_length: torch.Tensor, loss_agg: str, denominator: float
+) -> torch.Tensor:
     """coef [T] float64 with loss = sum_t coef_t * loss_t (cast it to the loss dtype at use).
 
     seq_weight [S]: the DPPO weight w_q * w_o of each sequence (1 without pruning).
@@ -102,10 +116,15 @@ def aggregate(token_loss: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     return (token_loss * coef.to(token_loss.dtype)).sum()
 
 
-def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
-                           completion_lengths: torch.Tensor | None = None,
-                           prompt_weight: torch.Tensor | None = None,
-                           max_response_length: int | None = None) -> float:
+def full_batch_denominator(
+    loss_agg: str,
+    *,
+    num_prompts: int,
+    group_size: int,
+    completion_lengths: torch.Tensor | None = None,
+    prompt_weight: torch.Tensor | None = None,
+    max_response_length: int | None = None,
+) -> float:
     """The denominator the unpruned batch of num_prompts x group_size would have had.
     num_prompts may be fractional: with refill (DAPO) it is the trained groups' total weight.
 
@@ -132,8 +151,9 @@ def full_batch_denominator(loss_agg: str, *, num_prompts: int, group_size: int,
     per_prompt = completion_lengths.double().sum(dim=1)
     if prompt_weight is not None:
         if prompt_weight.shape != per_prompt.shape:
-            raise ValueError(f"prompt_weight must have shape {tuple(per_prompt.shape)}, "
-                             f"got {tuple(prompt_weight.shape)}")
+            raise ValueError(
+                f"prompt_weight must have shape {tuple(per_prompt.shape)}, got {tuple(prompt_weight.shape)}"
+            )
         per_prompt = per_prompt * prompt_weight.double()
     total = float(per_prompt.sum())
     if total <= 0:
@@ -154,13 +174,15 @@ def kept_denominator(loss_agg: str, seq_weight: torch.Tensor, lengths: torch.Ten
     return n
 
 
-def refill_denominator(loss_agg: str, group_weight: torch.Tensor, lengths: torch.Tensor, group_size: int,
-                       max_len: int) -> float:
+def refill_denominator(
+    loss_agg: str, group_weight: torch.Tensor, lengths: torch.Tensor, group_size: int, max_len: int
+) -> float:
     """The DAPO + DPPO rule (docs/algorithm.md): the aggregation's normaliser of the unpruned
     batch, estimated with the trained groups' weights W_g: G * sum W, G * Lmax * sum W, or
     sum_g W_g * tokens_g (lengths [groups, G], all G completions of each trained group)."""
     if loss_agg == "token-mean":
-        return full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size,
-                                      completion_lengths=lengths, prompt_weight=group_weight)
+        return full_batch_denominator(
+            loss_agg, num_prompts=1, group_size=group_size, completion_lengths=lengths, prompt_weight=group_weight
+        )
     per_group = full_batch_denominator(loss_agg, num_prompts=1, group_size=group_size, max_response_length=max_len)
     return per_group * float(group_weight.double().sum())

@@ -6,6 +6,7 @@ random, and the survivors of C reweighted by |C| / (|C| - m). Every member then 
 E[weight * 1{kept}] = 1, so any loss that is a fixed-weight sum over members keeps its
 expectation (and its gradient's) equal to the full batch's.
 """
+
 from __future__ import annotations
 
 import math
@@ -61,8 +62,9 @@ def completion_candidates(advantages: torch.Tensor, rule: str = "low") -> torch.
     return low if rule == "low" else ~low
 
 
-def prune_completions(advantages: torch.Tensor, ratio: float, generator: torch.Generator | None = None,
-                      rule: str = "low"):
+def prune_completions(
+    advantages: torch.Tensor, ratio: float, generator: torch.Generator | None = None, rule: str = "low"
+):
     """DPPO completion-level pruning (after rollout, on the full group's advantages).
 
     advantages float [num_prompts, G] -> keep bool [num_prompts, G], weight float
@@ -98,8 +100,7 @@ def prompt_candidates(scores: torch.Tensor, rule: str = "low") -> torch.Tensor:
     return seen & (low if rule == "low" else ~low)
 
 
-def prune_prompts(scores: torch.Tensor, ratio: float, generator: torch.Generator | None = None,
-                  rule: str = "low"):
+def prune_prompts(scores: torch.Tensor, ratio: float, generator: torch.Generator | None = None, rule: str = "low"):
     """DPPO prompt-level pruning (before rollout: skipped prompts are never generated).
 
     scores float [num_prompts] (history score H(q), NaN for no history) -> keep bool
@@ -133,8 +134,9 @@ HARD_MEAN = 0.11
 @dataclass
 class PromptStats:
     """The history store's view of one batch of prompts (algorithms/history.py)."""
-    score: torch.Tensor                      # float [P]; NaN = never rolled out
-    zero_var_streak: torch.Tensor            # long [P]; consecutive zero-variance rollouts up to now
+
+    score: torch.Tensor  # float [P]; NaN = never rolled out
+    zero_var_streak: torch.Tensor  # long [P]; consecutive zero-variance rollouts up to now
     easy_streak: torch.Tensor | None = None  # long [P]; consecutive rollouts with group mean >= EASY_MEAN
     hard_streak: torch.Tensor | None = None  # long [P]; consecutive rollouts with group mean <= HARD_MEAN
 
@@ -156,6 +158,7 @@ class PruningStrategy:
     filters_zero_variance: the method's own pipeline drops zero-variance groups (dynamic sampling).
     denominator: "full" (the unpruned batch's normaliser) or "kept" (what was trained, as CPPO does).
     """
+
     name = "none"
     unbiased = True
     refills = False
@@ -187,8 +190,10 @@ class PruningStrategy:
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            raise ValueError(f"pruning strategy {self.name!r} keeps no state, but the checkpoint has "
-                             f"{sorted(state)}: was it saved by another strategy?")
+            raise ValueError(
+                f"pruning strategy {self.name!r} keeps no state, but the checkpoint has "
+                f"{sorted(state)}: was it saved by another strategy?"
+            )
 
 
 NoPruning = PruningStrategy  # GRPO (and DAPO/GSPO/Dr.GRPO): every prompt rolled out, every completion trained
@@ -197,6 +202,7 @@ NoPruning = PruningStrategy  # GRPO (and DAPO/GSPO/Dr.GRPO): every prompt rolled
 class DPPO(PruningStrategy):
     """Unbiased dynamic pruning: low-information prompts and low-|A| completions, reweighted.
     rule="high" is the reverse ablation (prune the informative ones instead)."""
+
     name = "dppo"
 
     def __init__(self, rule: str = "low"):
@@ -220,6 +226,7 @@ class CPPO(PruningStrategy):
     allocation=True): draw int(B / (1 - P)) prompts, then keep the int(N * (1 - P)) completions
     with the largest |A| over the WHOLE rolled-out batch of N, no reweighting, and normalise the
     loss over the kept completions. Ties in |A| are broken uniformly at random (ours)."""
+
     name = "cppo"
     unbiased = False
     denominator = "kept"
@@ -244,6 +251,7 @@ class CPPO(PruningStrategy):
 class CPPOGroup(PruningStrategy):
     """The earlier, weaker CPPO variant ("cppo-group"): the top G - floor(G * P) completions of EACH
     group by |A|, no over-sampling, no reweighting, the full-batch denominator."""
+
     name = "cppo-group"
     unbiased = False
 
@@ -276,6 +284,7 @@ class GRESO(PruningStrategy):
       prompt seen in an earlier step.
     p_easy and p_hard start at 1 - r_q (their scripts: 0.5).
     """
+
     name = "greso"
     unbiased = False
     refills = True
@@ -283,8 +292,9 @@ class GRESO(PruningStrategy):
     sampling_factor = 1.5
     skip_floor = 0.01
 
-    def __init__(self, target_zero_variance: float = 0.25, p_step: float = 0.01, min_p: float = 0.05,
-                 max_p: float = 0.95):
+    def __init__(
+        self, target_zero_variance: float = 0.25, p_step: float = 0.01, min_p: float = 0.05, max_p: float = 0.95
+    ):
         self.target_easy = target_zero_variance / 3
         self.target_hard = 2 * target_zero_variance / 3
         self.p_step, self.min_p, self.max_p = p_step, min_p, max_p
@@ -302,13 +312,17 @@ class GRESO(PruningStrategy):
 
     def skip_probability(self, stats: PromptStats) -> torch.Tensor:
         """float64 [P]: each prompt's chance of being skipped (0 without an easy or hard streak)."""
+
         def p_skip(p, streak):
-            prob = 1.0 - torch.clamp(torch.pow(torch.full_like(streak, p, dtype=torch.float64), streak.double()),
-                                     min=self.skip_floor)
+            prob = 1.0 - torch.clamp(
+                torch.pow(torch.full_like(streak, p, dtype=torch.float64), streak.double()), min=self.skip_floor
+            )
             return torch.where(streak > 0, prob, torch.zeros_like(prob))
+
         # At most one streak is non-zero: the last rollout was either easy, hard or neither.
-        return torch.where(stats.easy_streak > 0, p_skip(self.p_easy, stats.easy_streak),
-                           p_skip(self.p_hard, stats.hard_streak))
+        return torch.where(
+            stats.easy_streak > 0, p_skip(self.p_easy, stats.easy_streak), p_skip(self.p_hard, stats.hard_streak)
+        )
 
     def prune_prompts(self, stats, ratio, generator=None):
         self._init_p(check_ratio("ratio", ratio))
@@ -337,8 +351,7 @@ class GRESO(PruningStrategy):
         return max(p - self.p_step, self.min_p) if too_many else min(p + self.p_step, self.max_p)
 
     def state_dict(self) -> dict:
-        return {"p_easy": self.p_easy, "p_hard": self.p_hard, "adapting": self.adapting,
-                "seen": sorted(self._seen)}
+        return {"p_easy": self.p_easy, "p_hard": self.p_hard, "adapting": self.adapting, "seen": sorted(self._seen)}
 
     def load_state_dict(self, state: dict) -> None:
         try:
@@ -352,13 +365,16 @@ class GRESO(PruningStrategy):
             self.adapting = state["adapting"]
             self._seen = {str(i) for i in state["seen"]}
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"greso strategy state is malformed ({e!r}): expected "
-                             "{'p_easy': float|null, 'p_hard': float|null, 'adapting': bool, 'seen': [id, ...]}") from e
+            raise ValueError(
+                f"greso strategy state is malformed ({e!r}): expected "
+                "{'p_easy': float|null, 'p_hard': float|null, 'adapting': bool, 'seen': [id, ...]}"
+            ) from e
 
 
 class GRESOSimple(PruningStrategy):
     """The earlier, weaker GRESO variant ("greso-simple"): one combined zero-variance streak z,
     skip probability 1 - (1 - r_q)^z, fixed, no refill, no reweighting; completions untouched."""
+
     name = "greso-simple"
     unbiased = False
 

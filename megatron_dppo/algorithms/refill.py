@@ -14,6 +14,7 @@ whenever refill succeeds, and the sum of what was collected when it falls short.
 without reweighting (GRESO) passes weight 1 for kept prompts, so its skipped prompts are simply
 replaced, as in its authors' code. docs/algorithm.md has the rule and why it is consistent.
 """
+
 from __future__ import annotations
 
 

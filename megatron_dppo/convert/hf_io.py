@@ -17,6 +17,7 @@ and renames it into place only when the conversion finished, so a failed or kill
 never leaves a half-written model (a zero-filled shard, a partial model_optim/) where a user or
 a retry would take it for a finished one.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,18 @@ SINGLE = "model.safetensors"
 # generation config, chat template... They are carried along verbatim.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".distcp")
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}
+_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -51,8 +61,9 @@ def _read_header(path: str):
             raise ValueError(f"{path} is {size} bytes: too short for a safetensors header (truncated?)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise ValueError(f"{path}: its header claims {n} bytes but the file has {size}: truncated, "
-                             "or not a safetensors file")
+            raise ValueError(
+                f"{path}: its header claims {n} bytes but the file has {size}: truncated, or not a safetensors file"
+            )
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
@@ -77,20 +88,25 @@ class HFCheckpoint:
                 with open(index) as f:
                     self.weight_map = json.load(f)["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{index}: expected JSON with a \"weight_map\" object "
-                                 f"({type(e).__name__}: {e})") from None
+                raise ValueError(
+                    f'{index}: expected JSON with a "weight_map" object ({type(e).__name__}: {e})'
+                ) from None
             self.source = index
         elif os.path.isfile(os.path.join(path, SINGLE)):
             self.weight_map = {k: SINGLE for k in _read_header(os.path.join(path, SINGLE))[0] if k != "__metadata__"}
             self.source = os.path.join(path, SINGLE)
         else:
-            raise FileNotFoundError(f"{path} has neither {INDEX} nor {SINGLE} (only safetensors checkpoints "
-                                    "are read; convert .bin weights with transformers first)")
+            raise FileNotFoundError(
+                f"{path} has neither {INDEX} nor {SINGLE} (only safetensors checkpoints "
+                "are read; convert .bin weights with transformers first)"
+            )
         missing = sorted({f for f in self.weight_map.values() if not os.path.isfile(os.path.join(path, f))})
         if missing:
             example = next(k for k, f in self.weight_map.items() if f == missing[0])
-            raise FileNotFoundError(f"{self.source} names shard {missing[0]!r} (e.g. for {example!r}), which is "
-                                    f"missing from {path}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+            raise FileNotFoundError(
+                f"{self.source} names shard {missing[0]!r} (e.g. for {example!r}), which is "
+                f"missing from {path}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
 
     def _file(self, name: str) -> str:
         if name not in self.weight_map:
@@ -107,8 +123,9 @@ class HFCheckpoint:
             _, _, offset, length = self._entry(name)
             path = self._file(name)
             if offset + length > os.path.getsize(path):
-                raise ValueError(f"{path} is truncated: {name} ends at byte {offset + length}, the file has "
-                                 f"{os.path.getsize(path)}")
+                raise ValueError(
+                    f"{path} is truncated: {name} ends at byte {offset + length}, the file has {os.path.getsize(path)}"
+                )
 
     def _entry(self, name: str):
         """(dtype, shape, absolute byte offset, byte length) from the shard's header (cached)."""
@@ -120,8 +137,9 @@ class HFCheckpoint:
             raise KeyError(f"{path} has no tensor {name!r}, although {self.source} maps it there")
         e = header[name]
         if e.get("dtype") not in _DTYPE_NAMES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, expected one of "
-                             f"{sorted(_DTYPE_NAMES)}")
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, expected one of {sorted(_DTYPE_NAMES)}"
+            )
         begin, end = e["data_offsets"]
         return _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), base + begin, end - begin
 
@@ -130,7 +148,9 @@ class HFCheckpoint:
         out = torch.empty(shape, dtype=dtype)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
         if len(view) != length:
-            raise ValueError(f"{self._file(name)}: {name} has {length} bytes, its shape {shape} {dtype} needs {len(view)}")
+            raise ValueError(
+                f"{self._file(name)}: {name} has {length} bytes, its shape {shape} {dtype} needs {len(view)}"
+            )
         with open(self._file(name), "rb", buffering=0) as f:
             f.seek(offset)
             while view:  # readinto may return less than asked for
@@ -153,7 +173,7 @@ def copy_assets(src_dir: str, dst_dir: str) -> list:
     os.makedirs(dst_dir, exist_ok=True)
     for name in sorted(os.listdir(src_dir)):
         path = os.path.join(src_dir, name)
-        if (not os.path.isfile(path) or name in ("config.json", INDEX) or name.endswith(_WEIGHT_SUFFIXES)):
+        if not os.path.isfile(path) or name in ("config.json", INDEX) or name.endswith(_WEIGHT_SUFFIXES):
             continue
         shutil.copy2(path, os.path.join(dst_dir, name))
         copied.append(name)
@@ -172,7 +192,7 @@ def _remove_stale_staging(out_dir: str) -> list[str]:
     removed = []
     prefix = _staging_prefix(out_dir)
     for path in glob.glob(glob.escape(prefix) + "*"):
-        pid = path[len(prefix):]
+        pid = path[len(prefix) :]
         if not pid.isdigit():
             continue
         try:
@@ -190,8 +210,10 @@ def _remove_stale_staging(out_dir: str) -> list[str]:
 def check_output_dir(out_dir: str) -> None:
     """A converter's output must not exist yet (an empty directory is fine): FileExistsError."""
     if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):
-        raise FileExistsError(f"{out_dir} already exists and is not an empty directory: choose a new --out-dir "
-                              "(conversions never write into existing output)")
+        raise FileExistsError(
+            f"{out_dir} already exists and is not an empty directory: choose a new --out-dir "
+            "(conversions never write into existing output)"
+        )
 
 
 @contextlib.contextmanager
@@ -242,11 +264,19 @@ def _fsync_tree(root: str) -> None:
 def parse_size(text: str) -> int:
     """'2GB', '500MB', '1GiB', '123' -> bytes; a ValueError naming the text otherwise."""
     t = text.strip().upper()
-    for suffix, mult in (("GIB", 2**30), ("MIB", 2**20), ("KIB", 2**10), ("GB", 10**9), ("MB", 10**6),
-                         ("KB", 10**3), ("B", 1), ("", 1)):
+    for suffix, mult in (
+        ("GIB", 2**30),
+        ("MIB", 2**20),
+        ("KIB", 2**10),
+        ("GB", 10**9),
+        ("MB", 10**6),
+        ("KB", 10**3),
+        ("B", 1),
+        ("", 1),
+    ):
         if t.endswith(suffix):
             try:
-                value = int(float(t[:len(t) - len(suffix)]) * mult)
+                value = int(float(t[: len(t) - len(suffix)]) * mult)
             except ValueError:
                 break
             if value <= 0:
@@ -292,7 +322,7 @@ class SafetensorsShardWriter:
             os.ftruncate(fd, base + off)
             self.fds.append(fd)
             self.total += off
-            for name, shape, dtype, nbytes in shard:
+            for name, shape, dtype, _nbytes in shard:
                 self.where[name] = (fi, base + header[name]["data_offsets"][0], shape, dtype)
         self.pending = set(self.where)
 
@@ -315,7 +345,9 @@ class SafetensorsShardWriter:
             os.close(fd)
         self.fds = []
         if self.pending:
-            raise RuntimeError(f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}")
+            raise RuntimeError(
+                f"{len(self.pending)} planned tensors were never written, e.g. {sorted(self.pending)[:3]}"
+            )
         weight_map = {name: self.files[fi] for name, (fi, *_rest) in self.where.items()}
         with open(os.path.join(self.out_dir, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)

@@ -20,6 +20,7 @@ The fused QKV rows are grouped per KV head: for each group g, its nq/ng query he
 head g, then v head g. A TP rank owns whole groups, so a TP split of linear_qkv is a plain split
 of dim 0; linear_fc1 must be split gate and up separately.
 """
+
 from __future__ import annotations
 
 import re
@@ -58,9 +59,11 @@ def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: 
     """The layout of a supported model; a ValueError naming the config.json field otherwise."""
     archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__.replace("Config", "ForCausalLM")]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} is supported "
-                         "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm and uses "
-                         "llama3 RoPE scaling: neither is mapped nor built by megatron_dppo.megatron.model)")
+        raise ValueError(
+            f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} is supported "
+            "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm and uses "
+            "llama3 RoPE scaling: neither is mapped nor built by megatron_dppo.megatron.model)"
+        )
     # Fields a Qwen3 checkpoint may set that this mapping (or the GPTModel built from the same
     # config) does not carry: refuse rather than convert into a different model.
     if getattr(hf_config, "attention_bias", False):
@@ -70,18 +73,27 @@ def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: 
         raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if hf_config.num_attention_heads % hf_config.num_key_value_heads:
-        raise ValueError(f"config.json num_attention_heads={hf_config.num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads={hf_config.num_key_value_heads}")
+        raise ValueError(
+            f"config.json num_attention_heads={hf_config.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={hf_config.num_key_value_heads}"
+        )
     return Qwen3Layout(
-        num_layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size,
-        num_heads=hf_config.num_attention_heads, num_kv_heads=hf_config.num_key_value_heads,
-        head_dim=head_dim, intermediate=hf_config.intermediate_size, vocab=hf_config.vocab_size,
-        padded_vocab=padded_vocab or hf_config.vocab_size, tied=bool(hf_config.tie_word_embeddings),
-        te_names=te_names)
+        num_layers=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim,
+        intermediate=hf_config.intermediate_size,
+        vocab=hf_config.vocab_size,
+        padded_vocab=padded_vocab or hf_config.vocab_size,
+        tied=bool(hf_config.tie_word_embeddings),
+        te_names=te_names,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Full (unsharded) state dicts, global layer numbering.
+
 
 def _mg_norm_names(layout: Qwen3Layout, i: int):
     p = f"decoder.layers.{i}."
@@ -123,22 +135,28 @@ def _layer_rules(i: int, layout: Qwen3Layout) -> dict:
     same = lambda t: t  # noqa: E731
     return {
         ln1: ((h + "input_layernorm.weight",), same),
-        p + "self_attention.linear_qkv.weight": ((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                                                 lambda q, k, v: fuse_qkv(q, k, v, layout)),
+        p + "self_attention.linear_qkv.weight": (
+            (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            lambda q, k, v: fuse_qkv(q, k, v, layout),
+        ),
         p + "self_attention.q_layernorm.weight": ((a + "q_norm.weight",), same),
         p + "self_attention.k_layernorm.weight": ((a + "k_norm.weight",), same),
         p + "self_attention.linear_proj.weight": ((a + "o_proj.weight",), same),
         ln2: ((h + "post_attention_layernorm.weight",), same),
-        p + "mlp.linear_fc1.weight": ((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                                      lambda gate, up: torch.cat([gate, up], 0)),
+        p + "mlp.linear_fc1.weight": (
+            (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+            lambda gate, up: torch.cat([gate, up], 0),
+        ),
         p + "mlp.linear_fc2.weight": ((h + "mlp.down_proj.weight",), same),
     }
 
 
 def _global_rules(layout: Qwen3Layout) -> dict:
     pad = lambda w: _pad_vocab(w, layout)  # noqa: E731
-    rules = {"embedding.word_embeddings.weight": (("model.embed_tokens.weight",), pad),
-             "decoder.final_layernorm.weight": (("model.norm.weight",), lambda t: t)}
+    rules = {
+        "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), pad),
+        "decoder.final_layernorm.weight": (("model.norm.weight",), lambda t: t),
+    }
     if not layout.tied:
         rules["output_layer.weight"] = (("lm_head.weight",), pad)
     return rules
@@ -176,12 +194,15 @@ def megatron_layer_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
     a = h + "self_attn."
     return {
         h + "input_layernorm.weight": get(ln1),
-        a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v,
+        a + "q_proj.weight": q,
+        a + "k_proj.weight": k,
+        a + "v_proj.weight": v,
         a + "q_norm.weight": get(p + "self_attention.q_layernorm.weight"),
         a + "k_norm.weight": get(p + "self_attention.k_layernorm.weight"),
         a + "o_proj.weight": get(p + "self_attention.linear_proj.weight"),
         h + "post_attention_layernorm.weight": get(ln2),
-        h + "mlp.gate_proj.weight": gate.contiguous(), h + "mlp.up_proj.weight": up.contiguous(),
+        h + "mlp.gate_proj.weight": gate.contiguous(),
+        h + "mlp.up_proj.weight": up.contiguous(),
         h + "mlp.down_proj.weight": get(p + "mlp.linear_fc2.weight"),
     }
 
@@ -191,6 +212,7 @@ def _getter(sd: dict, what: str):
         if name not in sd:
             raise KeyError(f"{what} state dict has no tensor {name!r}")
         return sd[name]
+
     return get
 
 
@@ -204,9 +226,11 @@ def hf_to_megatron(hf_sd: dict, layout: Qwen3Layout) -> dict:
 
 def _global_to_hf(layout: Qwen3Layout) -> dict:
     """HF name -> (megatron name, how): the tensors outside the decoder layers (vocab padding cut)."""
-    trim = lambda w: w[:layout.vocab].contiguous()  # noqa: E731
-    rules = {"model.embed_tokens.weight": ("embedding.word_embeddings.weight", trim),
-             "model.norm.weight": ("decoder.final_layernorm.weight", lambda t: t)}
+    trim = lambda w: w[: layout.vocab].contiguous()  # noqa: E731
+    rules = {
+        "model.embed_tokens.weight": ("embedding.word_embeddings.weight", trim),
+        "model.norm.weight": ("decoder.final_layernorm.weight", lambda t: t),
+    }
     if not layout.tied:
         rules["lm_head.weight"] = ("output_layer.weight", trim)
     return rules
@@ -310,8 +334,7 @@ def to_global_name(local: str, pp_rank: int, pp_size: int, num_layers: int) -> s
     return f"decoder.layers.{int(m.group(1)) + start}.{m.group(2)}"
 
 
-def shard_for_rank(full_mg: dict, layout: Qwen3Layout, tp_rank: int, tp_size: int,
-                   pp_rank: int, pp_size: int) -> dict:
+def shard_for_rank(full_mg: dict, layout: Qwen3Layout, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> dict:
     """The local state dict one (tp_rank, pp_rank) holds, from a full megatron state dict."""
     out = {}
     for name, tensor in full_mg.items():
@@ -320,6 +343,7 @@ def shard_for_rank(full_mg: dict, layout: Qwen3Layout, tp_rank: int, tp_size: in
             out[local] = tp_shard(name, tensor, tp_rank, tp_size)
     if layout.tied and pp_size > 1 and pp_rank == pp_size - 1:
         # The last stage holds its own copy of the tied embedding as output_layer.weight.
-        out["output_layer.weight"] = tp_shard("output_layer.weight", full_mg["embedding.word_embeddings.weight"],
-                                              tp_rank, tp_size)
+        out["output_layer.weight"] = tp_shard(
+            "output_layer.weight", full_mg["embedding.word_embeddings.weight"], tp_rank, tp_size
+        )
     return out

@@ -1,17 +1,21 @@
 """Everything that touches Megatron-Core lives in this package (and only here).
 
-  cpu_compat  the CUDA-to-CPU shim (active only without CUDA)
-  parallel    torch.distributed + Megatron parallel state, layout validation
-  model       Qwen3 GPTModel from a transformers config (TE spec or local spec)
-  attention   packed (THD) causal attention for the local spec
-  logprobs    vocab-parallel per-token log-probs and entropy
+cpu_compat  the CUDA-to-CPU shim (active only without CUDA)
+parallel    torch.distributed + Megatron parallel state, layout validation
+model       Qwen3 GPTModel from a transformers config (TE spec or local spec)
+attention   packed (THD) causal attention for the local spec
+logprobs    vocab-parallel per-token log-probs and entropy
 """
 
 from megatron_dppo.megatron.cpu_compat import enable_cpu_compat, suspend_cpu_compat
 from megatron_dppo.megatron.logprobs import token_logprobs, token_logprobs_and_entropy
 from megatron_dppo.megatron.model import build_gpt_model, padded_vocab_size
-from megatron_dppo.megatron.parallel import (data_parallel_rank_and_size, destroy_parallel, initialize_parallel,
-                                             validate_layout)
+from megatron_dppo.megatron.parallel import (
+    data_parallel_rank_and_size,
+    destroy_parallel,
+    initialize_parallel,
+    validate_layout,
+)
 
 __all__ = [
     "enable_cpu_compat",

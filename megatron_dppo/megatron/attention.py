@@ -42,6 +42,7 @@ one, e.g. to compare them side by side through the CLI.
 PackedSeqParams; it also precomputes the row layout on the host, once per micro-batch, so no
 layer reads cu_seqlens back from the device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,8 +81,16 @@ def thd_impl_from_env() -> str:
 
 # ---------------------------------------------------------------------------------- dispatch
 
-def varlen_blocker(*, device_type: str, dtype: torch.dtype, dropout_p: float, head_dim: int,
-                   varlen_importable: bool, flash_usable: bool) -> str | None:
+
+def varlen_blocker(
+    *,
+    device_type: str,
+    dtype: torch.dtype,
+    dropout_p: float,
+    head_dim: int,
+    varlen_importable: bool,
+    flash_usable: bool,
+) -> str | None:
     """Why torch's varlen flash attention cannot run this call (None: it can). Pure: the
     facts about the call are arguments, so the dispatch is tested on a machine without a GPU."""
     if not varlen_importable:
@@ -113,20 +122,28 @@ def choose_thd_impl(requested: str, **facts) -> str:
     return "varlen" if blocker is None else "bucketed"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_usable(device_index: int) -> bool:
-    return (torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(device_index) >= (8, 0))
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device_index) >= (
+        8,
+        0,
+    )
 
 
 def _call_facts(query: torch.Tensor, dropout_p: float) -> dict:
     cuda = query.device.type == "cuda"
-    return dict(device_type=query.device.type, dtype=query.dtype, dropout_p=dropout_p,
-                head_dim=query.size(-1), varlen_importable=varlen_attn is not None,
-                flash_usable=cuda and _flash_usable(query.device.index or 0))
+    return dict(
+        device_type=query.device.type,
+        dtype=query.dtype,
+        dropout_p=dropout_p,
+        head_dim=query.size(-1),
+        varlen_importable=varlen_attn is not None,
+        flash_usable=cuda and _flash_usable(query.device.index or 0),
+    )
 
 
 # ------------------------------------------------------------------------------- the row plan
+
 
 def bucket_sequences(lengths, call_cost_pairs: float) -> list[list[int]]:
     """Group sequences (by index) so that sum over groups of
@@ -171,36 +188,42 @@ class BucketPlan:
                     ever see it: real tokens' outputs and gradients stay exact)
       inverse  [T]  token -> its real slot; tokens outside every sequence -> S (a zero row)
     """
+
     shapes: list[tuple[int, int]]
-    sizes: list[int]                  # slots of each bucket
+    sizes: list[int]  # slots of each bucket
     gather: torch.Tensor
     inverse: torch.Tensor
-    gaps: bool                        # some token is in no sequence (inverse uses the zero row)
+    gaps: bool  # some token is in no sequence (inverse uses the zero row)
 
 
 @dataclasses.dataclass
 class PackedRow:
     """Where the sequences of one packed row are (host lists) and the index tensors the
     bucketed and varlen paths need, built once per micro-batch and shared by every layer."""
+
     lengths: list[int]
     starts: list[int]
-    total: int                        # tokens in the row, padding included
-    max_seqlen: int                   # longest segment (padded when there is padding)
+    total: int  # tokens in the row, padding included
+    max_seqlen: int  # longest segment (padded when there is padding)
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_cu(cls, cu_seqlens, cu_seqlens_padded, total: int, max_seqlen: int | None = None) -> "PackedRow":
+    def from_cu(cls, cu_seqlens, cu_seqlens_padded, total: int, max_seqlen: int | None = None) -> PackedRow:
         cu = [int(x) for x in cu_seqlens.tolist()]
         starts = cu[:-1] if cu_seqlens_padded is None else [int(x) for x in cu_seqlens_padded.tolist()[:-1]]
         lengths = [b - a for a, b in zip(cu, cu[1:])]
         if len(starts) != len(lengths):
-            raise ValueError(f"cu_seqlens_padded has {len(starts) + 1} entries, cu_seqlens {len(cu)}: "
-                             "expected one offset per sequence plus one")
+            raise ValueError(
+                f"cu_seqlens_padded has {len(starts) + 1} entries, cu_seqlens {len(cu)}: "
+                "expected one offset per sequence plus one"
+            )
         end = 0
         for i, (s, n) in enumerate(zip(starts, lengths)):
             if n < 0 or s < end or s + n > total:
-                raise ValueError(f"packed sequence {i} (start {s}, length {n}) does not fit the row of "
-                                 f"{total} tokens after the previous sequence's end {end}")
+                raise ValueError(
+                    f"packed sequence {i} (start {s}, length {n}) does not fit the row of "
+                    f"{total} tokens after the previous sequence's end {end}"
+                )
             end = s + n
         bounds = starts[1:] + [total]
         segment = max([b - a for a, b in zip(starts, bounds)], default=0)
@@ -228,8 +251,9 @@ class PackedRow:
                 gather.append(token.flatten())
                 inverse[token[real]] = offset + torch.arange(rows * width).view(rows, width)[real]
                 offset += rows * width
-            self._cache[key] = BucketPlan(shapes, sizes, torch.cat(gather).to(device), inverse.to(device),
-                                          gaps=sum(self.lengths) < self.total)
+            self._cache[key] = BucketPlan(
+                shapes, sizes, torch.cat(gather).to(device), inverse.to(device), gaps=sum(self.lengths) < self.total
+            )
         return self._cache[key]
 
     def varlen_inputs(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,7 +265,7 @@ class PackedRow:
             if self.has_padding:
                 mask = torch.zeros(self.total, 1, 1, dtype=torch.bool)
                 for s, n in zip(self.starts, self.lengths):
-                    mask[s:s + n] = True
+                    mask[s : s + n] = True
                 mask = mask.to(device)
             self._cache[key] = (offsets.to(device), mask)
         return self._cache[key]
@@ -252,6 +276,7 @@ class PackedRowParams(PackedSeqParams):
     """PackedSeqParams plus the host-side row layout. Megatron and TE read only the base
     fields (TE collects them with dataclasses.fields(PackedSeqParams)), so `row` travels along
     unseen by them."""
+
     row: PackedRow | None = None
 
 
@@ -270,9 +295,16 @@ def packed_seq_params(batch, device=None) -> PackedSeqParams | None:
     if device is not None:
         cu = cu.to(device)
         padded = padded.to(device) if padded is not None else None
-    return PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
-                           max_seqlen_q=row.max_seqlen, max_seqlen_kv=row.max_seqlen, row=row)
+    return PackedRowParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=row.max_seqlen,
+        max_seqlen_kv=row.max_seqlen,
+        row=row,
+    )
 
 
 def _row_of(params, total: int) -> PackedRow:
@@ -286,10 +318,17 @@ def _row_of(params, total: int) -> PackedRow:
 
 # ------------------------------------------------------------------------ the three kernels
 
+
 def _sdpa(q, k, v, *, causal, mask=None, scale, dropout_p):
     """q [.., np, s, hn], k/v [.., ng, s, hn] -> [.., np, s, hn]; GQA by head grouping."""
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, dropout_p=dropout_p,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        dropout_p=dropout_p,
         enable_gqa=q.size(-3) != k.size(-3),
     )
 
@@ -301,7 +340,7 @@ def loop_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0):
     for start, length in zip(row.starts, row.lengths):
         if start > pos:  # padding between sequences
             pieces.append(query.new_zeros(start - pos, heads, hn))
-        q, k, v = (x[start:start + length].transpose(0, 1) for x in (query, key, value))
+        q, k, v = (x[start : start + length].transpose(0, 1) for x in (query, key, value))
         out = _sdpa(q, k, v, causal=True, scale=scale, dropout_p=dropout_p)
         pieces.append(out.transpose(0, 1))
         pos = start + length
@@ -310,8 +349,7 @@ def loop_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0):
     return torch.cat(pieces).reshape(t, heads * hn)
 
 
-def bucketed_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0,
-                       call_cost: float = BUCKET_CALL_COST):
+def bucketed_attention(query, key, value, row: PackedRow, *, scale, dropout_p=0.0, call_cost: float = BUCKET_CALL_COST):
     """One causal SDPA per bucket of similar lengths: [t, np, hn] -> [t, np*hn], zeros on padding.
     (Plain index_select both ways: custom autograd functions whose backward gathers instead of
     scatter-adding measured no faster on CPU, docs/packing.md.)"""
@@ -337,14 +375,25 @@ def varlen_attention(query, key, value, row: PackedRow, *, scale):
     never see padding; padding outputs are zeroed."""
     t, heads, hn = query.shape
     offsets, real = row.varlen_inputs(query.device)
-    out = varlen_attn(query, key, value, offsets, offsets, row.max_seqlen, row.max_seqlen, scale=scale,
-                      window_size=(-1, 0), enable_gqa=heads != key.size(1))
+    out = varlen_attn(
+        query,
+        key,
+        value,
+        offsets,
+        offsets,
+        row.max_seqlen,
+        row.max_seqlen,
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=heads != key.size(1),
+    )
     if real is not None:
         out = out.masked_fill(~real, 0.0)
     return out.reshape(t, heads * hn)
 
 
 # ------------------------------------------------------------------------------ the module
+
 
 class PackedDotProductAttention(DotProductAttention):
     """DotProductAttention whose forward also accepts packed_seq_params (qkv_format 'thd')."""
@@ -381,6 +430,7 @@ class PackedDotProductAttention(DotProductAttention):
             out = _sdpa(q, k, v, causal=True, scale=self.softmax_scale, dropout_p=dropout_p)
         else:
             # Megatron's convention: True = masked out (as in the local attention's softmax).
-            out = _sdpa(q, k, v, causal=False, mask=~attention_mask.bool(),
-                        scale=self.softmax_scale, dropout_p=dropout_p)
+            out = _sdpa(
+                q, k, v, causal=False, mask=~attention_mask.bool(), scale=self.softmax_scale, dropout_p=dropout_p
+            )
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

@@ -40,6 +40,7 @@ common state through torch.load(weights_only=True) (the torch default Megatron r
 DCP's pickled `.metadata` through a restricted unpickler that only admits the checkpoint
 metadata classes (see _restricted_metadata_pickle).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,8 +72,12 @@ TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model_optim"
 _STEP_DIR = re.compile(r"step_(\d+)")
 # What a missing file costs, for the error message.
-_WHAT = {"history.json": "the prompt history", "rng/": "the RNG state",
-         MODEL_DIR + "/": "model and optimizer weights", TRAINER_STATE: "the step, scheduler and data order"}
+_WHAT = {
+    "history.json": "the prompt history",
+    "rng/": "the RNG state",
+    MODEL_DIR + "/": "model and optimizer weights",
+    TRAINER_STATE: "the step, scheduler and data order",
+}
 
 
 class CheckpointError(ValueError):
@@ -82,9 +87,15 @@ class CheckpointError(ValueError):
 # ---- safe metadata unpickling -------------------------------------------------------------
 class _MetadataUnpickler(pickle.Unpickler):
     _ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    _ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
-                ("builtins", "frozenset"), ("builtins", "slice"), ("torch.serialization", "_get_layout"),
-                ("torch", "strided")}
+    _ALLOWED = {
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("builtins", "slice"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "strided"),
+    }
 
     def find_class(self, module, name):
         if module.startswith(self._ALLOWED_PREFIXES) or (module, name) in self._ALLOWED:
@@ -93,12 +104,14 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise pickle.UnpicklingError(
             f"checkpoint metadata refers to {module}.{name}, which is not a checkpoint metadata type: "
-            "refusing to load it (it could run code)")
+            "refusing to load it (it could run code)"
+        )
 
 
 class _restricted_metadata_pickle:
     """Stands in for the `pickle` module inside torch.distributed.checkpoint.filesystem, whose
     read_metadata() would otherwise unpickle `.metadata` without restriction."""
+
     dump = staticmethod(pickle.dump)
     dumps = staticmethod(pickle.dumps)
     HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
@@ -124,13 +137,16 @@ def latest_checkpoint(root: str) -> str | None:
     with open(path) as f:
         name = f.read().strip()
     if not name:
-        raise CheckpointError(f"{path} is empty: expected the name of a checkpoint directory such as "
-                              f"{step_dir_name(12)} (write the newest complete step_* dir's name into it)")
+        raise CheckpointError(
+            f"{path} is empty: expected the name of a checkpoint directory such as "
+            f"{step_dir_name(12)} (write the newest complete step_* dir's name into it)"
+        )
     full = os.path.join(root, name)
     if not os.path.isdir(full):
         have = ", ".join(d for _, d in _step_dirs(root)[-3:]) or "none"
-        raise CheckpointError(f"{path} names {name!r}, which is not a directory under {root} "
-                              f"(checkpoints there: {have})")
+        raise CheckpointError(
+            f"{path} names {name!r}, which is not a directory under {root} (checkpoints there: {have})"
+        )
     return full
 
 
@@ -168,8 +184,7 @@ def _barrier():
 
 def _sharded_state(policy, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
 # ---- run identity (pruning touches only this run's checkpoints) -----------------------------
@@ -199,7 +214,8 @@ def _write_buckets_in_threads(transforms, rank, write_buckets, results_queue) ->
 
     def write(i):
         filesystem_async.FileSystemWriterAsync.write_preloaded_data(
-            transforms, i, write_buckets[i], results, done, use_fsync=True)
+            transforms, i, write_buckets[i], results, done, use_fsync=True
+        )
 
     with ThreadPoolExecutor(max(1, len(write_buckets)), thread_name_prefix="ckpt-writer") as pool:
         list(pool.map(write, range(len(write_buckets))))
@@ -243,8 +259,9 @@ def save_sharded(sharded_state: dict, directory: str) -> None:
 
 
 # ---- save ---------------------------------------------------------------------------------------
-def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2,
-                    extra_files: dict | None = None) -> str:
+def save_checkpoint(
+    root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2, extra_files: dict | None = None
+) -> str:
     """Collective. Writes <root>/step_<step> atomically and points `latest` at it.
     extra_files {name in the checkpoint: source path} are copied in by rank 0 (e.g. the HF
     config, so that the checkpoint converts back to HF on its own)."""
@@ -262,8 +279,14 @@ def save_checkpoint(root: str, step: int, policy, trainer_state: dict, history=N
         rng["cuda"] = torch.cuda.get_rng_state().cpu()
     save_file(rng, os.path.join(tmp, "rng", f"rank_{_rank()}.safetensors"))
     if _rank() == 0:
-        state = dict(trainer_state, step=step, scheduler=policy.scheduler.state_dict(), run_id=_run_id(root),
-                     world_size=_world_size(), manifest=MANIFEST)
+        state = dict(
+            trainer_state,
+            step=step,
+            scheduler=policy.scheduler.state_dict(),
+            run_id=_run_id(root),
+            world_size=_world_size(),
+            manifest=MANIFEST,
+        )
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
         if history is not None:
@@ -299,8 +322,7 @@ def _prune_old(root: str, keep_last: int, saved_step: int, run_id: str) -> None:
     docstring); other runs' checkpoints and anything unreadable are left alone."""
     if keep_last <= 0:
         return
-    mine = [d for step, d in _step_dirs(root)
-            if step <= saved_step and _read_run_id(os.path.join(root, d)) == run_id]
+    mine = [d for step, d in _step_dirs(root) if step <= saved_step and _read_run_id(os.path.join(root, d)) == run_id]
     for d in mine[:-keep_last]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
@@ -336,18 +358,22 @@ def check_checkpoint(path: str) -> dict:
     if state.get("manifest"):  # written by save_checkpoint: every file it wrote must be intact
         manifest_path = os.path.join(path, state["manifest"])
         if not os.path.exists(manifest_path):
-            raise CheckpointError(f"{manifest_path} is missing, but {state_path} says the save wrote it: "
-                                  "the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{manifest_path} is missing, but {state_path} says the save wrote it: the checkpoint is incomplete"
+            )
         files = _read_json(manifest_path, "checkpoint manifest").get("files", {})
         for rel, size in files.items():
             full = os.path.join(path, rel)
             if not os.path.exists(full):
-                raise CheckpointError(f"{full} is missing{_what(rel)}: the checkpoint's manifest lists it, "
-                                      "so the checkpoint is incomplete and would not resume the same run")
+                raise CheckpointError(
+                    f"{full} is missing{_what(rel)}: the checkpoint's manifest lists it, "
+                    "so the checkpoint is incomplete and would not resume the same run"
+                )
             have = os.path.getsize(full)
             if have != size:
-                raise CheckpointError(f"{full} is {have} bytes, but {size} were written{_what(rel)}: "
-                                      "truncated or overwritten")
+                raise CheckpointError(
+                    f"{full} is {have} bytes, but {size} were written{_what(rel)}: truncated or overwritten"
+                )
     _check_dist_files(os.path.join(path, MODEL_DIR))
     return state
 
@@ -382,8 +408,9 @@ def _check_dist_files(model_dir: str) -> None:
             raise CheckpointError(f"{shard} is missing: {meta_path} indexes tensors in it")
         have = os.path.getsize(shard)
         if have < size:
-            raise CheckpointError(f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: "
-                                  "truncated shard")
+            raise CheckpointError(
+                f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: truncated shard"
+            )
     common = os.path.join(model_dir, "common.pt")
     if not os.path.exists(common):
         raise CheckpointError(f"{common} is missing (the checkpoint's non-tensor state)")
@@ -434,8 +461,10 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     elif saved_world is not None and _rank() < saved_world:  # (a larger world has ranks with none)
-        raise CheckpointError(f"{rng_path} is missing (the RNG state): the checkpoint was saved by "
-                              f"{saved_world} ranks, so rank {_rank()} wrote one")
+        raise CheckpointError(
+            f"{rng_path} is missing (the RNG state): the checkpoint was saved by "
+            f"{saved_world} ranks, so rank {_rank()} wrote one"
+        )
     history = os.path.join(path, "history.json")
     if os.path.exists(history):
         state["history_path"] = history

@@ -26,6 +26,7 @@ On-disk layout of a converted checkpoint (the trainer's step_* dirs have the sam
     hf_config.json        the HF config.json, verbatim (Megatron -> HF needs it)
     hf_assets/            tokenizer / generation config files of the HF dir, verbatim (optional)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,8 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -89,9 +90,12 @@ def peak_rss_mib() -> float:
 def load_hf_config(path: str):
     """A transformers config from a config.json file (hf_config.json in our checkpoints)."""
     from transformers import CONFIG_MAPPING
+
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: the HF config.json of the model (the trainer copies it into "
-                                f"each checkpoint as {HF_CONFIG}; converted checkpoints carry it too)")
+        raise FileNotFoundError(
+            f"{path} is missing: the HF config.json of the model (the trainer copies it into "
+            f"each checkpoint as {HF_CONFIG}; converted checkpoints carry it too)"
+        )
     with open(path) as f:
         model_type = json.load(f).get("model_type")
     if model_type not in CONFIG_MAPPING:
@@ -110,7 +114,10 @@ def spec_parallel_state():
     from megatron_dppo.megatron.parallel import destroy_parallel, initialize_parallel
 
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()) != (1, 1):
+        if (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (1, 1):
             raise RuntimeError("checkpoint conversion needs TP=1, PP=1 parallel state: run it in its own process")
         yield
         return
@@ -127,8 +134,9 @@ def model_spec(hf_config, padded_vocab: int, dtype: torch.dtype):
     device, plus the meta model itself. Needs spec_parallel_state()."""
     with torch.device("meta"):
         # divisible_by=padded_vocab makes Megatron pad the vocab to exactly padded_vocab.
-        model = build_gpt_model(hf_config, params_dtype=dtype, attention="local",
-                                make_vocab_size_divisible_by=padded_vocab)
+        model = build_gpt_model(
+            hf_config, params_dtype=dtype, attention="local", make_vocab_size_divisible_by=padded_vocab
+        )
     tensors, objects = [], []
     for name, item in model.sharded_state_dict().items():
         if isinstance(item, ShardedTensorFactory):  # SwiGLU fc1: a gate chunk and an up chunk
@@ -246,9 +254,15 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
     for name, st in tensors:
         for off, size in _tp_chunks(name, st, tp):
             chunk = ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))
-            items.append(WriteItem(index=MetadataIndex(st.key, off), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
-                                                               size=torch.Size(st.global_shape))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(st.key, off),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(st.global_shape)
+                    ),
+                )
+            )
             where[(st.key, tuple(off))] = (name, st.prepend_axis_num, off, size)
     for obj in objects:  # _extra_state: Megatron saves torch.save([data]) per ShardedObject
         buf = io.BytesIO()
@@ -275,12 +289,18 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         return cache[name][_region(off, size, p)].reshape(size)
 
     rss0, t0 = rss_mib(), time.time()
-    log(f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, "
-        f"vocab {layout.vocab} padded to {padded}, {dtype})")
+    log(
+        f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, "
+        f"vocab {layout.vocab} padded to {padded}, {dtype})"
+    )
     with staged_output_dir(out_dir) as stage:
         os.makedirs(os.path.join(stage, MODEL_DIR))
-        dcp.save({}, storage_writer=_Writer(os.path.join(stage, MODEL_DIR), group_of),
-                 planner=_StreamingSavePlanner(items, resolve), no_dist=True)
+        dcp.save(
+            {},
+            storage_writer=_Writer(os.path.join(stage, MODEL_DIR), group_of),
+            planner=_StreamingSavePlanner(items, resolve),
+            no_dist=True,
+        )
         cache.clear()
         # What dist_checkpointing.save adds around the DCP files: the format config and the
         # (here empty) common state.
@@ -288,13 +308,26 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
         torch.save({}, os.path.join(stage, MODEL_DIR, "common.pt"))
         shutil.copyfile(hf.config_path, os.path.join(stage, HF_CONFIG))
         assets = copy_assets(hf_dir, os.path.join(stage, HF_ASSETS))
-        state = {"step": 0, "model_only": True,
-                 "source": {"hf_dir": os.path.abspath(hf_dir), "tp": tp, "pp": pp, "padded_vocab": padded,
-                            "dtype": str(dtype).replace("torch.", "")}}
+        state = {
+            "step": 0,
+            "model_only": True,
+            "source": {
+                "hf_dir": os.path.abspath(hf_dir),
+                "tp": tp,
+                "pp": pp,
+                "padded_vocab": padded,
+                "dtype": str(dtype).replace("torch.", ""),
+            },
+        }
         with open(os.path.join(stage, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
-    return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
-            "weights_bytes": hf.total_bytes(), "assets": assets}
+    return {
+        "seconds": time.time() - t0,
+        "rss_before_mib": rss0,
+        "peak_rss_mib": peak_rss_mib(),
+        "weights_bytes": hf.total_bytes(),
+        "assets": assets,
+    }
 
 
 # ---- Megatron -> HF ---------------------------------------------------------------------------
@@ -303,8 +336,10 @@ def resolve_checkpoint_dir(path: str) -> str:
     if not os.path.isdir(os.path.join(path, MODEL_DIR)) and os.path.exists(os.path.join(path, "latest")):
         path = latest_checkpoint(path)
     if not os.path.isdir(os.path.join(path, MODEL_DIR)):
-        raise FileNotFoundError(f"{path} has no {MODEL_DIR}/: expected a converted checkpoint, a trainer step_* "
-                                "directory, or a trainer checkpoint root with a `latest` file")
+        raise FileNotFoundError(
+            f"{path} has no {MODEL_DIR}/: expected a converted checkpoint, a trainer step_* "
+            "directory, or a trainer checkpoint root with a `latest` file"
+        )
     return path
 
 
@@ -317,8 +352,9 @@ def _load_full(model_dir: str, entries) -> dict:
     request = {}
     for i, (_, st) in enumerate(entries):
         shape = (1,) * st.prepend_axis_num + tuple(st.local_shape)
-        request[str(i)] = dataclasses.replace(st, data=torch.empty(shape, dtype=st.dtype), local_shape=shape,
-                                              prepend_axis_num=0)
+        request[str(i)] = dataclasses.replace(
+            st, data=torch.empty(shape, dtype=st.dtype), local_shape=shape, prepend_axis_num=0
+        )
     # A partial request on purpose: the access check (every chunk loaded by some rank) must be off.
     loaded = dist_checkpointing.load(request, model_dir, validate_access_integrity=False)
     out = {}
@@ -334,8 +370,14 @@ def _load_full(model_dir: str, entries) -> dict:
     return out
 
 
-def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_shard_bytes: int = 2 * 10**9,
-                              tokenizer_dir: str | None = None, log=print) -> dict:
+def megatron_to_hf_checkpoint(
+    megatron_dir: str,
+    out_dir: str,
+    dtype=None,
+    max_shard_bytes: int = 2 * 10**9,
+    tokenizer_dir: str | None = None,
+    log=print,
+) -> dict:
     """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint.
     All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir)."""
     ckpt = resolve_checkpoint_dir(megatron_dir)
@@ -350,9 +392,11 @@ def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_s
     padded, ckpt_dtype = emb.size[0], emb.properties.dtype
     layers = md.state_dict_metadata[_LAYER_KEY].size[0]
     if layers != hf_config.num_hidden_layers or emb.size[1] != hf_config.hidden_size or padded < hf_config.vocab_size:
-        raise ValueError(f"{config_path} (num_hidden_layers={hf_config.num_hidden_layers}, hidden_size="
-                         f"{hf_config.hidden_size}, vocab_size={hf_config.vocab_size}) does not describe {model_dir} "
-                         f"({layers} layers, embedding {tuple(emb.size)})")
+        raise ValueError(
+            f"{config_path} (num_hidden_layers={hf_config.num_hidden_layers}, hidden_size="
+            f"{hf_config.hidden_size}, vocab_size={hf_config.vocab_size}) does not describe {model_dir} "
+            f"({layers} layers, embedding {tuple(emb.size)})"
+        )
     layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded)
     out_dtype = dtype or ckpt_dtype
     with spec_parallel_state():  # dist_checkpointing.load needs the (1-process) world too
@@ -376,8 +420,10 @@ def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_s
             groups.setdefault(name if i is None else i, []).append((name, st))
 
         rss0, t0 = rss_mib(), time.time()
-        log(f"reading {ckpt} ({layers} layers, vocab {layout.vocab} of {padded} padded, {ckpt_dtype}) -> "
-            f"{out_dir} ({out_dtype})")
+        log(
+            f"reading {ckpt} ({layers} layers, vocab {layout.vocab} of {padded} padded, {ckpt_dtype}) -> "
+            f"{out_dir} ({out_dtype})"
+        )
         with staged_output_dir(out_dir) as stage:
             writer = SafetensorsShardWriter(stage, plan, max_shard_bytes)
 
@@ -399,8 +445,15 @@ def megatron_to_hf_checkpoint(megatron_dir: str, out_dir: str, dtype=None, max_s
             assets_dir = os.path.join(ckpt, HF_ASSETS)
             src = assets_dir if os.path.isdir(assets_dir) else tokenizer_dir
             assets = copy_assets(src, stage) if src else []
-    return {"seconds": time.time() - t0, "rss_before_mib": rss0, "peak_rss_mib": peak_rss_mib(),
-            "weights_bytes": writer.total, "files": writer.files, "assets": assets, "checkpoint": ckpt}
+    return {
+        "seconds": time.time() - t0,
+        "rss_before_mib": rss0,
+        "peak_rss_mib": peak_rss_mib(),
+        "weights_bytes": writer.total,
+        "files": writer.files,
+        "assets": assets,
+        "checkpoint": ckpt,
+    }
 
 
 def _write_config(src: str, dst: str, dtype: torch.dtype) -> None:
@@ -422,6 +475,7 @@ def prompt_ids(hf_dir: str, vocab: int, text: str, length: int = 24) -> torch.Te
     """The prompt through the model's tokenizer when it has one, else fixed random ids."""
     try:
         from transformers import AutoTokenizer
+
         ids = AutoTokenizer.from_pretrained(hf_dir).encode(text)
         if ids and max(ids) < vocab:
             return torch.tensor(ids, dtype=torch.long)
@@ -443,23 +497,30 @@ def megatron_logits(policy, tokens: torch.Tensor):
 
     def step(data_iterator, model):
         toks = next(data_iterator)[None].to(device)
-        out = model(input_ids=toks, position_ids=torch.arange(toks.shape[1], device=device)[None],
-                    attention_mask=None)
+        out = model(input_ids=toks, position_ids=torch.arange(toks.shape[1], device=device)[None], attention_mask=None)
 
         def collect(logits):  # [1, s, padded/tp] -> all TP slices, padding cut
             full = gather_from_tensor_model_parallel_region(logits)[0, :, :vocab]
             return logits.sum() * 0.0, torch.ones((), dtype=torch.int, device=device), {"logits": full.float()}
+
         return out, collect
 
     policy.model.eval()
-    out = get_forward_backward_func()(forward_step_func=step, data_iterator=iter([tokens]), model=[policy.model],
-                                      num_microbatches=1, seq_length=len(tokens), micro_batch_size=1,
-                                      forward_only=True)
+    out = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=iter([tokens]),
+        model=[policy.model],
+        num_microbatches=1,
+        seq_length=len(tokens),
+        micro_batch_size=1,
+        forward_only=True,
+    )
     return out[0]["logits"].cpu() if parallel_state.is_pipeline_last_stage() else None
 
 
-def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox jumps over the lazy dog.",
-                  log=print) -> float:
+def verify_logits(
+    ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox jumps over the lazy dog.", log=print
+) -> float:
     """Collective (parallel state at the layout to check). Loads ckpt_dir with the trainer's
     load_checkpoint into a MegatronPolicy (fp32, on the GPU when there is one), runs a prompt
     through it and through the transformers model of hf_dir (fp32, on the CPU, on one rank),
@@ -467,13 +528,14 @@ def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.distributed import all_reduce_max
     from megatron_dppo.megatron.checkpoint import load_checkpoint
-    from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+    from megatron_dppo.megatron.step import MegatronPolicy
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     hf_config = load_hf_config(os.path.join(ckpt, HF_CONFIG))
-    policy = MegatronPolicy(hf_config, OptimConfig(), LossConfig(), params_dtype=torch.float32)
+    policy = MegatronPolicy(hf_config, OptimConfig(), AlgorithmConfig(), params_dtype=torch.float32)
     load_checkpoint(ckpt, policy, load_optimizer=False)
     tokens = prompt_ids(hf_dir, hf_config.vocab_size, prompt)
     logits = megatron_logits(policy, tokens)
@@ -483,7 +545,9 @@ def verify_logits(ckpt_dir: str, hf_dir: str, prompt: str = "The quick brown fox
         with torch.no_grad():
             expect = ref(tokens[None]).logits[0].float()
         diff = float((logits - expect).abs().max())
-        log(f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
+        log(
+            f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
             f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, {module_device(policy.model)}) vs "
-            f"transformers (cpu) over {len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff:.3e}")
+            f"transformers (cpu) over {len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff:.3e}"
+        )
     return all_reduce_max([diff])[0]

@@ -24,6 +24,7 @@ missing shard, a shard cut short, a tensor the model needs but the files lack) f
 sizes and safetensors headers alone, before anything slow, and says it in one line naming the
 file (and tensor). It never contacts the Hugging Face hub.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,6 +47,7 @@ class HFModelDirError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
     """Where one HF tensor's bytes are: file, dtype, shape, absolute byte offset."""
+
     file: str
     dtype: torch.dtype
     shape: tuple
@@ -55,6 +57,7 @@ class TensorEntry:
 @dataclasses.dataclass
 class HFModelDir:
     """A checked HF model directory: its config (a transformers config) and tensor table."""
+
     path: str
     config: object
     checkpoint: HFCheckpoint
@@ -75,16 +78,20 @@ def _read_config(path: str, field: str):
 
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        _fail(f"{cfg_path} is missing: {field} must be a Hugging Face model directory "
-              f"(config.json plus {SINGLE}, or sharded *.safetensors with {INDEX})")
+        _fail(
+            f"{cfg_path} is missing: {field} must be a Hugging Face model directory "
+            f"(config.json plus {SINGLE}, or sharded *.safetensors with {INDEX})"
+        )
     try:
         with open(cfg_path) as f:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         _fail(f"{cfg_path} is not valid JSON ({e})")
     if not isinstance(raw, dict) or not raw.get("model_type"):
-        _fail(f'{cfg_path} has no "model_type" key: expected an HF config.json such as Qwen3\'s '
-              '("model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], ...)')
+        _fail(
+            f'{cfg_path} has no "model_type" key: expected an HF config.json such as Qwen3\'s '
+            '("model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], ...)'
+        )
     try:
         config = load_hf_config(cfg_path)
         mapping.layout_from_hf_config(config)
@@ -130,19 +137,25 @@ def _shard_entries(file: str) -> dict:
         try:
             dtype, shape, (begin, end) = _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            _fail(f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
-                  f"{sorted(_DTYPE_NAMES)}")
+            _fail(
+                f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
+                f"{sorted(_DTYPE_NAMES)}"
+            )
         need = torch.Size(shape).numel() * dtype.itemsize
         if end - begin != need:
-            _fail(f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
-                  f"{e['dtype']} needs {need}")
+            _fail(
+                f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
+                f"{e['dtype']} needs {need}"
+            )
         parsed.append((begin, end, name, dtype, shape))
     parsed.sort()
     expected = base + max((end for _, end, *_ in parsed), default=0)
-    for begin, end, name, dtype, shape in parsed:  # in file order: name the first tensor cut short
+    for _begin, end, name, _dtype, _shape in parsed:  # in file order: name the first tensor cut short
         if base + end > size:
-            _fail(f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
-                  f"(the header says the file is {expected} bytes long)")
+            _fail(
+                f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
+                f"(the header says the file is {expected} bytes long)"
+            )
     return {name: TensorEntry(file, dtype, shape, base + begin) for begin, end, name, dtype, shape in parsed}
 
 
@@ -153,8 +166,10 @@ def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFModelDir:
     if not path:
         _fail(f"{field} is empty: give a local Hugging Face model directory")
     if not os.path.exists(path):
-        _fail(f"{field}: {path} does not exist (a local Hugging Face model directory with config.json and "
-              "*.safetensors is expected; nothing is downloaded from the hub)")
+        _fail(
+            f"{field}: {path} does not exist (a local Hugging Face model directory with config.json and "
+            "*.safetensors is expected; nothing is downloaded from the hub)"
+        )
     if not os.path.isdir(path):
         _fail(f"{field}: {path} is a file, not a model directory")
     config = _read_config(path, field)
@@ -222,8 +237,9 @@ class SliceReader:
             return out
         width = (c1 - c0) * item
         for i in range(r1 - r0):
-            self._pread(fd, flat[i * width:(i + 1) * width], e.offset + ((r0 + i) * row_elems + c0) * item,
-                        e.file, name)
+            self._pread(
+                fd, flat[i * width : (i + 1) * width], e.offset + ((r0 + i) * row_elems + c0) * item, e.file, name
+            )
         return out
 
     def close(self) -> None:
@@ -239,8 +255,9 @@ def _chunk(n: int, rank: int, size: int, what: str):
     return rank * step, (rank + 1) * step
 
 
-def local_megatron_tensor(reader: SliceReader, layout: mapping.Qwen3Layout, name: str,
-                          tp_rank: int, tp_size: int) -> torch.Tensor:
+def local_megatron_tensor(
+    reader: SliceReader, layout: mapping.Qwen3Layout, name: str, tp_rank: int, tp_size: int
+) -> torch.Tensor:
     """This TP rank's slice of the megatron tensor `name` (global name), read from its HF sources."""
     kind = mapping.tp_split_kind(name)
     source_name = name
@@ -260,9 +277,12 @@ def local_megatron_tensor(reader: SliceReader, layout: mapping.Qwen3Layout, name
             rows, cols = _chunk(shape[0], tp_rank, tp_size, hf_name), None
         return reader.read(hf_name, rows, cols)
 
-    local = dataclasses.replace(layout, num_heads=layout.num_heads // tp_size,
-                                num_kv_heads=layout.num_kv_heads // tp_size,
-                                padded_vocab=layout.padded_vocab // tp_size)
+    local = dataclasses.replace(
+        layout,
+        num_heads=layout.num_heads // tp_size,
+        num_kv_heads=layout.num_kv_heads // tp_size,
+        padded_vocab=layout.padded_vocab // tp_size,
+    )
     return mapping.megatron_tensor_from_hf(source_name, get, local)
 
 
@@ -270,17 +290,26 @@ def local_megatron_tensor(reader: SliceReader, layout: mapping.Qwen3Layout, name
 def _check_same_model(model_dir: HFModelDir, layout: mapping.Qwen3Layout) -> None:
     theirs = model_dir.layout
     fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab", "tied")
-    diff = [f"{f}={getattr(theirs, f)} (model: {getattr(layout, f)})" for f in fields
-            if getattr(theirs, f) != getattr(layout, f)]
+    diff = [
+        f"{f}={getattr(theirs, f)} (model: {getattr(layout, f)})"
+        for f in fields
+        if getattr(theirs, f) != getattr(layout, f)
+    ]
     if diff:
-        _fail(f"{os.path.join(model_dir.path, 'config.json')} does not describe the model being loaded: "
-              + ", ".join(diff))
+        _fail(
+            f"{os.path.join(model_dir.path, 'config.json')} does not describe the model being loaded: "
+            + ", ".join(diff)
+        )
 
 
 def rank_layout() -> tuple:
     """(tp_rank, tp_size, pp_rank, pp_size) of this process (Megatron's parallel state)."""
-    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size())
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
 
 
 def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
@@ -303,8 +332,10 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
                 t = local_megatron_tensor(reader, layout, name, tp_rank, tp_size)
                 if t.shape != params[0][local].shape:
                     have = list(params[0][local].shape)
-                    raise ValueError(f"{model_dir.path}: {name} built from the checkpoint has shape "
-                                     f"{list(t.shape)}, this rank's parameter {local} has {have}")
+                    raise ValueError(
+                        f"{model_dir.path}: {name} built from the checkpoint has shape "
+                        f"{list(t.shape)}, this rank's parameter {local} has {have}"
+                    )
                 for p in params:
                     p[local].copy_(t)
                 del t

@@ -74,8 +74,7 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
         num_attention_heads=hf_config.num_attention_heads,
         num_query_groups=hf_config.num_key_value_heads,
         # Qwen3's head_dim is not always hidden / heads.
-        kv_channels=getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads,
+        kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
         qk_layernorm=True,
@@ -136,9 +135,7 @@ def build_gpt_model(
     labels=None returns this rank's vocab slice of the logits, [b, s, vocab_size / tp].
     """
     backend = resolve_attention_backend(attention)
-    config = transformer_config(
-        hf_config, params_dtype=params_dtype, attention=backend, **config_overrides
-    )
+    config = transformer_config(hf_config, params_dtype=params_dtype, attention=backend, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(vp_stage is None, vp_stage)
     if post_process is None:

@@ -39,8 +39,7 @@ def validate_layout(
         )
     if pp >= 1 and num_layers % pp:
         problems.append(
-            f"num_layers {num_layers} is not divisible by pp={pp}: "
-            f"choose pp among the divisors of {num_layers}"
+            f"num_layers {num_layers} is not divisible by pp={pp}: choose pp among the divisors of {num_layers}"
         )
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
@@ -61,12 +60,8 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
         else:  # a plain process: a 1-rank world with an in-memory store (no port to clash)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() % (tp * pp):
-        raise ValueError(
-            f"world size {dist.get_world_size()} is not a multiple of tp*pp = {tp * pp}"
-        )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-    )
+        raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp = {tp * pp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(seed)
     # Default/TP/expert RNG streams; on CPU (shim) this also seeds the CPU generator, which
     # use_cpu_initialization draws the master weights from: identical on every rank.

@@ -16,6 +16,7 @@ passes it through untouched and the module's load_state_dict sets what it alread
 other requested key the checkpoint lacks (a tensor, a non-extra-state object) is an error that
 names it, before anything is read.
 """
+
 from __future__ import annotations
 
 from megatron.core.dist_checkpointing.mapping import (
@@ -32,6 +33,7 @@ EXTRA_STATE = "_extra_state"
 def checkpoint_keys(model_dir: str) -> set[str]:
     """The keys a torch_dist checkpoint holds: ShardedTensor keys and ShardedObject unique keys."""
     import megatron_dppo.megatron.checkpoint  # noqa: F401  (installs the restricted .metadata unpickler)
+
     return set(FileSystemReader(model_dir).read_metadata().state_dict_metadata)
 
 
@@ -52,7 +54,7 @@ def fit_to_checkpoint(sharded_state: dict, model_dir: str) -> dict:
     missing = []
 
     def visit(container):
-        for k in (container.keys() if isinstance(container, dict) else range(len(container))):
+        for k in container.keys() if isinstance(container, dict) else range(len(container)):
             item = container[k]
             if isinstance(item, (dict, list)):
                 visit(item)
@@ -68,7 +70,9 @@ def fit_to_checkpoint(sharded_state: dict, model_dir: str) -> dict:
     visit(sharded_state)
     if missing:
         shown = ", ".join(sorted(set(missing))[:4])
-        raise ValueError(f"{model_dir} lacks {len(set(missing))} key(s) the model asks for: {shown}"
-                         f"{' ...' if len(set(missing)) > 4 else ''} (a checkpoint of another model config, "
-                         "or of other optimizer settings?)")
+        raise ValueError(
+            f"{model_dir} lacks {len(set(missing))} key(s) the model asks for: {shown}"
+            f"{' ...' if len(set(missing)) > 4 else ''} (a checkpoint of another model config, "
+            "or of other optimizer settings?)"
+        )
     return sharded_state

@@ -11,9 +11,9 @@ gradient we want is the gradient of the sum of those over every micro-batch of e
 The result is independent of the micro-batch split, PP, TP and DP by construction, and a test
 compares it with a single-process reference for each layout.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,21 +25,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dppo.algorithms import losses
-from megatron_dppo.config import OptimConfig  # noqa: F401  (re-exported: the policy's optimizer settings)
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.convert import qwen3 as mapping
+from megatron_dppo.megatron.attention import packed_seq_params
+from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
 from megatron_dppo.megatron.logprobs import token_logprobs
 from megatron_dppo.megatron.model import build_gpt_model, resolve_attention_backend
-
-
-@dataclass
-class LossConfig:
-    loss_agg: str = "token-mean"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    ratio_type: str = "token"          # token (GRPO/DAPO) | sequence (GSPO)
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    temperature: float = 1.0           # log-probs at the sampling temperature
 
 
 def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
@@ -75,19 +66,35 @@ def _device():
 class MegatronPolicy:
     """One rank's share of the policy (and optional frozen reference) model."""
 
-    def __init__(self, hf_config, optim: OptimConfig, loss: LossConfig, *, params_dtype=torch.float32,
-                 attention: str = "auto", with_reference: bool = False, sequence_parallel: bool = False,
-                 recompute: str = "none", distributed_optimizer: bool | None = None):
-        self.hf_config, self.optim_cfg, self.loss_cfg = hf_config, optim, loss
+    def __init__(
+        self,
+        hf_config,
+        optim: OptimConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        params_dtype=torch.float32,
+        attention: str = "auto",
+        with_reference: bool = False,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        distributed_optimizer: bool | None = None,
+    ):
+        """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
+        sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
+        self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
         backend = resolve_attention_backend(attention)
+        self.attention_backend = backend
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         overrides = dict(calculate_per_token_loss=True)
         if sequence_parallel and self.tp_size > 1:
             if backend != "te":
-                raise ValueError("parallel.sequence_parallel needs the Transformer Engine path (model.attention=te "
-                                 "on a GPU with transformer_engine): megatron-core's local spec has no "
-                                 "sequence-parallel norm")
+                raise ValueError(
+                    "parallel.sequence_parallel needs the Transformer Engine path (model.attention=te "
+                    "on a GPU with transformer_engine): megatron-core's local spec has no "
+                    "sequence-parallel norm"
+                )
             overrides["sequence_parallel"] = True
         if recompute == "selective":  # recompute attention and MLP internals in backward
             overrides.update(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
@@ -101,26 +108,44 @@ class MegatronPolicy:
             # dense model, where it is unused.)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         model = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
-        self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size,
-                                                    te_names=backend == "te")
+        self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
         self.vocab_size = hf_config.vocab_size
         model.config.finalize_model_grads_func = _finalize_grads_unscaled
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
         dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=dist_opt)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
+        )
         self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                            clip_grad=optim.clip_grad, bf16=params_dtype == torch.bfloat16,
-                            params_dtype=params_dtype, use_distributed_optimizer=dist_opt),
-            [self.model])
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=params_dtype == torch.bfloat16,
+                params_dtype=params_dtype,
+                use_distributed_optimizer=dist_opt,
+            ),
+            [self.model],
+        )
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.warmup_steps else optim.lr, max_lr=optim.lr,
-            min_lr=optim.min_lr, lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(optim.decay_steps or 1000, optim.warmup_steps + 1), lr_decay_style=optim.decay_style,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+            self.optimizer,
+            init_lr=0.0 if optim.warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(optim.decay_steps or 1000, optim.warmup_steps + 1),
+            lr_decay_style=optim.decay_style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
@@ -133,16 +158,22 @@ class MegatronPolicy:
         Holds the whole model on every rank: for small models and tests. From an HF directory,
         megatron_dppo.megatron.hf_load.load_hf_into_policy reads only this rank's slices."""
         full = mapping.hf_to_megatron(hf_sd, self.layout)
-        local = mapping.shard_for_rank(full, self.layout, parallel_state.get_tensor_model_parallel_rank(),
-                                       self.tp_size, parallel_state.get_pipeline_model_parallel_rank(),
-                                       self.pp_size)
+        local = mapping.shard_for_rank(
+            full,
+            self.layout,
+            parallel_state.get_tensor_model_parallel_rank(),
+            self.tp_size,
+            parallel_state.get_pipeline_model_parallel_rank(),
+            self.pp_size,
+        )
         targets = [self.model.module] + ([self.reference] if self.reference is not None and into_reference else [])
         for module in targets:
             own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
             missing, unexpected = own - local.keys(), local.keys() - own
             if missing or unexpected:
-                raise ValueError(f"weights do not fit the model: missing {sorted(missing)[:5]}, "
-                                 f"unexpected {sorted(unexpected)[:5]}")
+                raise ValueError(
+                    f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+                )
             with torch.no_grad():
                 params = dict(module.named_parameters())
                 for name, tensor in local.items():
@@ -184,8 +215,11 @@ class MegatronPolicy:
         # Which stage holds which tensor, with its full (TP-merged) shape: small metadata.
         meta = {}
         for stage, src in enumerate(dist.get_process_group_ranks(pp_group)):
-            info = [[(k, _merged_shape(k, v.shape, self.tp_size), v.dtype) for k, v in mine.items()]
-                    if stage == pp_rank else None]
+            info = [
+                [(k, _merged_shape(k, v.shape, self.tp_size), v.dtype) for k, v in mine.items()]
+                if stage == pp_rank
+                else None
+            ]
             if self.pp_size > 1:
                 dist.broadcast_object_list(info, src=src, group=pp_group)
             for k, shape, dtype in info[0]:
@@ -216,11 +250,11 @@ class MegatronPolicy:
             return mapping.megatron_layer_to_hf(unit, full.__getitem__, self.layout)
         out = {}
         if "embedding.word_embeddings.weight" in full:
-            out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"][:self.layout.vocab]
+            out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"][: self.layout.vocab]
         if "decoder.final_layernorm.weight" in full:
             out["model.norm.weight"] = full["decoder.final_layernorm.weight"]
         if "output_layer.weight" in full:
-            out["lm_head.weight"] = full["output_layer.weight"][:self.layout.vocab]
+            out["lm_head.weight"] = full["output_layer.weight"][: self.layout.vocab]
         return out
 
     def hf_weight_buckets(self, bucket_bytes: int = 1 << 30):
@@ -264,10 +298,13 @@ class MegatronPolicy:
                 size = group.intra_distributed_optimizer_instance_size
                 rank = group.intra_distributed_optimizer_instance_rank
                 # Megatron pads every bucket to a multiple of dp: equal shards, as it reduce-scattered them.
-                shards = list(full[bucket.offset:bucket.offset + bucket.grad_data.numel()].chunk(size))
+                shards = list(full[bucket.offset : bucket.offset + bucket.grad_data.numel()].chunk(size))
                 n = shards[0].numel()
-                dist.all_gather(shards, bucket.grad_data[rank * n:(rank + 1) * n].contiguous(),
-                                group=group.intra_distributed_optimizer_instance_group)
+                dist.all_gather(
+                    shards,
+                    bucket.grad_data[rank * n : (rank + 1) * n].contiguous(),
+                    group=group.intra_distributed_optimizer_instance_group,
+                )
             for p, (start, end, _) in buffer.param_index_map.items():
                 reduced[p] = full[start:end].view(p.shape)
         return {k: reduced[p] for k, p in module.named_parameters()}
@@ -283,10 +320,6 @@ class MegatronPolicy:
 
     # ---- forward / backward ----------------------------------------------------------------
     def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
-        # (imported here to keep this edit inside the method)
-        from megatron_dppo.megatron.attention import packed_seq_params
-        from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
-
         batch = next(data_iterator)
         dev = _device()
         # None for a padded [rows, L] batch; the row layout is read on the host here, once.
@@ -303,9 +336,10 @@ class MegatronPolicy:
         """Last stage: logits [b, s, V/tp] -> the micro-batch's share of the DPPO loss.
         Works for a packed row (b = 1) and for the padded baseline (b = rows) alike."""
         dev = logits.device
-        cfg = self.loss_cfg
-        logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=self.vocab_size,
-                              temperature=cfg.temperature).flatten()
+        cfg = self.algorithm
+        logp = token_logprobs(
+            logits, batch.labels.to(dev), vocab_size=self.vocab_size, temperature=self.temperature
+        ).flatten()
         mask = batch.loss_mask.to(dev).flatten() > 0
         n_tokens = mask.sum().to(torch.int)
         if mode == "logprob":
@@ -321,33 +355,49 @@ class MegatronPolicy:
         # the trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
         old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
         token_loss, stats = losses.policy_loss(
-            logp[mask], old_logp, picked(batch.advantages),
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, ratio_type=cfg.ratio_type, seq_index=seq_index,
-            num_seqs=batch.num_seqs, ref_logp=picked(batch.ref_logp) if cfg.kl_coef else None,
-            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator)
-        coef = losses.token_coefficients(seq_index, batch.seq_weight.to(dev), batch.seq_len.to(dev),
-                                         cfg.loss_agg, denominator)
+            logp[mask],
+            old_logp,
+            picked(batch.advantages),
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            ratio_type=cfg.ratio_type,
+            seq_index=seq_index,
+            num_seqs=batch.num_seqs,
+            ref_logp=picked(batch.ref_logp) if cfg.kl_coef else None,
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+        )
+        coef = losses.token_coefficients(
+            seq_index, batch.seq_weight.to(dev), batch.seq_len.to(dev), cfg.loss_agg, denominator
+        )
         loss = losses.aggregate(token_loss, coef)
         zero = torch.zeros((), dtype=torch.float64, device=dev)
         with torch.no_grad():
             log_ratio = (logp[mask] - old_logp).double()
             ratio_dev = (stats["ratio"].double() - 1).abs()
-        report = {"loss": loss.detach().double(), "tokens": n_tokens.double(),
-                  "clip_frac_sum": stats["clip_frac"].sum().double(),
-                  "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero,
-                  "ratio_dev_sum": ratio_dev.sum(),
-                  "ratio_dev_max": ratio_dev.max() if ratio_dev.numel() else zero,
-                  # k3 estimate of KL(pi_old || pi) from the tokens sampled by pi_old
-                  "approx_kl_sum": (log_ratio.exp() - 1 - log_ratio).sum()}
+        report = {
+            "loss": loss.detach().double(),
+            "tokens": n_tokens.double(),
+            "clip_frac_sum": stats["clip_frac"].sum().double(),
+            "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero,
+            "ratio_dev_sum": ratio_dev.sum(),
+            "ratio_dev_max": ratio_dev.max() if ratio_dev.numel() else zero,
+            # k3 estimate of KL(pi_old || pi) from the tokens sampled by pi_old
+            "approx_kl_sum": (log_ratio.exp() - 1 - log_ratio).sum(),
+        }
         return loss, n_tokens, report
 
     def _run(self, model, microbatches, mode, denominator=None, forward_only=False):
         fb = get_forward_backward_func()
-        return fb(forward_step_func=partial(self._forward_step, mode=mode, denominator=denominator),
-                  data_iterator=iter(microbatches), model=[model], num_microbatches=len(microbatches),
-                  seq_length=max(int(mb.tokens.shape[1]) for mb in microbatches),
-                  micro_batch_size=int(microbatches[0].tokens.shape[0]),
-                  forward_only=forward_only)
+        return fb(
+            forward_step_func=partial(self._forward_step, mode=mode, denominator=denominator),
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=max(int(mb.tokens.shape[1]) for mb in microbatches),
+            micro_batch_size=int(microbatches[0].tokens.shape[0]),
+            forward_only=forward_only,
+        )
 
     @torch.no_grad()
     def compute_logprobs(self, microbatches, reference: bool = False):
@@ -373,8 +423,11 @@ class MegatronPolicy:
     def optimizer_step(self) -> dict:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "lr": self.optimizer.param_groups[0]["lr"], "update_ok": bool(ok)}
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "update_ok": bool(ok),
+        }
 
     def train_step(self, microbatches, denominator: float) -> dict:
         metrics = self.forward_backward(microbatches, denominator)
@@ -396,5 +449,12 @@ class MegatronPolicy:
         dist.all_reduce(dev_max, op=dist.ReduceOp.MAX)
         loss, tokens, clip, kl, ratio_dev, approx_kl, _ = vec.tolist()
         n = max(tokens, 1)
-        return {"loss": loss, "tokens": tokens, "clip_frac": clip / n, "kl": kl / n,
-                "ratio_dev_mean": ratio_dev / n, "ratio_dev_max": float(dev_max), "approx_kl": approx_kl / n}
+        return {
+            "loss": loss,
+            "tokens": tokens,
+            "clip_frac": clip / n,
+            "kl": kl / n,
+            "ratio_dev_mean": ratio_dev / n,
+            "ratio_dev_max": float(dev_max),
+            "approx_kl": approx_kl / n,
+        }

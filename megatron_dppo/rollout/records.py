@@ -5,6 +5,7 @@ weight w_q from pruning), gets its advantages on the full group and its completi
 w_o from completion pruning, and turns into the packing.Samples it trains with. The step's
 metrics about the rollout are computed here too, from the groups.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,15 +21,16 @@ from megatron_dppo.packing import Sample
 class Group:
     """A prompt and its G completions. `slot` is the prompt's position in its round's draw: the
     sampling seed and (without refill) the mini-batch derive from it, never from a rank."""
+
     record: PromptRecord
-    round: int                       # which draw of the step (DAPO / GRESO refills draw again)
+    round: int  # which draw of the step (DAPO / GRESO refills draw again)
     slot: int
     prompt_ids: list[int]
-    completions: list[list[int]]     # token ids; ends with eos when the completion stopped
+    completions: list[list[int]]  # token ids; ends with eos when the completion stopped
     rewards: list[float]
-    prompt_weight: float = 1.0       # w_q (times the refill remainder for the group that fills B)
+    prompt_weight: float = 1.0  # w_q (times the refill remainder for the group that fills B)
     minibatch: int = 0
-    advantages: list[float] = field(default_factory=list)         # on the full group
+    advantages: list[float] = field(default_factory=list)  # on the full group
     completion_weights: list[float] = field(default_factory=list)  # w_o; 0 = not trained
 
     @property
@@ -44,10 +46,17 @@ class Group:
 
     def samples(self, first_seq_id: int) -> list[Sample]:
         """The trained completions as packing samples (prompt + completion), weight w_q * w_o."""
-        return [Sample(tokens=self.prompt_ids + c, prompt_len=len(self.prompt_ids), advantage=a,
-                       weight=self.prompt_weight * w, seq_id=first_seq_id + i)
-                for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
-                if w > 0]
+        return [
+            Sample(
+                tokens=self.prompt_ids + c,
+                prompt_len=len(self.prompt_ids),
+                advantage=a,
+                weight=self.prompt_weight * w,
+                seq_id=first_seq_id + i,
+            )
+            for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
+            if w > 0
+        ]
 
 
 def stack_rewards(groups: list[Group]) -> torch.Tensor:
@@ -63,12 +72,13 @@ def set_completion_weights(groups: list[Group], advantages: torch.Tensor, weight
 @dataclass
 class RolloutCounts:
     """What a step drew, generated and scored (summed over rounds and ranks)."""
+
     prompts_drawn: int = 0
     prompts_rolled: int = 0
     generated_tokens: int = 0
     reward_checks: int = 0
-    reward_failures: dict = field(default_factory=dict)   # kind -> count
-    first_failures: list = field(default_factory=list)    # "record <id>: <kind>: <message>"
+    reward_failures: dict = field(default_factory=dict)  # kind -> count
+    first_failures: list = field(default_factory=list)  # "record <id>: <kind>: <message>"
 
     def add_failures(self, by_kind: dict, first: list) -> None:
         for kind, n in by_kind.items():

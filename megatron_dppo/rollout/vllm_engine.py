@@ -28,14 +28,17 @@ refused. With `tensor_parallel_size > 1` every rank of a TP group must call `gen
 `load_weights` with the same arguments (full, unsharded HF tensors: vLLM shards them itself);
 with `tensor_parallel_size == 1` (one engine per DP rank) each rank calls them on its own data.
 """
+
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable, Iterator, Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -111,7 +114,7 @@ class RolloutEngine:
         logprobs_mode: LogprobsMode = "raw_logprobs",
         enforce_eager: bool | None = None,
         enable_sleep_mode: bool | None = None,
-        context: Callable[[], ContextManager] | None = None,
+        context: Callable[[], AbstractContextManager] | None = None,
         **llm_kwargs,
     ):
         on_gpu = torch.cuda.is_available()
@@ -136,6 +139,7 @@ class RolloutEngine:
                 # grew ~0.4 MB a step in RL rollouts of varying sizes (tools/soak.py; 1000 steps
                 # stay flat without it). No environment variable switches it off.
                 import vllm._custom_ops as vllm_ops
+
                 vllm_ops._supports_onednn = False
 
             self.llm = LLM(
@@ -202,10 +206,7 @@ class RolloutEngine:
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
         with self.context():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [
-            [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
-            for out in outputs
-        ]
+        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def load_weights(self, weights: Iterable[NamedTensor] | Iterable[list[NamedTensor]]) -> dict:
         """Replace the model's weights in place with HF-named tensors; returns timing stats.

@@ -13,6 +13,7 @@ wrapper that stands for a GPU model). So code that forgets to move its inputs to
 device, or subtracts GPU logits from CPU ones, fails here as it would on a GPU;
 `on_fake_cuda(t)` tells where a tensor "is".
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -87,13 +88,19 @@ class FakeCuda(TorchFunctionMode):
             big = {on_fake_cuda(t) for t in tensors if t.dim() > 0}
             gpu_scalar = any(on_fake_cuda(t) for t in tensors if t.dim() == 0)
             if len(big) > 1 or (big == {False} and gpu_scalar):
-                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                                   f"devices, cuda:0 and cpu! (FakeCuda, in {getattr(func, '__name__', func)})")
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but found at least two "
+                    f"devices, cuda:0 and cpu! (FakeCuda, in {getattr(func, '__name__', func)})"
+                )
             target = "cuda" if True in big or (not big and gpu_scalar) else None
 
         out = func(*args, **kwargs)
-        if target is not None and func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu) \
-                and out is args[0] and on_fake_cuda(out) != (target == "cuda"):
+        if (
+            target is not None
+            and func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu)
+            and out is args[0]
+            and on_fake_cuda(out) != (target == "cuda")
+        ):
             out = out.clone()  # a move to another device is a copy, never the same tensor
         if target is not None:
             for t in tree_flatten(out)[0]:

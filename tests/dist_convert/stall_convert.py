@@ -6,6 +6,7 @@ Wraps MODULE.ATTR (a function, or Class.method): the first N calls run normally,
 creates FILE and sleeps (the test then kills this process), so the tool has written part of its
 output when it dies. Everything else is the real tool, in this process.
 """
+
 import importlib
 import importlib.util
 import os

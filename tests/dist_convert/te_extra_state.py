@@ -14,6 +14,7 @@ sharded_state_dict() request `..._extra_state` ShardedObjects for them, as it do
 4. a truly missing key still fails by name: the same checkpoint (tied embeddings) into an
    untied model, which asks for output_layer.weight.
 """
+
 import argparse
 import os
 import sys
@@ -25,12 +26,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from megatron.core import dist_checkpointing  # noqa: E402
 
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, MODEL_DIR, load_hf_config  # noqa: E402
 from megatron_dppo.megatron.sharded_state import checkpoint_keys  # noqa: E402
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig  # noqa: E402
+from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
 
 TE_NORMS = ("q_layernorm", "k_layernorm", "final_layernorm")
 
@@ -65,12 +67,15 @@ def main():
     cfg = load_hf_config(os.path.join(args.ckpt, HF_CONFIG))
     model_dir = os.path.join(args.ckpt, MODEL_DIR)
 
-    policy = MegatronPolicy(cfg, OptimConfig(), LossConfig())
+    policy = MegatronPolicy(cfg, OptimConfig(), AlgorithmConfig())
     assert make_te_like(policy.model.module) == 2 * cfg.num_hidden_layers + 1
     requested = policy.model.module.sharded_state_dict()
     extra = sorted({v.key for k, v in requested.items() if k.endswith("layernorm._extra_state")})
-    assert extra == ["decoder.final_layernorm._extra_state", "decoder.layers.self_attention.k_layernorm._extra_state",
-                     "decoder.layers.self_attention.q_layernorm._extra_state"], extra
+    assert extra == [
+        "decoder.final_layernorm._extra_state",
+        "decoder.layers.self_attention.k_layernorm._extra_state",
+        "decoder.layers.self_attention.q_layernorm._extra_state",
+    ], extra
     held = checkpoint_keys(model_dir)
     assert not any(k.startswith(tuple(extra)) for k in held), "the converted checkpoint already has them"
     assert any(k.startswith("decoder.layers.self_attention.linear_qkv._extra_state") for k in held)
@@ -79,11 +84,13 @@ def main():
         dist_checkpointing.load({"model": requested}, model_dir)
         raise AssertionError("dist_checkpointing.load accepted _extra_state keys the checkpoint lacks")
     except CheckpointException as e:  # torch DCP's; a BaseException, not an Exception
-        assert "Missing key in checkpoint state_dict: decoder.layers.self_attention.q_layernorm._extra_state" \
-            in str(e), str(e)[:2000]
+        assert "Missing key in checkpoint state_dict: decoder.layers.self_attention.q_layernorm._extra_state" in str(
+            e
+        ), str(e)[:2000]
         if rank0:
-            print(f"plain dist_checkpointing.load fails: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
-                  flush=True)
+            print(
+                f"plain dist_checkpointing.load fails: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True
+            )
 
     # 3. the fix
     state = load_checkpoint(args.ckpt, policy)
@@ -98,7 +105,7 @@ def main():
 
     # 4. a truly missing key
     cfg.tie_word_embeddings = False
-    untied = MegatronPolicy(cfg, OptimConfig(), LossConfig())
+    untied = MegatronPolicy(cfg, OptimConfig(), AlgorithmConfig())
     try:
         load_checkpoint(args.ckpt, untied)
         raise AssertionError("an untied model loaded a tied checkpoint")

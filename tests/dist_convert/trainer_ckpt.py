@@ -9,6 +9,7 @@
    optimizer, and copy hf_config.json into the step dir as the trainer does;
 3. rank 0 writes the trained weights (policy.hf_state_dict()) to REF for the Megatron -> HF check.
 """
+
 import argparse
 import os
 import shutil
@@ -19,11 +20,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config  # noqa: E402
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig  # noqa: E402
+from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
 from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 
 
@@ -38,7 +40,7 @@ def main():
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     cfg = load_hf_config(os.path.join(args.ckpt, HF_CONFIG))
-    policy = MegatronPolicy(cfg, OptimConfig(lr=1e-2), LossConfig())
+    policy = MegatronPolicy(cfg, OptimConfig(lr=1e-2), AlgorithmConfig())
     state = load_checkpoint(args.ckpt, policy)
     assert state["model_only"] and state["step"] == 0
 

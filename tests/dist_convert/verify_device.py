@@ -8,6 +8,7 @@ asserts that input_ids and position_ids arrive on the GPU and returns its logits
 FakeCuda, using GPU logits against the CPU reference raises as CUDA would, so verify_logits
 passes only if megatron_logits brings them back to the CPU.
 """
+
 import argparse
 import os
 import sys

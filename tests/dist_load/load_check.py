@@ -12,8 +12,9 @@ For each HF model directory:
 For the first directory, model.init_checkpoint's sequence: save the loaded policy, build a fresh
 policy, load_checkpoint(..., load_optimizer=False), copy_policy_to_reference(): policy and
 reference equal the saved weights (and the reference did not before the copy).
-Each rank prints RESULT <json>.
+Rank 0 prints RESULT <json> for every rank.
 """
+
 import argparse
 import json
 import os
@@ -30,12 +31,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "dist"))
 import common  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
+from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from megatron_dppo.convert import qwen3 as mapping  # noqa: E402
+from megatron_dppo.distributed import all_gather_objects  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import megatron_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_policy  # noqa: E402
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig  # noqa: E402
+from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
 
 TOL = 1e-5
 
@@ -63,6 +66,7 @@ def logit_diff(policy_like, hf_dir: str, tokens) -> float:
     diff = torch.zeros(())
     if logits is not None:
         from transformers import AutoModelForCausalLM
+
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             diff = (logits - ref(tokens[None]).logits[0].float()).abs().max()
@@ -71,7 +75,7 @@ def logit_diff(policy_like, hf_dir: str, tokens) -> float:
 
 
 def policy(cfg):
-    return MegatronPolicy(cfg, OptimConfig(lr=1e-3), LossConfig(kl_coef=0.1), with_reference=True)
+    return MegatronPolicy(cfg, OptimConfig(lr=1e-3), AlgorithmConfig(kl_coef=0.1), with_reference=True)
 
 
 def main():
@@ -83,8 +87,12 @@ def main():
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     rank = dist.get_rank()
-    result = {"rank": rank, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-              "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "models": {}}
+    result = {
+        "rank": rank,
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "models": {},
+    }
     for i, hf_dir in enumerate(args.models.split(",")):
         md = check_hf_model_dir(hf_dir)
         cfg = md.config
@@ -98,13 +106,17 @@ def main():
         by_attrs = common.shard(new.model.module, full)
         by_attrs = {k: v.to(new.model.module.get_parameter(k).dtype) for k, v in by_attrs.items()}
         tokens = torch.randint(0, cfg.vocab_size, (17,), generator=torch.Generator().manual_seed(i))
-        needed = sum(md.tensors[n].dtype.itemsize * torch.Size(md.tensors[n].shape).numel()
-                     for n in mapping.hf_tensor_names(md.layout))
+        needed = sum(
+            md.tensors[n].dtype.itemsize * torch.Size(md.tensors[n].shape).numel()
+            for n in mapping.hf_tensor_names(md.layout)
+        )
         result["models"][os.path.basename(hf_dir)] = r = {
             "policy_vs_whole": mismatches(params(new.model.module), params(old.model.module)),
             "reference_vs_whole": mismatches(params(new.reference), params(old.reference)),
             "policy_vs_partition_attrs": mismatches(params(new.model.module), by_attrs),
-            "tensors": stats["tensors"], "bytes_read": stats["bytes_read"], "bytes_needed_whole": needed,
+            "tensors": stats["tensors"],
+            "bytes_read": stats["bytes_read"],
+            "bytes_needed_whole": needed,
             "logit_diff_policy": logit_diff(new, hf_dir, tokens),
             "logit_diff_reference": logit_diff(SimpleNamespace(model=new.reference, hf_config=cfg), hf_dir, tokens),
         }
@@ -122,11 +134,18 @@ def main():
             with torch.no_grad():  # separate storage: training the policy leaves the reference alone
                 next(fresh.model.module.parameters()).add_(1.0)
             still = mismatches(params(fresh.reference), saved)
-            result["init_checkpoint"] = {"reference_mismatches_before_copy": before, "copied": copied,
-                                         "policy_vs_saved": policy_after,
-                                         "reference_vs_saved": after, "reference_after_policy_change": still}
+            result["init_checkpoint"] = {
+                "reference_mismatches_before_copy": before,
+                "copied": copied,
+                "policy_vs_saved": policy_after,
+                "reference_vs_saved": after,
+                "reference_after_policy_change": still,
+            }
             assert before > 0 and copied and not (after or policy_after or still), result["init_checkpoint"]
-    print("RESULT " + json.dumps(result), flush=True)
+    # Rank 0 prints every rank's result: two ranks writing to one stream can interleave their lines.
+    results = all_gather_objects(result)
+    if dist.get_rank() == 0:
+        print("".join(f"RESULT {json.dumps(r)}\n" for r in results), end="", flush=True)
     destroy_parallel()
 
 

@@ -1,16 +1,17 @@
 """Worker: checkpoints resume exactly, survive a kill, and load at another TP/PP layout.
 
-  --phase full      train steps 1..N, write losses to --out
-  --phase killed    train steps 1..K, save at K, then SIGKILL itself (no clean exit)
-  --phase resume    load the latest checkpoint, train K+1..N, write losses to --out
-  --phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
-  --phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
-                       with --resume, load the latest checkpoint first (its run continues)
-  --phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3)
-  --phase hold-save start a reward pool with a check hung in it, then save with a shard writer
-                    that announces itself (touches --out) and blocks: the test SIGKILLs this process
-                    there and checks that no process it started survives
+--phase full      train steps 1..N, write losses to --out
+--phase killed    train steps 1..K, save at K, then SIGKILL itself (no clean exit)
+--phase resume    load the latest checkpoint, train K+1..N, write losses to --out
+--phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
+--phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
+                     with --resume, load the latest checkpoint first (its run continues)
+--phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3)
+--phase hold-save start a reward pool with a check hung in it, then save with a shard writer
+                  that announces itself (touches --out) and blocks: the test SIGKILLs this process
+                  there and checks that no process it started survives
 """
+
 import argparse
 import json
 import os
@@ -21,25 +22,33 @@ import time
 
 import torch
 import torch.distributed as dist
+from grad_check import MAX_NEW, B, G, hf_model, make_problem, my_microbatches
 
-from grad_check import B, G, MAX_NEW, hf_model, make_problem, my_microbatches
 from megatron_dppo.algorithms import losses
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel
 from megatron_dppo.megatron.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+from megatron_dppo.megatron.step import MegatronPolicy
 
 
 def batch_for_step(model, step, dp_rank, dp_size):
     samples, lengths, w_q, *_ = make_problem(model, 0.5, 0.5, seed=1000 + step)
-    denom = losses.full_batch_denominator("token-mean", num_prompts=B, group_size=G, completion_lengths=lengths,
-                                          prompt_weight=w_q, max_response_length=MAX_NEW)
+    denom = losses.full_batch_denominator(
+        "token-mean",
+        num_prompts=B,
+        group_size=G,
+        completion_lengths=lengths,
+        prompt_weight=w_q,
+        max_response_length=MAX_NEW,
+    )
     return my_microbatches(samples, 24, dp_rank, dp_size), denom
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", required=True,
-                    choices=["full", "killed", "resume", "logprobs", "save-steps", "load", "hold-save"])
+    ap.add_argument(
+        "--phase", required=True, choices=["full", "killed", "resume", "logprobs", "save-steps", "load", "hold-save"]
+    )
     ap.add_argument("--save-steps", default="")
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
@@ -52,10 +61,14 @@ def main():
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
+
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     cfg, model = hf_model()
-    policy = MegatronPolicy(cfg, OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10, decay_style="cosine"),
-                            LossConfig(loss_agg="token-mean", clip_high=0.28))
+    policy = MegatronPolicy(
+        cfg,
+        OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10, decay_style="cosine"),
+        AlgorithmConfig(loss_agg="token-mean", clip_high=0.28),
+    )
     policy.load_hf_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
 
     if args.phase in ("save-steps", "load", "hold-save"):
@@ -94,6 +107,7 @@ def main():
 
 def phase_save_steps(args, policy):
     from megatron_dppo.algorithms.history import PromptHistory
+
     if args.resume:
         print("resumed step", load_checkpoint(latest_checkpoint(args.ckpt), policy)["step"], flush=True)
     history = PromptHistory()
@@ -101,8 +115,7 @@ def phase_save_steps(args, policy):
     _, model = hf_model()
     policy.train_step(*batch_for_step(model, 1, 0, 1))  # an optimizer with state to save
     for step in map(int, args.save_steps.split(",")):
-        save_checkpoint(args.ckpt, step, policy, {"data": {"epoch": 0, "pos": step}}, history,
-                        keep_last=args.keep_last)
+        save_checkpoint(args.ckpt, step, policy, {"data": {"epoch": 0, "pos": step}}, history, keep_last=args.keep_last)
 
 
 def phase_load(args, policy):
@@ -118,6 +131,7 @@ def phase_hold_save(args, policy):
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from megatron_dppo.rewards import RewardScorer
+
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: reward_fixtures
     scorer = RewardScorer("reward_fixtures:hang_on_leading_one", timeout_s=600, num_workers=2)
     threading.Thread(target=scorer.score, args=(["1 hangs", "2"], ["3", "2"]), daemon=True).start()
@@ -133,6 +147,7 @@ def phase_hold_save(args, policy):
     time.sleep(1.0)  # let the hung check reach its worker
     if os.environ.get("CKPT_CHECK_MEGATRON_WRITER"):  # Megatron's own writer (forked processes + Manager)
         from megatron.core import dist_checkpointing
+
         os.makedirs(args.ckpt, exist_ok=True)
         dist_checkpointing.save({"model": policy.model.module.sharded_state_dict()}, args.ckpt)
     else:

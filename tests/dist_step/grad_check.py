@@ -5,6 +5,7 @@ Every rank builds the same random problem (seeded), computes the reference itsel
 PyTorch on the HF model, and compares it with the Megatron gradient for each loss aggregation,
 with 1 and with several micro-batches per rank.
 """
+
 import argparse
 import math
 from dataclasses import replace
@@ -16,17 +17,27 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.pruning import prune_completions, prune_prompts
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel
-from megatron_dppo.megatron.step import LossConfig, MegatronPolicy, OptimConfig
+from megatron_dppo.megatron.step import MegatronPolicy
 from megatron_dppo.packing import Sample, balance_packs, build_thd_batch, pack
 
 B, G, MAX_NEW, VOCAB = 4, 4, 8, 50
 
 
 def hf_model(seed=0):
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, intermediate_size=96, max_position_embeddings=64,
-                      tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        architectures=["Qwen3ForCausalLM"],
+    )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).float()
     with torch.no_grad():  # HF inits norms to 1 and small weights: perturb for a stronger test
@@ -39,16 +50,22 @@ def hf_model(seed=0):
 def seq_logp(model, tokens, prompt_len):
     logits = model(tokens[None]).logits[0].float()
     logp = torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0]
-    return logp[prompt_len - 1:]
+    return logp[prompt_len - 1 :]
 
 
 def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
     """A fixed random batch (from `seed`) pruned with masks drawn from `mask_seed`."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen)
-               for _ in range(B)]
-    comps = [[torch.randint(3, VOCAB, (int(torch.randint(1, MAX_NEW + 1, (1,), generator=gen)),), generator=gen)
-              for _ in range(G)] for _ in range(B)]
+    prompts = [
+        torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen) for _ in range(B)
+    ]
+    comps = [
+        [
+            torch.randint(3, VOCAB, (int(torch.randint(1, MAX_NEW + 1, (1,), generator=gen)),), generator=gen)
+            for _ in range(G)
+        ]
+        for _ in range(B)
+    ]
     rewards = (torch.rand(B, G, generator=gen) < 0.5).float()
     rewards[0, :2] = torch.tensor([0.0, 1.0])  # at least one informative group
     adv = group_advantages(rewards)
@@ -68,10 +85,17 @@ def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
                     continue
                 tokens = torch.cat([prompts[q], comps[q][i]])
                 lp = seq_logp(model, tokens, len(prompts[q]))
-                samples.append(Sample(tokens=tokens, prompt_len=len(prompts[q]), advantage=float(adv[q, i]),
-                                      weight=float(w_q[q] * w_o[q, i]), seq_id=q * G + i,
-                                      old_logp=lp + noise[0, q, i, :len(lp)],
-                                      ref_logp=lp + noise[1, q, i, :len(lp)]))
+                samples.append(
+                    Sample(
+                        tokens=tokens,
+                        prompt_len=len(prompts[q]),
+                        advantage=float(adv[q, i]),
+                        weight=float(w_q[q] * w_o[q, i]),
+                        seq_id=q * G + i,
+                        old_logp=lp + noise[0, q, i, : len(lp)],
+                        ref_logp=lp + noise[1, q, i, : len(lp)],
+                    )
+                )
     rolled = keep_q.nonzero().flatten()
     lengths = torch.tensor([[len(c) for c in comps[q]] for q in rolled.tolist()])
     return samples, lengths, w_q[rolled], (adv, scores)
@@ -94,11 +118,20 @@ def reference_grads(model, samples, loss_cfg, denominator):
     seq_index = torch.repeat_interleave(torch.arange(len(samples)), seq_len)
     adv = torch.tensor([s.advantage for s in samples])[seq_index]
     token_loss, _ = losses.policy_loss(
-        lp, torch.cat([s.old_logp for s in samples]), adv, clip_low=loss_cfg.clip_low, clip_high=loss_cfg.clip_high,
-        ratio_type=loss_cfg.ratio_type, seq_index=seq_index, num_seqs=len(samples),
-        ref_logp=torch.cat([s.ref_logp for s in samples]), kl_coef=loss_cfg.kl_coef)
-    coef = losses.token_coefficients(seq_index, torch.tensor([s.weight for s in samples]), seq_len,
-                                     loss_cfg.loss_agg, denominator)
+        lp,
+        torch.cat([s.old_logp for s in samples]),
+        adv,
+        clip_low=loss_cfg.clip_low,
+        clip_high=loss_cfg.clip_high,
+        ratio_type=loss_cfg.ratio_type,
+        seq_index=seq_index,
+        num_seqs=len(samples),
+        ref_logp=torch.cat([s.ref_logp for s in samples]),
+        kl_coef=loss_cfg.kl_coef,
+    )
+    coef = losses.token_coefficients(
+        seq_index, torch.tensor([s.weight for s in samples]), seq_len, loss_cfg.loss_agg, denominator
+    )
     loss = losses.aggregate(token_loss, coef)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -127,6 +160,7 @@ def monte_carlo(policy, model, draws):
     the many cheap draws still measure the Megatron path. Then only the draws' coefficients are
     needed: mean gradient = mean(c) @ U, and the Monte Carlo variance tr(U^T Cov(c) U)."""
     import megatron.core.parallel_state as ps
+
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rank0 = dist.get_rank() == 0
 
@@ -137,9 +171,10 @@ def monte_carlo(policy, model, draws):
     samples, _, _, (adv, scores) = make_problem(model, 0.0, 0.0, seed=11)  # every sequence, weight 1
     S = len(samples)
     assert S == B * G and [s.seq_id for s in samples] == list(range(S))
-    denom = losses.full_batch_denominator(policy.loss_cfg.loss_agg, num_prompts=B, group_size=G)
-    U = torch.stack([megatron_grad([replace(s, weight=float(k == j)) for k, s in enumerate(samples)], 1.0)
-                     for j in range(S)])                                     # [S, params]
+    denom = losses.full_batch_denominator(policy.algorithm.loss_agg, num_prompts=B, group_size=G)
+    U = torch.stack(
+        [megatron_grad([replace(s, weight=float(k == j)) for k, s in enumerate(samples)], 1.0) for j in range(S)]
+    )  # [S, params]
     full = megatron_grad(samples, denom)
     worst = float((U.sum(0) / denom - full).norm() / full.norm())
     for d in range(3):  # spot checks: pruned batches, straight through Megatron, vs c @ U
@@ -156,13 +191,15 @@ def monte_carlo(policy, model, draws):
     # the batch (every row is pruned independently). The negative controls use the same masks.
     gen = torch.Generator().manual_seed(1000)
     prompt_masks = [prune_prompts(scores, 0.5, gen) for _ in range(draws)]
-    keep_q = torch.stack([k for k, _ in prompt_masks])                       # [draws, B]
+    keep_q = torch.stack([k for k, _ in prompt_masks])  # [draws, B]
     w_q = torch.stack([w for _, w in prompt_masks])
     keep_o, w_o = prune_completions(adv.repeat(draws, 1), 0.5, gen)
     keep_o, w_o = keep_o.view(draws, B, G), w_o.view(draws, B, G)
-    variants = {"dppo": w_q[:, :, None] * w_o,
-                "unweighted": (keep_q[:, :, None] & keep_o).float(),              # no reweighting
-                "dppo x1.1": 1.1 * w_q[:, :, None] * w_o}                          # a 10% bias
+    variants = {
+        "dppo": w_q[:, :, None] * w_o,
+        "unweighted": (keep_q[:, :, None] & keep_o).float(),  # no reweighting
+        "dppo x1.1": 1.1 * w_q[:, :, None] * w_o,
+    }  # a 10% bias
     results = {}
     for name, weights in variants.items():
         coefs = weights.reshape(draws, S).double() / denom
@@ -179,19 +216,23 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--negative-control", action="store_true",
-                    help="normalise per token count the way Megatron does by default: must FAIL the check")
+    ap.add_argument(
+        "--negative-control",
+        action="store_true",
+        help="normalise per token count the way Megatron does by default: must FAIL the check",
+    )
     ap.add_argument("--sequence-parallel", action="store_true")
     ap.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     ap.add_argument("--monte-carlo", type=int, default=0, help="mask draws for the unbiasedness check")
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
+
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     cfg, model = hf_model()
     hf_sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     if args.monte_carlo:
-        policy = MegatronPolicy(cfg, OptimConfig(), LossConfig(loss_agg="seq-mean-token-mean", clip_high=0.28))
+        policy = MegatronPolicy(cfg, OptimConfig(), AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_high=0.28))
         policy.load_hf_state_dict(hf_sd)
         res = monte_carlo(policy, model, args.monte_carlo)
         # Unbiased: the error is the noise, whose norm averages the s.e. (3 s.e.: ~1e-3 false alarms).
@@ -205,21 +246,38 @@ def main():
             print("MONTE CARLO PASSED")
         destroy_parallel()
         return
-    cases = [("seq-mean-token-mean", "token", 0.0), ("token-mean", "token", 0.1),
-             ("seq-mean-token-sum-norm", "token", 0.0), ("seq-mean-token-mean", "sequence", 0.0)]
+    cases = [
+        ("seq-mean-token-mean", "token", 0.0),
+        ("token-mean", "token", 0.1),
+        ("seq-mean-token-sum-norm", "token", 0.0),
+        ("seq-mean-token-mean", "sequence", 0.0),
+    ]
     worst, checked = 0.0, 0
     for agg, ratio_type, kl in cases:
-        loss_cfg = LossConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, ratio_type=ratio_type, kl_coef=kl)
-        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-3), loss_cfg, with_reference=False,
-                                sequence_parallel=args.sequence_parallel, recompute=args.recompute)
+        loss_cfg = AlgorithmConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, ratio_type=ratio_type, kl_coef=kl)
+        policy = MegatronPolicy(
+            cfg,
+            OptimConfig(lr=1e-3),
+            loss_cfg,
+            with_reference=False,
+            sequence_parallel=args.sequence_parallel,
+            recompute=args.recompute,
+        )
         policy.load_hf_state_dict(hf_sd)
         if args.negative_control:
             from megatron.core.distributed import finalize_model_grads
+
             policy.model.module.config.finalize_model_grads_func = finalize_model_grads
         for r in (0.0, 0.5):
             samples, lengths, w_q, _ = make_problem(model, r, r, seed=7)
-            denom = losses.full_batch_denominator(agg, num_prompts=B, group_size=G, completion_lengths=lengths,
-                                                  prompt_weight=w_q, max_response_length=MAX_NEW)
+            denom = losses.full_batch_denominator(
+                agg,
+                num_prompts=B,
+                group_size=G,
+                completion_lengths=lengths,
+                prompt_weight=w_q,
+                max_response_length=MAX_NEW,
+            )
             ref_loss, ref = reference_grads(model, samples, loss_cfg, denom)
             for capacity in (10_000, 24):  # one micro-batch per rank, then several
                 mbs = my_microbatches(samples, capacity, dp_rank, dp_size)
@@ -234,8 +292,10 @@ def main():
                 assert rel < 1e-5, f"{agg} {ratio_type} kl={kl} r={r} capacity={capacity}: relative grad error {rel}"
                 checked += 1
                 if dist.get_rank() == 0:
-                    print(f"ok tp={args.tp} pp={args.pp} dp={dp_size} {agg:24s} {ratio_type:8s} kl={kl} r={r} "
-                          f"micro-batches/rank={len(mbs)} loss={metrics['loss']:.6f} rel.grad.err={rel:.2e}")
+                    print(
+                        f"ok tp={args.tp} pp={args.pp} dp={dp_size} {agg:24s} {ratio_type:8s} kl={kl} r={r} "
+                        f"micro-batches/rank={len(mbs)} loss={metrics['loss']:.6f} rel.grad.err={rel:.2e}"
+                    )
     assert checked == 2 * 2 * len(cases), f"only {checked} of the {2 * 2 * len(cases)} comparisons ran"
     if dist.get_rank() == 0:
         print(f"GRAD CHECK PASSED worst relative error {worst:.2e}")

@@ -1,0 +1,107 @@
+"""The run config: one resolution step, named errors, the saved config is the one that ran."""
+
+import dataclasses
+import typing
+
+import pytest
+import yaml
+
+from megatron_dppo import choices
+from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms.advantages import ADVANTAGE_KINDS
+from megatron_dppo.config import Config, check_layout, load_config, resolve, save_config
+
+TINY = "examples/tiny/addition.yaml"
+FACTS = dict(world_size=1, local_world_size=1, num_heads=4, num_kv_heads=2, num_layers=3, ffn_hidden_size=512,
+             num_train_records=1024, cuda=False, threads=2)
+
+
+def _walk(data, prefix=""):
+    for k, v in data.items():
+        if isinstance(v, dict):
+            yield from _walk(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def test_saved_config_is_complete(tmp_path):
+    """No null, no empty string, no 0 meaning "decide later" in what a run saves; loading the saved
+    file back gives the same config."""
+    cfg = resolve(load_config(TINY, ["trainer.threads=0", "data.train_size=0"]), **FACTS)
+    path = tmp_path / "config.yaml"
+    save_config(cfg, path)
+    saved = dict(_walk(yaml.safe_load(path.read_text())))
+    assert not [k for k, v in saved.items() if v is None or v == ""], saved
+    assert saved["optim.decay_steps"] == cfg.trainer.max_steps  # 0 meant "the run's optimizer steps"
+    assert saved["trainer.threads"] == 2 and saved["data.train_size"] == 1024
+    assert saved["rollout.dtype"] == "float32" and saved["pruning.drop_zero_variance"] is True
+    assert saved["parallel.distributed_optimizer"] is False
+    assert load_config(str(path)) == cfg
+
+
+def test_unresolved_config_is_not_saved(tmp_path):
+    with pytest.raises(ValueError, match="unresolved"):
+        save_config(load_config(TINY), tmp_path / "config.yaml")
+
+
+def test_choices_are_declared_once():
+    assert losses.LOSS_AGGS == typing.get_args(choices.LossAgg)
+    assert ADVANTAGE_KINDS == typing.get_args(choices.AdvantageKind)
+    hints = typing.get_type_hints(type(Config().algorithm))
+    assert hints["loss_agg"] is choices.LossAgg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=-1e-5", "'optim.lr': expected a number > 0"),
+        ("trainer.max_steps=-1", "'trainer.max_steps': expected an integer >= 1"),
+        ("rollout.top_p=0", "'rollout.top_p'"),
+        ("algorithm.kl_coef=-0.1", "'algorithm.kl_coef'"),
+        ("trainer.save_every=-5", "'trainer.save_every'"),
+        ("algorithm.loss_agg=mean", "'algorithm.loss_agg': expected one of"),
+        ("pruning.strategy=magic", "'pruning.strategy': expected one of"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(TINY, [override])
+
+
+def test_scientific_notation_floats_parse(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 1e-5\n  min_lr: 1E-7\n" + open(TINY).read().split("optim:")[0])
+    cfg = load_config(str(path))
+    assert cfg.optim.lr == 1e-5 and cfg.optim.min_lr == 1e-7
+    assert load_config(TINY, ["optim.lr=3e-4"]).optim.lr == 3e-4
+    with pytest.raises(ValueError, match="'optim.lr': expected float"):
+        load_config(TINY, ["optim.lr=fast"])
+
+
+def test_a_section_written_twice_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(open(TINY).read() + "\noptim:\n  lr: 1.0e-3\n")
+    with pytest.raises(ValueError, match=r"c.yaml: line \d+: key 'optim' appears twice"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        ({"tp": 2}, 1, "does not divide the world size 1"),
+        ({"tp": 3, "gpus_per_node": 3}, 3, "parallel.tp=3 must divide num_attention_heads"),
+        ({"rollout_tp": 3}, 3, "parallel.rollout_tp=3 must divide"),
+        ({"tp": 4, "gpus_per_node": 6}, 12, "a tensor-parallel group stays inside a node"),
+        ({"pp": 2}, 2, "parallel.pp=2 must divide num_hidden_layers 3"),
+    ],
+)
+def test_layouts_that_do_not_divide_name_the_key(overrides, world, message):
+    cfg = load_config(TINY)
+    cfg.parallel = dataclasses.replace(cfg.parallel, **overrides)
+    with pytest.raises(ValueError, match=message):
+        check_layout(cfg, world_size=world, num_heads=4, num_kv_heads=2, num_layers=3)
+
+
+def test_vllm_kv_heads_may_be_replicated():
+    cfg = load_config(TINY, ["parallel.rollout_tp=4", "parallel.gpus_per_node=4"])
+    check_layout(cfg, world_size=4, num_heads=4, num_kv_heads=2, num_layers=3)  # KV heads replicated x2
