@@ -15,6 +15,7 @@ def _ok(res):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
 
 
+@pytest.mark.slow
 def test_kill_after_save_then_resume_reproduces_losses_and_other_layouts_load(tmp_path, launch):
     ckpt, full, resumed = tmp_path / "ckpt", tmp_path / "full.json", tmp_path / "resumed.json"
     _ok(launch(WORKER, 2, "--phase", "full", "--ckpt", str(tmp_path / "ckpt_full"), "--out", str(full), "--tp", "2"))

@@ -252,6 +252,7 @@ def test_markdown_keeps_the_hand_written_discussion(tmp_path):
     assert "old table" not in text and "new table" in text and "## Discussion\nkept" in text and "intro" in text
 
 
+@pytest.mark.slow
 def test_quick_pipeline_end_to_end(tmp_path):
     """--quick on one run per code path, 2 at a time; then the same command reuses every run."""
     cmd = [

@@ -129,6 +129,7 @@ def _chunks(md) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, launch):
     hf, mg = hf_models["untied"], tmp_path / "mg"
     # Converted for TP=2 (vocab padded to 256), verified by torchrun workers at TP=2 ...
@@ -170,6 +171,7 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
     assert json.loads((trained_hf / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
 
 
+@pytest.mark.slow
 def test_tied_pp2_and_roundtrip(hf_models, tmp_path, launch):
     hf, mg, back = hf_models["tied"], tmp_path / "mg", tmp_path / "back"
     # PP=2: the last stage holds its own copy of the tied embedding as the output layer.

@@ -81,6 +81,7 @@ def _tail(path: Path, n: int = 6000) -> str:
     return path.read_text(errors="replace")[-n:]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_host(tmp_path):
     """NNODES=2 x GPUS_PER_NODE=1 on 127.0.0.1: each node a torchrun agent with one trainer process
     (its own vLLM engine, DP=2), meeting at a c10d rendezvous on a free port."""

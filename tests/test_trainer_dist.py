@@ -28,6 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny"
 STEPS = 2

@@ -242,10 +242,11 @@ class RolloutEngine:
         stats["seconds"] = time.perf_counter() - t0
         return stats
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV cache (level 1 also offloads weights, level 2 drops them) while Megatron
-        trains. GPU only (needs enable_sleep_mode); a no-op on CPU, where there is no device
-        memory to give back."""
+    def sleep(self, level: int = 2) -> None:
+        """Free the KV cache (level 1 also offloads weights to pinned host memory, level 2 drops
+        them) while Megatron trains. Level 2 by default: a full weight reload follows every step,
+        so copying the old weights back (level 1) would be wasted. GPU only (needs
+        enable_sleep_mode); a no-op on CPU, where there is no device memory to give back."""
         if self._sleep_enabled and not self._sleeping:
             with self.context():
                 self.llm.sleep(level=level)
