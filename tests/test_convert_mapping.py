@@ -2,25 +2,13 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from tiny_models import tiny_qwen3_model
 
 from megatron_dppo.convert import qwen3
 
 
 def _hf(tied, vocab=50, seed=0):
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        tie_word_embeddings=tied,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg)
+    cfg, model = tiny_qwen3_model(seed, perturb_norms=False, vocab_size=vocab, tie_word_embeddings=tied)
     sd = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     return cfg, sd
 

@@ -26,26 +26,9 @@ WORKER = REPO / "tests" / "dist_load" / "load_check.py"
 
 
 def _make_hf(path: Path, tied: bool, dtype: torch.dtype, shard: str) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from tiny_models import tiny_qwen3_model
 
-    cfg = Qwen3Config(
-        vocab_size=50,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        tie_word_embeddings=tied,
-        max_position_embeddings=128,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    torch.manual_seed(3 + tied)
-    model = Qwen3ForCausalLM(cfg).float()
-    with torch.no_grad():  # HF inits norms to 1: perturb them so a swapped norm shows
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
+    _, model = tiny_qwen3_model(3 + tied, tie_word_embeddings=tied)
     model.to(dtype).save_pretrained(path, max_shard_size=shard)
     return path
 

@@ -8,11 +8,15 @@ with 1 and with several micro-batches per rank.
 
 import argparse
 import math
+import os
+import sys
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen3Config, Qwen3ForCausalLM
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tiny_models import tiny_qwen3_model
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
@@ -26,25 +30,7 @@ B, G, MAX_NEW, VOCAB = 4, 4, 8, 50
 
 
 def hf_model(seed=0):
-    cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg).float()
-    with torch.no_grad():  # HF inits norms to 1 and small weights: perturb for a stronger test
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.add_(0.1 * torch.randn_like(p))
-    return cfg, model
+    return tiny_qwen3_model(seed, vocab_size=VOCAB, max_position_embeddings=64)
 
 
 def seq_logp(model, tokens, prompt_len):
