@@ -627,24 +627,35 @@ class Trainer:
 
 class _SignalFlag:
     def __init__(self):
-        self.requested, self.name = False, ""
+        self.requested, self.name, self.at = False, "", 0.0
+
+
+# A repeat within this many seconds is the same event: when a launcher dies, the kernel sends the
+# parent-death signal again each time it hands the rank to another of the dying launcher's threads
+# (measured: 2-3 SIGTERMs within milliseconds), and that must not count as "send it again".
+_REPEAT_WINDOW_S = 2.0
 
 
 @contextmanager
 def _stop_on_signals():
     """SIGTERM (what SLURM and torchrun send before a kill) and SIGINT set a flag; the loop finishes
-    the step in progress, saves a checkpoint and exits non-zero. A second signal stops at once."""
+    the step in progress, saves a checkpoint and exits non-zero. A second signal (later than
+    _REPEAT_WINDOW_S) stops at once."""
     flag = _SignalFlag()
 
     def handler(signum, frame):
+        now = time.monotonic()
         if flag.requested:
-            raise KeyboardInterrupt
-        flag.requested, flag.name = True, signal.Signals(signum).name
-        print(
-            f"{flag.name} received: finishing the current step, then saving a checkpoint "
-            "(send it again to stop at once)",
-            flush=True,
-        )
+            if now - flag.at > _REPEAT_WINDOW_S:
+                raise KeyboardInterrupt
+            return
+        flag.requested, flag.name, flag.at = True, signal.Signals(signum).name, now
+        # os.write, not print: a handler that prints while the main code is printing raises
+        # "reentrant call" inside whatever the step was doing.
+        rank = os.environ.get("RANK", "0")
+        where = "" if rank == "0" else f"[rank {rank}] "
+        msg = f"{where}{flag.name} received: finishing the current step, then saving a checkpoint"
+        os.write(2, (msg + " (send it again to stop at once)\n").encode())
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
     try:

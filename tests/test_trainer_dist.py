@@ -238,13 +238,14 @@ def test_a_killed_launcher_leaves_no_rank_running(work):
     the kernel (PR_SET_PDEATHSIG), finishes its step, saves a checkpoint together with the other
     rank and exits; nothing of the run is left."""
     root, model = work
+    log = root / "orphans.log"  # the ranks' screen, shown when an assertion fails
     proc = subprocess.Popen(
         train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"),
         cwd=REPO,
         env=_env(),
         start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
     )
     path = root / "orphans" / "metrics.jsonl"
     deadline = time.time() + 400
@@ -257,6 +258,9 @@ def test_a_killed_launcher_leaves_no_rank_running(work):
     gone, alive = psutil.wait_procs(ranks, timeout=180)
     for p in alive:
         p.kill()
-    assert not alive, f"{len(alive)} process(es) of the run outlived its launcher"
+    screen = log.read_text()[-3000:]
+    assert not alive, f"{len(alive)} process(es) of the run outlived its launcher\n{screen}"
     done = max(metrics(root / "orphans"))
-    assert (root / "orphans" / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
+    latest = root / "orphans" / "checkpoints" / "latest"
+    assert latest.exists() and latest.read_text().strip() == f"step_{done:06d}", screen
+    assert "stopping after step" in screen, screen
