@@ -252,6 +252,48 @@ def test_markdown_keeps_the_hand_written_discussion(tmp_path):
     assert "old table" not in text and "new table" in text and "## Discussion\nkept" in text and "intro" in text
 
 
+def test_a_second_task_gets_its_own_block(tmp_path):
+    """--docs-name results_longtail: its block is appended once, then rewritten in place; the
+    first task's block and the hand-written text around both stay."""
+    md = tmp_path / "results.md"
+    md.write_text(f"intro\n\n{cm.GEN_BEGIN}\naddition table\n{cm.GEN_END}\n\nmiddle\n")
+    cm.write_markdown(md, "longtail v1\n", None, "results_longtail")
+    begin, end = cm.markers("results_longtail")
+    assert md.read_text().count(begin) == 1 and "longtail v1" in md.read_text()
+    md.write_text(md.read_text() + "\nafter\n")
+    cm.write_markdown(md, "longtail v2\n", "results_longtail.png", "results_longtail")
+    cm.write_markdown(md, "addition v2\n", None)
+    text = md.read_text()
+    assert "longtail v1" not in text and "addition table" not in text
+    assert text.index("intro") < text.index("addition v2") < text.index("middle") < text.index("longtail v2")
+    assert text.rstrip().endswith("after") and "results_longtail.png" in text
+
+
+def _goal_row(name, speedup_at_target, delta):
+    return {
+        "method": name,
+        "label": name,
+        "speedup_at_target_cpu": speedup_at_target,
+        "speedup_cpu": 1.0,
+        "acc_delta_vs_grpo": delta,
+        "acc_delta_se": None,
+    }
+
+
+def test_goals_say_plainly_which_are_met():
+    rows = [_goal_row("grpo", 1.0, 0.0), _goal_row("dppo-0.5-0.5", 1.7, -0.02), _goal_row("dppo-0.7-0.7", 2.1, -0.02)]
+    lines = cm.goals_table({"rows": rows})
+    verdict = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in lines if ln.startswith("| dppo")}
+    assert verdict["dppo-0.5-0.5"] == "yes"  # no accuracy bound on this goal
+    assert verdict["dppo-0.7-0.7"].startswith("no: final accuracy more than 1 point")
+    rows[1] = _goal_row("dppo-0.5-0.5", None, -0.01)
+    rows[2] = _goal_row("dppo-0.7-0.7", 1.5, 0.0)
+    lines = cm.goals_table({"rows": rows})
+    verdict = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in lines if ln.startswith("| dppo")}
+    assert verdict["dppo-0.5-0.5"] == "no: never reaches GRPO's final accuracy"
+    assert verdict["dppo-0.7-0.7"] == "no: 1.50x < 2.0x"
+
+
 @pytest.mark.slow
 def test_quick_pipeline_end_to_end(tmp_path):
     """--quick on one run per code path, 2 at a time; then the same command reuses every run."""

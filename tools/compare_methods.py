@@ -12,24 +12,28 @@ COMMON overrides first (so the YAML's own method choices, e.g. its clip_high or 
 reset to GRPO's), then the method's, then the budget's.
 
 Timing. "Train time" is the sum of the run's own `time/step` over its steps (rollout, rewards,
-log-probs, update, weight sync): it excludes process start-up, evaluation and checkpointing, and it
-is what the speedup is computed from: speedup = GRPO's mean train time / the method's, both from
-this comparison's runs (never from a number stored elsewhere). The process wall time is reported as
-well. With --parallel 2 two runs share the machine; the queue interleaves methods (seed 0 in table
-order, seed 1 in reverse order, ...) so that every method sees a mix of partners and of times of day.
+log-probs, update, weight sync): it excludes process start-up, evaluation and checkpointing.
+"Train CPU time" is the same steps' process CPU time (sampled as each step's metrics line appears;
+with 1 thread per run it counts the work, not the waiting for the shared cores): the primary measure.
+Speedup = GRPO's mean time / the method's, both from this comparison's runs (never from a number
+stored elsewhere). The process wall time is reported as well. With --parallel 2 two runs share the
+machine; the queue interleaves methods (seed 0 in table order, seed 1 in reverse order, ...) so that
+every method sees a mix of partners and of times of day.
 
 Accuracy: greedy held-out accuracy at the final step (eval_size problems), mean and standard error
 over seeds. "Time to target" is the paper's notion of speedup (same accuracy, less time): on the
-seed-averaged curve of accuracy against cumulative train time (evaluations every eval_every steps),
-the first time the curve reaches GRPO's final mean accuracy (linear interpolation), or "-" if never.
+seed-averaged curve of accuracy (a monotone fit) against cumulative train CPU time (and, as a
+cross-check, wall train time; evaluations every eval_every steps), the first time the curve reaches
+GRPO's final accuracy (linear interpolation), or "-" if never.
 
 Resume-safe: a run whose metrics.jsonl reached the last step with an evaluation and whose recorded
 overrides equal this invocation's is reused, not rerun (--force reruns everything). Interrupt and
 start the same command again to continue.
 
-Outputs: <out-dir>/results.{json,md,png} always; without --quick also docs/results.json,
-docs/results.png and docs/results.md, where only the part between the GENERATED markers is
-rewritten (the hand-written discussion around it is kept).
+Outputs: <out-dir>/results.{json,md,png} always; without --quick also docs/<name>.json,
+docs/<name>.png and docs/results.md, where only <name>'s part between its GENERATED markers is
+rewritten (the hand-written discussion around it is kept); <name> = --docs-name, default results
+(a second task: --docs-name results_longtail).
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ COMMON = {
     "algorithm.dynamic_sampling": False,
     "trainer.packing": "window",
     "trainer.max_time_s": 0,
+    # Checkpoints only at the end (after the last step's line): a save mid-run would land in the next
+    # step's CPU time, the same constant for every method, diluting the speedups.
+    "trainer.save_every": 0,
     "logging.wandb": "disabled",
     "logging.progress": False,
     "logging.tensorboard": False,
@@ -137,6 +144,21 @@ METHODS = [
         "default": False,
         "overrides": {"pruning.strategy": "greso-simple", "pruning.r_q": 0.5},
     },
+    # The paper's ablation (DPPO.md section 6) without dense packing until its last row: GRPO on padded
+    # rows is the base, then completion pruning (0, 0.5), then prompt pruning (0.5, 0.5), both on padded
+    # rows (dppo-0.5-0.5-padded above), then dense packing (= dppo-0.5-0.5). See ABLATION.
+    {
+        "name": "grpo-padded",
+        "label": "GRPO, no dense packing",
+        "default": False,
+        "overrides": {"trainer.packing": "padded"},
+    },
+    {
+        "name": "dppo-0-0.5-padded",
+        "label": "DPPO (0, 0.5), no dense packing",
+        "default": False,
+        "overrides": {**_dppo(0.0, 0.5), "trainer.packing": "padded"},
+    },
     # A paper-like GRPO baseline: also trains the all-equal-reward groups (zero gradient, full cost).
     {
         "name": "grpo-nofilter",
@@ -147,6 +169,17 @@ METHODS = [
 ]
 METHOD_BY_NAME = {m["name"]: m for m in METHODS}
 BASELINE = "grpo"
+# The paper's ablation, one lever added per row: (method, what the row adds). Reported as its own
+# table when every one of them ran; speedups against its first row (the base) and against GRPO.
+ABLATION = [
+    ("grpo-padded", "GRPO on padded rows (base)"),
+    ("dppo-0-0.5-padded", "+ completion pruning (0, 0.5)"),
+    ("dppo-0.5-0.5-padded", "+ prompt pruning (0.5, 0.5)"),
+    ("dppo-0.5-0.5", "+ dense packing = DPPO (0.5, 0.5)"),
+]
+# Issue 13's goals, against GRPO's final accuracy of the same comparison: (method, minimum speedup,
+# largest accuracy loss in points or None). Checked in the report on CPU time.
+GOALS = [("dppo-0.5-0.5", 1.6, None), ("dppo-0.7-0.7", 2.0, 1.0)]
 
 # The default budget: 15 methods x 2 seeds at ~2 runs at a time fit in about an hour here.
 DEFAULT_STEPS = 150
@@ -511,16 +544,26 @@ def _se(xs):
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def train_cpu_time(rows: list[dict], marks: dict[int, float], min_coverage: float = 0.8) -> float | None:
-    """The training steps' CPU time from the CPU marks (process CPU seconds when step s's metrics
-    line appeared): the steps whose line carries no evaluation give mark[s] - mark[s-1]; their sum
-    is scaled up to all steps. None when fewer than min_coverage of the steps are measured."""
-    steps = [r["step"] for r in rows if "time/step" in r]
+def step_cpu_times(rows: list[dict], marks: dict[int, float], min_coverage: float = 0.8) -> dict[int, float] | None:
+    """Each training step's CPU seconds, from the CPU marks (process CPU seconds when step s's metrics
+    line appeared). A step whose line carries no evaluation and whose previous line was seen gives
+    mark[s] - mark[s-1]; the others (evaluation steps, lines the sampler saw together) get their
+    `time/step` times the run's CPU-per-wall-second over the measured steps. None when fewer than
+    min_coverage of the non-evaluation steps are measured."""
+    steps = {r["step"]: r["time/step"] for r in rows if "time/step" in r}
     evals = {r["step"] for r in rows if "eval/accuracy" in r}
-    deltas = [marks[s] - marks[s - 1] for s in steps if s not in evals and s in marks and s - 1 in marks]
-    if not steps or len(deltas) < min_coverage * (len(steps) - len(evals)):
+    measured = {s: marks[s] - marks[s - 1] for s in steps if s not in evals and s in marks and s - 1 in marks}
+    if not steps or not measured or len(measured) < min_coverage * len(set(steps) - evals):
         return None
-    return sum(deltas) * len(steps) / len(deltas)
+    wall = sum(steps[s] for s in measured)
+    cpu_per_wall = sum(measured.values()) / wall if wall > 0 else 1.0
+    return {s: measured.get(s, steps[s] * cpu_per_wall) for s in sorted(steps)}
+
+
+def train_cpu_time(rows: list[dict], marks: dict[int, float], min_coverage: float = 0.8) -> float | None:
+    """The training steps' CPU time (step_cpu_times summed); None when too few steps were measured."""
+    per_step = step_cpu_times(rows, marks, min_coverage)
+    return None if per_step is None else sum(per_step.values())
 
 
 def summarize_run(run: Run, max_steps: int) -> dict | None:
@@ -535,21 +578,23 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
             info = json.loads((run.run_dir / DONE_FILE).read_text())
         except json.JSONDecodeError:
             pass
-    cum, curve = 0.0, []
-    by_step = {}
-    for r in rows:
-        if "time/step" in r:
-            cum += r["time/step"]
-        by_step[r["step"]] = cum
-        if "eval/accuracy" in r:
-            curve.append((r["step"], cum, r["eval/accuracy"]))
-    phases = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in ("rollout", "reward", "logprob", "train", "sync")}
     marks = info.get("cpu_marks")
     if not marks and (run.run_dir / "cpu_marks.json").exists():  # written by a sidecar sampler
         try:
             marks = json.loads((run.run_dir / "cpu_marks.json").read_text())["cpu_marks"]
         except (json.JSONDecodeError, KeyError):
             marks = None
+    step_cpu = step_cpu_times(rows, {int(k): v for k, v in (marks or {}).items()})
+    # The curve: (step, cumulative train time, accuracy, cumulative train CPU time or None) at each evaluation.
+    cum, cum_cpu, curve = 0.0, 0.0, []
+    for r in rows:
+        if "time/step" in r:
+            cum += r["time/step"]
+            if step_cpu is not None:
+                cum_cpu += step_cpu[r["step"]]
+        if "eval/accuracy" in r:
+            curve.append((r["step"], cum, r["eval/accuracy"], cum_cpu if step_cpu is not None else None))
+    phases = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in ("rollout", "reward", "logprob", "train", "sync")}
     return {
         "method": run.method,
         "seed": run.seed,
@@ -558,7 +603,7 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
         "train_time_s": cum,
         "phase_time_s": phases,
         "median_step_s": sorted(r["time/step"] for r in steps)[len(steps) // 2],
-        "train_cpu_s": train_cpu_time(rows, {int(k): v for k, v in (marks or {}).items()}),
+        "train_cpu_s": None if step_cpu is None else sum(step_cpu.values()),
         "eval_time_s": sum(r.get("time/eval", 0.0) for r in rows),
         "process_wall_s": info.get("process_wall_s"),
         "started": info.get("started"),
@@ -621,7 +666,9 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
         curve = []
         for step in sorted(common or []):
             pts = [next(c for c in r["curve"] if c[0] == step) for r in rs]
-            curve.append((step, _mean([p[1] for p in pts]), _mean([p[2] for p in pts])))
+            cpus = [p[3] if len(p) > 3 else None for p in pts]
+            cpu = None if any(c is None for c in cpus) else _mean(cpus)  # only when every seed has it
+            curve.append((step, _mean([p[1] for p in pts]), _mean([p[2] for p in pts]), cpu))
         rows.append(
             {
                 "method": m["name"],
@@ -635,6 +682,7 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
                 "median_step_s": _mean([r["median_step_s"] for r in rs]),
                 # Over the seeds whose CPU time was sampled (the work per step hardly depends on the seed).
                 "train_cpu_s": _mean([r["train_cpu_s"] for r in rs]),
+                "train_cpu_se": _se([r["train_cpu_s"] for r in rs if r["train_cpu_s"] is not None]),
                 "train_cpu_seeds": sorted(r["seed"] for r in rs if r["train_cpu_s"] is not None),
                 "phase_time_s": {
                     p: _mean([r["phase_time_s"][p] for r in rs])
@@ -652,7 +700,7 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
                 "acc_final": _mean(accs),
                 "acc_final_se": _se(accs),
                 "acc_final_per_seed": accs,
-                "curve": [{"step": s, "train_time_s": t, "acc": a} for s, t, a in curve],
+                "curve": [{"step": s, "train_time_s": t, "acc": a, "train_cpu_s": c} for s, t, a, c in curve],
             }
         )
     for r in rows:
@@ -662,15 +710,28 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
     base = next((r for r in rows if r["method"] == BASELINE), None)
     # The target: GRPO's final accuracy on its monotone fit (a lucky last evaluation is not the target).
     target = base["curve"][-1]["acc_fit"] if base and base["curve"] and base["acc_final"] is not None else None
-    base_ttt = None
-    if target is not None:
-        base_ttt = time_to_target([(p["train_time_s"], p["acc_fit"]) for p in base["curve"]], target)
+
+    def ttt(row, key):
+        pts = [(p[key], p["acc_fit"]) for p in row["curve"]]
+        if target is None or not pts or any(t is None for t, _ in pts):
+            return None
+        return time_to_target(pts, target)
+
+    base_ttt = ttt(base, "train_time_s") if base else None
+    base_ttt_cpu = ttt(base, "train_cpu_s") if base else None
     for r in rows:
         r["speedup"] = (
             base["train_time_s"] / r["train_time_s"] if base and base["train_time_s"] and r["train_time_s"] else None
         )
         r["speedup_cpu"] = (
             base["train_cpu_s"] / r["train_cpu_s"] if base and base["train_cpu_s"] and r["train_cpu_s"] else None
+        )
+        # Its standard error by the delta method (relative errors of the two means add in quadrature).
+        r["speedup_cpu_se"] = (
+            r["speedup_cpu"]
+            * math.sqrt((base["train_cpu_se"] / base["train_cpu_s"]) ** 2 + (r["train_cpu_se"] / r["train_cpu_s"]) ** 2)
+            if r["speedup_cpu"] and r is not base and base["train_cpu_se"] is not None and r["train_cpu_se"] is not None
+            else None
         )
         r["speedup_median_step"] = (
             base["median_step_s"] / r["median_step_s"]
@@ -682,13 +743,21 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
             if base and base["acc_final"] is not None and r["acc_final"] is not None
             else None
         )
-        ttt = (
-            time_to_target([(p["train_time_s"], p["acc_fit"]) for p in r["curve"]], target)
-            if target is not None
+        # Seeds of different methods are independent runs: the difference's SE from both SEs.
+        r["acc_delta_se"] = (
+            math.sqrt(r["acc_final_se"] ** 2 + base["acc_final_se"] ** 2)
+            if r["acc_delta_vs_grpo"] is not None
+            and r["acc_final_se"] is not None
+            and base["acc_final_se"] is not None
+            and r is not base
             else None
         )
-        r["time_to_target_s"] = ttt
-        r["speedup_at_target"] = base_ttt / ttt if base_ttt and ttt else None
+        r["time_to_target_s"] = ttt(r, "train_time_s")
+        r["speedup_at_target"] = base_ttt / r["time_to_target_s"] if base_ttt and r["time_to_target_s"] else None
+        r["time_to_target_cpu_s"] = ttt(r, "train_cpu_s")
+        r["speedup_at_target_cpu"] = (
+            base_ttt_cpu / r["time_to_target_cpu_s"] if base_ttt_cpu and r["time_to_target_cpu_s"] else None
+        )
     finished = sum(1 for r in per_run if r["finished"])
     # The comparison's own elapsed time, across interruptions: first start to last finish.
     spans = [
@@ -751,23 +820,15 @@ def markdown_table(result: dict) -> str:
             f"({', '.join(result['code_versions'])}; git HEAD + hash of uncommitted changes).\n"
         )
     lines.append(
-        "| Method | Train time (s) | Speedup vs GRPO | Process wall (s) | Generated tokens | "
-        "Trained tokens | Prompts kept | Compl. trained | Final acc (mean ± SE) | Δ acc vs GRPO | "
-        "Time to target acc (s) | Speedup at equal acc |"
+        "| Method | Train time, wall (s) | Speedup, wall | Process wall (s) | Generated tokens | "
+        "Trained tokens | Prompts kept | Compl. trained | Final acc (mean ± SE) | Δ acc vs GRPO (± SE) | "
+        "Train CPU time (s) | Speedup by CPU time (± SE) | CPU time to target acc (s) | Speedup at equal acc, CPU |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
         label = r["label"]
         if len(r["seeds_finished"]) < len(r["seeds_planned"]):
             label += f" (seeds {r['seeds_finished']} of {r['seeds_planned']})"
-        acc = (
-            "-"
-            if r["acc_final"] is None
-            else (
-                f"{100 * r['acc_final']:.1f}"
-                + (f" ± {100 * r['acc_final_se']:.1f}" if r["acc_final_se"] is not None else "")
-            )
-        )
         lines.append(
             "| "
             + " | ".join(
@@ -780,46 +841,53 @@ def markdown_table(result: dict) -> str:
                     _f(r["tokens_trained"], "{:,.0f}"),
                     _f(r["prompts_kept_frac"], "{:.2f}"),
                     _f(r["completions_kept_frac"], "{:.2f}"),
-                    acc,
-                    _f(None if r["acc_delta_vs_grpo"] is None else 100 * r["acc_delta_vs_grpo"], "{:+.1f}"),
-                    _f(r["time_to_target_s"]),
-                    _f(r["speedup_at_target"], "{:.2f}x"),
+                    _acc(r["acc_final"], r["acc_final_se"]),
+                    _acc(r["acc_delta_vs_grpo"], r.get("acc_delta_se"), signed=True),
+                    _f(r["train_cpu_s"]),
+                    _f(r["speedup_cpu"], "{:.2f}x") + _f(r.get("speedup_cpu_se"), " ± {:.2f}", none=""),
+                    _f(r.get("time_to_target_cpu_s")),
+                    _f(r.get("speedup_at_target_cpu"), "{:.2f}x"),
                 ]
             )
             + " |"
         )
     lines.append("")
     lines.append(
-        f"Accuracies in %, greedy, at the last step; SE = standard error over seeds. Target accuracy = "
+        f"Accuracies in %, greedy, at the last step; SE = standard error over seeds (of a difference: both "
+        f"methods' SEs in quadrature). Target accuracy = "
         f"{_f(None if result['target_acc'] is None else 100 * result['target_acc'])}%: GRPO's final accuracy "
-        "on a monotone (isotonic) fit of its seed-averaged accuracy-vs-train-time curve; a method's time to "
-        "target is where its own fitted curve first reaches it (linear interpolation between evaluations), "
-        "'-' if it never does within the budget. "
-        "Train time = sum of the runs' `time/step` (no start-up, evaluation or checkpointing), mean over "
-        "seeds. Trained tokens count prompt + completion tokens of the trained sequences (generated "
+        "on a monotone (isotonic) fit of its seed-averaged accuracy curve; a method's time to "
+        "target is where its own fitted curve, against its cumulative train CPU time, first reaches it "
+        "(linear interpolation between evaluations), '-' if it never does within the budget. "
+        "Train time, wall = sum of the runs' `time/step` (no start-up, evaluation or checkpointing), mean "
+        "over seeds. Train CPU time = the same steps' process CPU time (sampled as each step is logged; "
+        "evaluation steps get their wall time x the run's CPU per wall second; with 1 thread per run it "
+        "counts the work, not the waiting: the primary measure). "
+        "Trained tokens count prompt + completion tokens of the trained sequences (generated "
         'tokens count completions only). "Compl. trained" = fraction of generated completions that '
         "reached the update (zero-variance groups are dropped exactly in every method, since kl_coef = 0)."
     )
     lines.append("")
+    lines += goals_table(result) + ablation_table(result)
     lines.append(
-        "Where the time goes (mean seconds per run). Two cross-checks of the speedup that other "
-        "processes on the machine disturb less: the median step time, and the training steps' CPU time "
-        "(process CPU seconds sampled as each step is logged, evaluation steps left out and the rest "
-        "scaled to all steps; with 1 thread per run it counts the work, not the waiting):\n"
+        "Where the time goes (wall seconds per run, mean over seeds; update = log-probs + train). "
+        "Rollout share = rollout / train time. The median step time is a cross-check of the speedup "
+        "that occasional pauses (garbage collection, other jobs) disturb less:\n"
     )
     lines.append(
-        "| Method | Rollout | Reward | Update | Weight sync | Median step (s) | Speedup by median step "
-        "| Train CPU time (s) | Speedup by CPU time | Pack density |"
+        "| Method | Rollout | Reward | Update | Weight sync | Rollout share | Median step (s) "
+        "| Speedup by median step | Wall speedup, time to target | Pack density |"
     )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
         p = r["phase_time_s"] or {}
+        share = p.get("rollout") / r["train_time_s"] if p.get("rollout") is not None and r["train_time_s"] else None
         lines.append(
             f"| {r['label']} | {_f(p.get('rollout'))} | {_f(p.get('reward'))} | "
             f"{_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | {_f(p.get('sync'))} | "
+            f"{_f(share, '{:.0%}')} | "
             f"{_f(r['median_step_s'], '{:.3f}')} | {_f(r['speedup_median_step'], '{:.2f}x')} | "
-            f"{_f(r['train_cpu_s'])} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
-            f"{_f(r['pack_density'], '{:.2f}')} |"
+            f"{_f(r['speedup_at_target'], '{:.2f}x')} | {_f(r['pack_density'], '{:.2f}')} |"
         )
     lines.append("")
     lines.append(f"Method overrides (on top of the common GRPO settings `{' '.join(overrides_list(COMMON))}`):\n")
@@ -828,15 +896,96 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(path: Path, table: str, png_name: str | None) -> None:
-    body = GEN_BEGIN + "\n" + table + (f"\n![accuracy against train time]({png_name})\n" if png_name else "") + GEN_END
+def _acc(x, se, signed=False) -> str:
+    """An accuracy (or a difference of two) in points, with its SE when there is one."""
+    if x is None:
+        return "-"
+    return f"{100 * x:{'+' if signed else ''}.1f}" + (f" ± {100 * se:.1f}" if se is not None else "")
+
+
+def goals_table(result: dict) -> list[str]:
+    """Issue 13's goals (GOALS), each checked against GRPO's final accuracy on CPU time: met when the
+    method's CPU time to that accuracy is at least `min_speedup` times shorter than GRPO's and (when
+    given) its final accuracy is at most `max_loss` points under GRPO's."""
+    rows = {r["method"]: r for r in result["rows"]}
+    goals = [g for g in GOALS if g[0] in rows]
+    if not goals or BASELINE not in rows:
+        return []
+    lines = [
+        "Goals (issue 13), against GRPO's final accuracy in this comparison, on CPU time:\n",
+        "| Method | Goal | Speedup to GRPO's final acc, CPU | Speedup at equal steps, CPU | Δ final acc (± SE) | Met |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for name, min_speedup, max_loss in goals:
+        r = rows[name]
+        goal = f">= {min_speedup:.1f}x" + (f", within {max_loss:g} point" if max_loss is not None else "")
+        at_target = r.get("speedup_at_target_cpu")
+        delta = r["acc_delta_vs_grpo"]
+        if at_target is None:
+            verdict = "no: never reaches GRPO's final accuracy"
+        elif at_target < min_speedup:
+            verdict = f"no: {at_target:.2f}x < {min_speedup:.1f}x"
+        elif max_loss is not None and (delta is None or 100 * delta < -max_loss):
+            verdict = "no: final accuracy more than " + f"{max_loss:g} point under GRPO's"
+        else:
+            verdict = "yes"
+        lines.append(
+            f"| {r['label']} | {goal} | {_f(at_target, '{:.2f}x')} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
+            f"{_acc(delta, r.get('acc_delta_se'), signed=True)} | {verdict} |"
+        )
+    return lines + [""]
+
+
+def ablation_table(result: dict) -> list[str]:
+    """The paper's ablation (ABLATION), one lever added per row, when all its methods ran."""
+    rows = {r["method"]: r for r in result["rows"]}
+    if not all(name in rows for name, _ in ABLATION) or BASELINE not in rows:
+        return []
+    base = rows[ABLATION[0][0]]
+    lines = [
+        "Ablation, one lever added per row (CPU time; speedups against the first row and against GRPO "
+        "with dense packing):\n",
+        "| Row | Train CPU time (s) | Speedup vs row 1, CPU | Speedup vs GRPO, CPU | Rollout (s) | Update (s) "
+        "| Final acc (mean ± SE) | Δ acc vs GRPO (± SE) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, what in ABLATION:
+        r = rows[name]
+        p = r["phase_time_s"] or {}
+        vs_base = base["train_cpu_s"] / r["train_cpu_s"] if base["train_cpu_s"] and r["train_cpu_s"] else None
+        lines.append(
+            f"| {what} | {_f(r['train_cpu_s'])} | {_f(vs_base, '{:.2f}x')} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
+            f"{_f(p.get('rollout'))} | {_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | "
+            f"{_acc(r['acc_final'], r['acc_final_se'])} | "
+            f"{_acc(r['acc_delta_vs_grpo'], r.get('acc_delta_se'), signed=True)} |"
+        )
+    return lines + [""]
+
+
+def markers(name: str = "results") -> tuple[str, str]:
+    """The GENERATED markers of one comparison in docs/results.md: the default name keeps the
+    original pair; another name (a second task's, e.g. results_longtail) gets its own pair."""
+    if name == "results":
+        return GEN_BEGIN, GEN_END
+    return (
+        f"<!-- BEGIN GENERATED {name} by tools/compare_methods.py: do not edit between these markers -->",
+        f"<!-- END GENERATED {name} -->",
+    )
+
+
+def write_markdown(path: Path, table: str, png_name: str | None, name: str = "results") -> None:
+    """Rewrite only this comparison's part between its markers; without them, append the part."""
+    begin, end = markers(name)
+    body = begin + "\n" + table + (f"\n![accuracy against train time]({png_name})\n" if png_name else "") + end
     if path.exists():
         text = path.read_text()
-        if GEN_BEGIN in text and GEN_END in text:
-            head, rest = text.split(GEN_BEGIN, 1)
-            tail = rest.split(GEN_END, 1)[1]
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            tail = rest.split(end, 1)[1]
             path.write_text(head + body + tail)
             return
+        path.write_text(text.rstrip("\n") + "\n\n" + body + "\n")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Method comparison on the tiny main job\n\n" + body + "\n")
 
@@ -849,11 +998,15 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = {r["method"]: r for r in result["rows"]}
-    dppo_group = [m for m in rows if m == BASELINE or m.startswith("dppo") or m.startswith("reverse")]
+    dppo_group = [m for m in rows if m.startswith(BASELINE) or m.startswith("dppo") or m.startswith("reverse")]
     other_group = [m for m in rows if m not in dppo_group or m == BASELINE]
     colors = {m: f"C{i % 10}" for i, m in enumerate(x for x in rows if x != BASELINE)}
     colors[BASELINE] = "black"
     fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+
+    # Against CPU time (the primary measure) when every run has it, else against wall train time.
+    on_cpu = all(p.get("train_cpu_s") is not None for r in rows.values() for p in r["curve"])
+    t_key, t_label = ("train_cpu_s", "cumulative train CPU time (s)") if on_cpu else ("train_time_s", "train time (s)")
 
     def curves(ax, group, x_key, xlabel, title):
         for name in group:
@@ -872,8 +1025,8 @@ def plot(result: dict, png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
 
-    curves(axes[0, 0], dppo_group, "train_time_s", "cumulative train time (s)", "DPPO ratios and ablations vs time")
-    curves(axes[0, 1], other_group, "train_time_s", "cumulative train time (s)", "Baselines and compositions vs time")
+    curves(axes[0, 0], dppo_group, t_key, t_label, "DPPO ratios and ablations vs time")
+    curves(axes[0, 1], other_group, t_key, t_label, "Baselines and compositions vs time")
     curves(axes[1, 0], list(rows), "step", "step", "All methods vs step (learning per step)")
     ax = axes[1, 1]
     ordered = [r for r in result["rows"] if r["speedup"] is not None]
@@ -904,7 +1057,7 @@ def plot(result: dict, png: Path) -> None:
     ax.grid(alpha=0.3, axis="x")
     s = result["settings"]
     fig.suptitle(
-        f"Tiny main job (3-digit addition, 0.74M Qwen3, 2-core CPU): {s['steps']} steps, seeds {s['seeds']}"
+        f"{s['config']} (0.74M Qwen3, 2-core CPU): {s['steps']} steps, seeds {s['seeds']}"
         + (" - PARTIAL" if result["partial"] else "")
         + (" - QUICK" if s["quick"] else ""),
         fontsize=12,
@@ -942,20 +1095,21 @@ def report(args, methods, seeds, runs, out_dir: Path, exec_info: dict | None) ->
     }
     result["runs"] = per_run
     out_dir.mkdir(parents=True, exist_ok=True)
-    targets = [out_dir]
+    # (directory, file name of the JSON and PNG, markers' name in that directory's results.md)
+    targets = [(out_dir, "results", "results")]
     if not args.quick and not args.no_docs:
-        targets.append(REPO / "docs")
+        targets.append((REPO / "docs", args.docs_name, args.docs_name))
     table = markdown_table(result)
-    for d in targets:
+    for d, stem, name in targets:
         d.mkdir(parents=True, exist_ok=True)
-        (d / "results.json").write_text(json.dumps(result, indent=1))
+        (d / f"{stem}.json").write_text(json.dumps(result, indent=1))
         try:
-            plot(result, d / "results.png")
-            png_name = "results.png"
+            plot(result, d / f"{stem}.png")
+            png_name = f"{stem}.png"
         except Exception as e:  # a plot must not lose the numbers
             print(f"warning: plot failed: {e}", file=sys.stderr)
             png_name = None
-        write_markdown(d / "results.md", table, png_name)
+        write_markdown(d / "results.md", table, png_name, name)
     return result
 
 
@@ -987,6 +1141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="list the runs and validate their configs; run nothing")
     p.add_argument("--report-only", action="store_true", help="aggregate the runs on disk; run nothing")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/results.*")
+    p.add_argument(
+        "--docs-name",
+        default="results",
+        help="docs/<name>.json and .png, and <name>'s GENERATED part of docs/results.md (default results; "
+        "a second task's comparison, e.g. results_longtail, gets its own files and part)",
+    )
     p.add_argument("--retries", type=int, default=1, help="rerun a failed run this many times (default 1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's final checkpoint")
     return p
@@ -1002,6 +1162,8 @@ def main(argv=None) -> int:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     args.threads = args.threads or max(1, 2 // max(1, args.parallel))
+    if not args.docs_name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"--docs-name must be letters, digits, '_' or '-' (a file name stem), got {args.docs_name!r}")
     seeds = parse_seeds(args.seeds)
     methods = select_methods(args.methods)
     out_dir = Path(args.out_dir or ("runs/compare-quick" if args.quick else "runs/compare"))
