@@ -632,7 +632,8 @@ class _SignalFlag:
 
 # A repeat within this many seconds is the same event: when a launcher dies, the kernel sends the
 # parent-death signal again each time it hands the rank to another of the dying launcher's threads
-# (measured: 2-3 SIGTERMs within milliseconds), and that must not count as "send it again".
+# (seen here: a second SIGTERM right after the first, and rank 0 stopped without saving): that
+# must not count as "send it again".
 _REPEAT_WINDOW_S = 2.0
 
 
