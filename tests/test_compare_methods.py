@@ -121,8 +121,8 @@ def test_train_cpu_time_skips_evaluation_steps():
     rows = [{"step": 0, "eval/accuracy": 0.3}] + [{"step": s, "time/step": 1.0} for s in range(1, 5)]
     rows[2]["eval/accuracy"] = 0.31
     marks = {0: 10.0, 1: 11.0, 2: 14.0, 3: 15.0, 4: 16.0}  # step 2 also evaluated (+2 s)
-    assert cm.train_cpu_time(rows, marks) == pytest.approx(4.0)
-    assert cm.train_cpu_time(rows, {0: 10.0, 4: 16.0}) is None  # too few steps measured
+    assert sum(cm.step_cpu_times(rows, marks).values()) == pytest.approx(4.0)
+    assert cm.step_cpu_times(rows, {0: 10.0, 4: 16.0}) is None  # too few steps measured
 
 
 def test_isotonic_fit_and_time_to_target():

@@ -560,12 +560,6 @@ def step_cpu_times(rows: list[dict], marks: dict[int, float], min_coverage: floa
     return {s: measured.get(s, steps[s] * cpu_per_wall) for s in sorted(steps)}
 
 
-def train_cpu_time(rows: list[dict], marks: dict[int, float], min_coverage: float = 0.8) -> float | None:
-    """The training steps' CPU time (step_cpu_times summed); None when too few steps were measured."""
-    per_step = step_cpu_times(rows, marks, min_coverage)
-    return None if per_step is None else sum(per_step.values())
-
-
 def summarize_run(run: Run, max_steps: int) -> dict | None:
     rows = read_metrics(run.run_dir / "metrics.jsonl")
     steps = [r for r in rows if "time/step" in r]
@@ -719,13 +713,10 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
 
     base_ttt = ttt(base, "train_time_s") if base else None
     base_ttt_cpu = ttt(base, "train_cpu_s") if base else None
+    b = base or {}
     for r in rows:
-        r["speedup"] = (
-            base["train_time_s"] / r["train_time_s"] if base and base["train_time_s"] and r["train_time_s"] else None
-        )
-        r["speedup_cpu"] = (
-            base["train_cpu_s"] / r["train_cpu_s"] if base and base["train_cpu_s"] and r["train_cpu_s"] else None
-        )
+        r["speedup"] = _ratio(b.get("train_time_s"), r["train_time_s"])
+        r["speedup_cpu"] = _ratio(b.get("train_cpu_s"), r["train_cpu_s"])
         # Its standard error by the delta method (relative errors of the two means add in quadrature).
         r["speedup_cpu_se"] = (
             r["speedup_cpu"]
@@ -733,11 +724,7 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
             if r["speedup_cpu"] and r is not base and base["train_cpu_se"] is not None and r["train_cpu_se"] is not None
             else None
         )
-        r["speedup_median_step"] = (
-            base["median_step_s"] / r["median_step_s"]
-            if base and base["median_step_s"] and r["median_step_s"]
-            else None
-        )
+        r["speedup_median_step"] = _ratio(b.get("median_step_s"), r["median_step_s"])
         r["acc_delta_vs_grpo"] = (
             r["acc_final"] - base["acc_final"]
             if base and base["acc_final"] is not None and r["acc_final"] is not None
@@ -753,11 +740,9 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
             else None
         )
         r["time_to_target_s"] = ttt(r, "train_time_s")
-        r["speedup_at_target"] = base_ttt / r["time_to_target_s"] if base_ttt and r["time_to_target_s"] else None
+        r["speedup_at_target"] = _ratio(base_ttt, r["time_to_target_s"])
         r["time_to_target_cpu_s"] = ttt(r, "train_cpu_s")
-        r["speedup_at_target_cpu"] = (
-            base_ttt_cpu / r["time_to_target_cpu_s"] if base_ttt_cpu and r["time_to_target_cpu_s"] else None
-        )
+        r["speedup_at_target_cpu"] = _ratio(base_ttt_cpu, r["time_to_target_cpu_s"])
     finished = sum(1 for r in per_run if r["finished"])
     # The comparison's own elapsed time, across interruptions: first start to last finish.
     spans = [
@@ -786,6 +771,11 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
 
 # ---------------------------------------------------------------------------------------------
 # Reports
+
+
+def _ratio(num, den):
+    """num / den (a speedup: the baseline's time over the method's); None when either is missing or 0."""
+    return num / den if num and den else None
 
 
 def _f(x, fmt="{:.1f}", none="-"):
@@ -952,7 +942,7 @@ def ablation_table(result: dict) -> list[str]:
     for name, what in ABLATION:
         r = rows[name]
         p = r["phase_time_s"] or {}
-        vs_base = base["train_cpu_s"] / r["train_cpu_s"] if base["train_cpu_s"] and r["train_cpu_s"] else None
+        vs_base = _ratio(base["train_cpu_s"], r["train_cpu_s"])
         lines.append(
             f"| {what} | {_f(r['train_cpu_s'])} | {_f(vs_base, '{:.2f}x')} | {_f(r['speedup_cpu'], '{:.2f}x')} | "
             f"{_f(p.get('rollout'))} | {_f(None if not p else (p.get('train') or 0) + (p.get('logprob') or 0))} | "
