@@ -89,10 +89,10 @@ def _run_reporting_errors(func, args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns any failure into a message
-        rank = os.environ.get("RANK")
-        where = f"[rank {rank}] " if rank not in (None, "0") else ""
+        from megatron_dppo.process import rank_prefix
+
         message = " ".join(str(e).split()) or type(e).__name__
-        print(f"{where}error: {message}  ({type(e).__name__}; --debug shows the traceback)", file=sys.stderr)
+        print(f"{rank_prefix()}error: {message}  ({type(e).__name__}; --debug shows the traceback)", file=sys.stderr)
         return 1
 
 

@@ -10,6 +10,13 @@ import sys
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def rank_prefix() -> str:
+    """'[rank N] ' on a non-zero rank of a launched job (torchrun sets RANK), '' otherwise: the start
+    of a line that every rank may print, so that the user can tell the ranks apart."""
+    rank = os.environ.get("RANK", "0")
+    return "" if rank == "0" else f"[rank {rank}] "
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies. Reward workers use
     SIGKILL; a trainer rank under torchrun uses SIGTERM, so that a killed launcher leaves no rank

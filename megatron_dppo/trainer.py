@@ -34,7 +34,7 @@ from megatron_dppo.algorithms.pruning import drop_zero_variance_groups, get_stra
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
-from megatron_dppo.process import malloc_trim
+from megatron_dppo.process import malloc_trim, rank_prefix
 from megatron_dppo.rewards import RewardScorer
 from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, set_completion_weights, stack_rewards
 from megatron_dppo.run_log import RunLogger, phase_summary
@@ -653,9 +653,7 @@ def _stop_on_signals():
         flag.requested, flag.name, flag.at = True, signal.Signals(signum).name, now
         # os.write, not print: a handler that prints while the main code is printing raises
         # "reentrant call" inside whatever the step was doing.
-        rank = os.environ.get("RANK", "0")
-        where = "" if rank == "0" else f"[rank {rank}] "
-        msg = f"{where}{flag.name} received: finishing the current step, then saving a checkpoint"
+        msg = f"{rank_prefix()}{flag.name} received: finishing the current step, then saving a checkpoint"
         os.write(2, (msg + " (send it again to stop at once)\n").encode())
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
