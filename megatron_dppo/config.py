@@ -111,7 +111,7 @@ class RewardConfig:
 
 @dataclass
 class OptimConfig:
-    """Adam + LR schedule of the policy (megatron_dppo.megatron.step uses it as is)."""
+    """Adam + LR schedule of the policy (megatron_dppo.megatron.optimizer uses it as is)."""
 
     lr: float = 1e-6
     min_lr: float = 0.0
@@ -438,6 +438,22 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def unused_keys(cfg: Config) -> list[str]:
+    """Keys the configured method does not read: the saved config leaves them out, so it shows
+    what ran (a GRPO run has no pruning ratios; no KL, no KL estimator)."""
+    from megatron_dppo.algorithms.pruning import get_strategy
+
+    strategy = get_strategy(cfg.pruning.strategy)
+    out = [f"pruning.{r}" for r in ("r_q", "r_o") if r not in strategy.ratios]
+    if cfg.pruning.strategy == "none":
+        out.append("pruning.history_ema")
+    if not (cfg.algorithm.dynamic_sampling or strategy.refills):
+        out.append("algorithm.max_resample_rounds")
+    if cfg.algorithm.kl_coef == 0:
+        out.append("algorithm.kl_estimator")
+    return out
+
+
 def save_config(cfg: Config, path: str) -> None:
     """The resolved config, as it ran. Unset optional paths are left out (loading the file back
     gives them their empty default); any other None means `resolve` was skipped: an error."""
@@ -446,9 +462,15 @@ def save_config(cfg: Config, path: str) -> None:
         section, name = key.split(".")
         if not data[section][name]:
             del data[section][name]
+    for key in unused_keys(cfg):
+        section, name = key.split(".")
+        del data[section][name]
     unresolved = [f"{s}.{k}" for s, sec in data.items() for k, v in sec.items() if v is None]
     if unresolved:
         raise ValueError(f"config keys {unresolved} are unresolved: call config.resolve() before saving")
     with open(path, "w") as f:
-        f.write("# The resolved config of this run. Left out: optional paths that were not given.\n")
+        f.write(
+            "# The resolved config of this run. Left out: optional paths that were not given, and keys "
+            "the method does not read.\n"
+        )
         yaml.safe_dump(data, f, sort_keys=False)

@@ -10,6 +10,15 @@ import sys
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a launcher's rendezvous (torchrun --master_port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rank_prefix() -> str:
     """'[rank N] ' on a non-zero rank of a launched job (torchrun sets RANK), '' otherwise: the start
     of a line that every rank may print, so that the user can tell the ranks apart."""

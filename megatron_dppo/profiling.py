@@ -131,13 +131,18 @@ def device_peak_flops(kind: str = "auto", override: float | None = None) -> tupl
 PHASES = ("rollout", "reward", "logprob", "train", "sync")
 
 
+def phase_totals(steps: list[dict]) -> dict:
+    """Seconds per phase summed over trainer metrics dicts (their time/<phase>)."""
+    return {p: sum(s.get(f"time/{p}", 0.0) for s in steps) for p in PHASES}
+
+
 def summarize_phases(steps: list[dict]) -> dict:
     """Mean seconds per phase over trainer metrics dicts (time/<phase>, time/step), with 'other'
     = step time the phases do not cover (pruning, packing, advantages, python)."""
     if not steps:
         return {}
     n = len(steps)
-    out = {p: sum(s.get(f"time/{p}", 0.0) for s in steps) / n for p in PHASES}
+    out = {p: total / n for p, total in phase_totals(steps).items()}
     out["step"] = sum(s["time/step"] for s in steps) / n
     out["other"] = max(out["step"] - sum(out[p] for p in PHASES), 0.0)
     return out

@@ -10,6 +10,8 @@ import json
 import os
 import time
 
+from megatron_dppo.profiling import phase_totals
+
 
 class RunLogger:
     def __init__(self, run_dir: str, cfg, total_steps: int, first_step: int = 1, enabled: bool = True):
@@ -120,10 +122,7 @@ def phase_summary(rows: list[dict]) -> str:
     if not steps:
         return "no training steps run"
     total = sum(h["time/step"] for h in steps)
-    parts = ", ".join(
-        f"{name} {sum(h.get(f'time/{name}', 0) for h in steps):.1f}s"
-        for name in ("rollout", "reward", "logprob", "train", "sync")
-    )
+    parts = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phase_totals(steps).items())
     evals = [h["eval/accuracy"] for h in rows if "eval/accuracy" in h]
     acc = f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else ""
     return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"

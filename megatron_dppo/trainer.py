@@ -22,21 +22,22 @@ import shutil
 import signal
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_dppo import distributed as mdist
 from megatron_dppo import packing
-from megatron_dppo.algorithms import losses
-from megatron_dppo.algorithms.advantages import group_advantages
+from megatron_dppo.algorithms import batch
+from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
-from megatron_dppo.algorithms.pruning import drop_zero_variance_groups, get_strategy
-from megatron_dppo.algorithms.refill import take_until_full
+from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
 from megatron_dppo.process import malloc_trim, rank_prefix
+from megatron_dppo.profiling import PHASES
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, set_completion_weights, stack_rewards
+from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, stack_rewards
 from megatron_dppo.run_log import RunLogger, phase_summary
 
 
@@ -62,24 +63,74 @@ class StopRequested(Exception):
     """SIGTERM / SIGINT arrived: the loop saves a checkpoint and exits non-zero."""
 
 
+@dataclass
+class EnginePart:
+    """What one engine's leader sends to every rank after a rollout: its slice's groups as
+    (slot, prompt ids, G completions, G rewards), and its counts (other ranks send an empty part)."""
+
+    groups: list = field(default_factory=list)
+    generated_tokens: int = 0
+    checks: int = 0
+    failures: dict = field(default_factory=dict)  # reward failure kind -> count
+    first_failures: list = field(default_factory=list)
+    error: str | None = None  # the scorer's error, raised on every rank
+
+
 class Trainer:
     def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False):
+        """Start-up in the order its parts depend on each other: inputs checked before anything
+        slow; the config resolved before it is read; the parallel state before the policy; the
+        vLLM engine after the policy and BEFORE any weights are loaded (it starts with dummy
+        weights and reseeds the global RNGs, so the RNG is seeded or restored after it), then the
+        policy's weights (HF, model.init_checkpoint or the run's checkpoint) synced into it."""
+        from megatron_dppo.megatron import initialize_parallel
+
+        self._load_inputs(cfg)
+        self._resolve(cfg, resume, overwrite)
+        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
+        self._claim_run_dir(resume, overwrite)
+        self._place_ranks()
+        self.policy = self._build_policy()
+        self.strategy = get_strategy(cfg.pruning.strategy)
+        self.method = Method.from_config(cfg, self.strategy)
+        self.history = PromptHistory(ema=cfg.pruning.history_ema)
+        self.scorer = RewardScorer(
+            cfg.reward.kind,
+            timeout_s=cfg.reward.timeout_s,
+            num_workers=cfg.reward.num_workers,
+            max_error_frac=cfg.reward.max_error_frac,
+        )
+        self.pad_multiple = packing.thd_pad_multiple(cfg.parallel.tp, 1, cfg.parallel.sequence_parallel)
+        self.engine = self._start_engine()
+        torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
+        torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
+        self.first_step = 1
+        self._load_weights(resume)
+        self._sync_weights()
+        if self.is_main:
+            save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+        self.logger = RunLogger(self.run_dir, cfg, cfg.trainer.max_steps, self.first_step, enabled=self.is_main)
+        # Everything built so far lives as long as the run: keep the garbage collector from walking
+        # it again and again (its pauses of 0.3-0.7 s landed inside train steps: docs/packing.md).
+        gc.collect()
+        gc.freeze()
+
+    # ---- start-up --------------------------------------------------------------------------------
+    def _load_inputs(self, cfg: Config) -> None:
+        """The model dir, tokenizer and prompts, each checked with a one-line error; prompts that
+        cannot fit next to max_new_tokens are found now, naming the record."""
         from transformers import AutoTokenizer
 
-        from megatron_dppo.megatron import data_parallel_rank_and_size, initialize_parallel, suspend_cpu_compat
         from megatron_dppo.megatron.hf_load import check_hf_model_dir
-        from megatron_dppo.megatron.step import MegatronPolicy
-        from megatron_dppo.rollout import RolloutEngine
 
-        tc, pc, rc, ac = cfg.trainer, cfg.parallel, cfg.rollout, cfg.algorithm
-        if tc.threads:
+        tc, rc = cfg.trainer, cfg.rollout
+        if tc.threads:  # loading and the policy's build run with the configured threads too
             torch.set_num_threads(tc.threads)
-        self.model_dir = check_hf_model_dir(cfg.model.hf_dir)  # one-line errors, before anything slow
+        self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
-        # Prompts that cannot fit next to max_new_tokens are found now, naming the record.
-        prompt_limit = dict(
+        limit = dict(
             max_prompt_tokens=rc.max_model_len - rc.max_new_tokens,
             skip=cfg.data.skip_long_prompts,
             limit_desc=f"rollout.max_model_len {rc.max_model_len} - rollout.max_new_tokens "
@@ -91,17 +142,18 @@ class Trainer:
             seed=tc.seed,
             limit=cfg.data.train_size,
             renderer=self.renderer,
-            max_prompt_tokens=prompt_limit["max_prompt_tokens"],
-            skip_long_prompts=prompt_limit["skip"],
-            limit_desc=prompt_limit["limit_desc"],
+            max_prompt_tokens=limit["max_prompt_tokens"],
+            skip_long_prompts=limit["skip"],
+            limit_desc=limit["limit_desc"],
         )
         self.eval_records = []
         if cfg.data.eval:
-            self.eval_records, _ = check_prompt_lengths(
-                load_records(cfg.data.eval)[: tc.eval_size], self.renderer, path=cfg.data.eval, **prompt_limit
-            )
+            records = load_records(cfg.data.eval)[: tc.eval_size]
+            self.eval_records, _ = check_prompt_lengths(records, self.renderer, path=cfg.data.eval, **limit)
+
+    def _resolve(self, cfg: Config, resume: bool, overwrite: bool) -> None:
+        """One resolution step: from here on the config is complete and is what runs."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        # One resolution step: from here on the config is complete and is what runs.
         hf = self.hf_config
         resolve(
             cfg,
@@ -116,98 +168,91 @@ class Trainer:
             threads=torch.get_num_threads(),
         )
         self.cfg = cfg
-        self.run_dir = os.path.join(tc.output_dir, tc.run_name)
+        self.run_dir = os.path.join(cfg.trainer.output_dir, cfg.trainer.run_name)
         self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
-        fresh_dir_taken = os.path.exists(self.run_dir) and bool(os.listdir(self.run_dir))
-        if fresh_dir_taken and not (resume or overwrite):
+        self._run_dir_taken = os.path.exists(self.run_dir) and bool(os.listdir(self.run_dir))
+        if self._run_dir_taken and not (resume or overwrite):
             raise FileExistsError(
                 f"run dir {self.run_dir} already exists: pass --resume to continue that run, "
                 "or --overwrite to delete it and start again (or set trainer.run_name)"
             )
 
-        initialize_parallel(pc.tp, pc.pp, seed=tc.seed)
+    def _claim_run_dir(self, resume: bool, overwrite: bool) -> None:
         self.rank, self.world = mdist.world()
         self.is_main = self.rank == 0
-        if overwrite and fresh_dir_taken and not resume:
+        if overwrite and self._run_dir_taken and not resume:
             if self.is_main:
                 shutil.rmtree(self.run_dir)
             mdist.all_reduce_sum([0])  # a barrier: no rank writes into the dir before it is gone
-        self.dp_rank, self.dp_size = data_parallel_rank_and_size()
-        # Rollout engines: ranks [kR, (k+1)R) share engine k (vLLM tensor parallel over them).
-        self.engine_index, self.num_engines = self.rank // pc.rollout_tp, self.world // pc.rollout_tp
-        self.engine_leader = self.rank % pc.rollout_tp == 0  # scores its engine's completions
+        if self.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
 
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
-        self.policy = MegatronPolicy(
+    def _place_ranks(self) -> None:
+        """This rank's data-parallel place and its vLLM engine: ranks [kR, (k+1)R) share engine k
+        (vLLM tensor parallel over them); the first rank of each engine scores its completions."""
+        from megatron_dppo.megatron import data_parallel_rank_and_size
+
+        rtp = self.cfg.parallel.rollout_tp
+        self.dp_rank, self.dp_size = data_parallel_rank_and_size()
+        self.engine_index, self.num_engines = self.rank // rtp, self.world // rtp
+        self.engine_leader = self.rank % rtp == 0
+
+    def _build_policy(self):
+        from megatron_dppo.megatron.policy import MegatronPolicy
+
+        cfg, pc = self.cfg, self.cfg.parallel
+        return MegatronPolicy(
             self.hf_config,
             cfg.optim,
             cfg.algorithm,
-            temperature=rc.temperature,
-            params_dtype=dtype,
+            temperature=cfg.rollout.temperature,
+            params_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
             attention=cfg.model.attention,
-            with_reference=ac.kl_coef > 0,
+            with_reference=cfg.algorithm.kl_coef > 0,
             sequence_parallel=pc.sequence_parallel,
             recompute=pc.recompute,
             distributed_optimizer=pc.distributed_optimizer,
         )
-        self._load_initial_weights(resume)
 
-        self.history = PromptHistory(ema=cfg.pruning.history_ema)
-        self.strategy = get_strategy(cfg.pruning.strategy)
-        self.scorer = RewardScorer(
-            cfg.reward.kind,
-            timeout_s=cfg.reward.timeout_s,
-            num_workers=cfg.reward.num_workers,
-            max_error_frac=cfg.reward.max_error_frac,
-        )
-        self.pad_multiple = packing.thd_pad_multiple(pc.tp, 1, pc.sequence_parallel)
+    def _start_engine(self):
+        """vLLM with dummy weights: the policy's weights are synced into it right after loading,
+        so the HF files are read once, by the policy's sharded loader, not again by every engine."""
+        from megatron_dppo.megatron import suspend_cpu_compat
+        from megatron_dppo.rollout import RolloutEngine
 
-        self.first_step = 1
-        if resume:
-            self._resume()
+        cfg, rc = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
-        synced_at_start = resume or bool(cfg.model.init_checkpoint)
-        self.engine = RolloutEngine(
+        engine = RolloutEngine(
             cfg.model.hf_dir,
             dtype=rc.dtype,
             max_model_len=rc.max_model_len,
-            seed=tc.seed,
+            seed=cfg.trainer.seed,
             kv_cache_memory_bytes=int(rc.kv_cache_gb * (1 << 30)) if not torch.cuda.is_available() else None,
             gpu_memory_utilization=rc.gpu_memory_utilization,
-            tensor_parallel_size=pc.rollout_tp,
+            tensor_parallel_size=cfg.parallel.rollout_tp,
             context=suspend_cpu_compat,
-            # The policy's weights are synced right below: do not read the HF files for vLLM too.
-            load_format="dummy" if synced_at_start else "auto",
+            load_format="dummy",
         )
         self.engine_init_s = time.perf_counter() - t0
-        torch.manual_seed(tc.seed)  # vLLM reseeded the global generators
-        torch.set_num_threads(tc.threads)
-        if synced_at_start:
-            self._sync_weights()
-        if self.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
-            save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
-        self.logger = RunLogger(self.run_dir, cfg, tc.max_steps, self.first_step, enabled=self.is_main)
-        # Everything built so far lives as long as the run: keep the garbage collector from walking
-        # it again and again (its pauses of 0.3-0.7 s landed inside train steps: docs/packing.md).
-        gc.collect()
-        gc.freeze()
+        return engine
 
-    def _load_initial_weights(self, resume: bool) -> None:
+    def _load_weights(self, resume: bool) -> None:
         """The policy (and the KL reference) start from model.init_checkpoint when given, else from
-        the HF safetensors; each rank reads only its own shard. A resumed run without a KL term
-        reads neither: its checkpoint overwrites the policy anyway."""
+        the HF safetensors; each rank reads only its own shard. A resumed run then loads its
+        checkpoint (policy, optimizer, RNG, history) over them; without a KL term it reads neither
+        of the first two, since the checkpoint overwrites the policy anyway."""
         from megatron_dppo.megatron.hf_load import load_hf_into_policy
 
-        if resume and self.policy.reference is None:
-            return
-        if self.cfg.model.init_checkpoint:
-            from megatron_dppo.megatron.checkpoint import load_checkpoint
+        if not (resume and self.policy.reference is None):
+            if self.cfg.model.init_checkpoint:
+                from megatron_dppo.megatron.checkpoint import load_checkpoint
 
-            load_checkpoint(self.cfg.model.init_checkpoint, self.policy, load_optimizer=False)
-            self.policy.copy_policy_to_reference()  # the KL reference is where the policy starts
-        else:
-            load_hf_into_policy(self.policy, self.model_dir)
+                load_checkpoint(self.cfg.model.init_checkpoint, self.policy, load_optimizer=False)
+                self.policy.copy_policy_to_reference()  # the KL reference is where the policy starts
+            else:
+                load_hf_into_policy(self.policy, self.model_dir)
+        if resume:
+            self._resume()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -215,39 +260,41 @@ class Trainer:
         timer = PhaseTimer()
         t_step = time.perf_counter()
         gen = step_generator(tc.seed, step)
+        counts = RolloutCounts()
 
-        groups, rolled, counts = self._collect_groups(step, gen, timer)  # prompts .. rewards [.. refill]
+        collected = batch.collect(  # prompts -> prune prompts -> rollout -> rewards [-> refill]
+            self.method,
+            self.strategy,
+            next_batch=self.data.next_batch,
+            stats_of=self.history.stats,
+            rollout=lambda rnd, items: self._rollout(step, rnd, items, counts, timer),
+            generator=gen,
+        )
+        counts.prompts_drawn = collected.drawn
+        if collected.rolled:
+            self.strategy.observe([g.record.id for g in collected.rolled], stack_rewards(collected.rolled))
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
-        metrics = {"step": step, **rollout_metrics(groups, rolled, counts)}
-        if groups:
-            adv = group_advantages(stack_rewards(groups), cfg.algorithm.advantage)  # on the FULL group
-            keep_o, w_o = self.strategy.prune_completions(adv, cfg.pruning.r_o, gen)  # prune completions
-            if cfg.pruning.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
-                w_o = w_o * drop_zero_variance_groups(adv)[:, None]
-            set_completion_weights(groups, adv, w_o * keep_o)
-            metrics["prune/completions_kept_frac"] = float((w_o * keep_o > 0).float().mean())
-            metrics["prune/completions_pruned_frac"] = float((~keep_o).float().mean())
-        minibatches = self._pack_minibatches(groups, counts.prompts_drawn)  # pack (THD), per mini-batch
-        if minibatches and (len(minibatches) > 1 or tc.epochs_per_step > 1 or cfg.algorithm.kl_coef > 0):
+        # advantages on the FULL group, then completion pruning
+        prune_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
+        minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
+        for mb in minibatches:  # pack (THD)
+            mb.microbatches, mb.density = self._pack(mb.samples)
+        needs_old = batch.needs_old_logprobs(self.method, minibatches)
+        if minibatches and (needs_old or self.method.needs_reference):
             with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
                 for mb in minibatches:
-                    self._attach_logprobs(
-                        mb["batches"],
-                        old=tc.minibatches_per_step > 1 or tc.epochs_per_step > 1,
-                        ref=cfg.algorithm.kl_coef > 0,
-                    )
+                    self._attach_logprobs(mb.microbatches, old=needs_old, ref=self.method.needs_reference)
         train = []
         with timer("train"):
             for _ in range(tc.epochs_per_step):  # update
                 for mb in minibatches:
-                    train.append(self.policy.train_step(mb["batches"], mb["denominator"]))
+                    train.append(self.policy.train_step(mb.microbatches, mb.denominator))
         with timer("sync"):
             self._sync_weights()  # push weights to vLLM
 
+        metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **prune_metrics}
         metrics.update(_train_metrics(train, minibatches))
-        metrics.update(
-            {f"time/{name}": timer.times.get(name, 0.0) for name in ("rollout", "reward", "logprob", "train", "sync")}
-        )
+        metrics.update({f"time/{name}": timer.times.get(name, 0.0) for name in PHASES})
         metrics["time/step"] = time.perf_counter() - t_step
         if counts.first_failures and self.is_main:
             self.logger.message(
@@ -255,189 +302,78 @@ class Trainer:
                 f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures)
             )
         if cfg.logging.rollouts and self.is_main:
-            self._write_rollouts(step, rolled)
+            self._write_rollouts(step, collected.rolled)
         return metrics
 
     # ---- the parts of a step ---------------------------------------------------------------------
-    def _collect_groups(self, step, gen, timer):
-        """Draw prompts, prune them BEFORE generation, roll out G completions each, score them, record
-        every rolled-out prompt in the history. With refill (DAPO dynamic sampling, or a strategy that
-        replaces what it skips) zero-variance groups are dropped and more prompts are drawn until the
-        kept groups' weights reach B (algorithms/refill.py says why weights, not counts).
-
-        Returns (the groups the step trains on, every rolled-out group, counts)."""
-        cfg, B = self.cfg, self.cfg.trainer.prompts_per_step
-        refill = cfg.algorithm.dynamic_sampling or self.strategy.refills
-        drop_uninformative = cfg.algorithm.dynamic_sampling or self.strategy.filters_zero_variance
-        counts, trained, rolled, filled = RolloutCounts(), [], [], 0.0
-        rounds = 1 + (cfg.algorithm.max_resample_rounds if refill else 0)
-        for rnd in range(rounds):
-            records, keep_q, w_q = self._draw_round(gen)
-            kept = keep_q.nonzero().flatten().tolist()
-            counts.prompts_drawn += len(records)
-            counts.prompts_rolled += len(kept)
-            groups = self._rollout(step, rnd, [(records[i], i, float(w_q[i])) for i in kept], counts, timer)
-            self.history.update([g.record.id for g in groups], stack_rewards(groups)) if groups else None
-            rolled += groups
-            candidates = [g for g in groups if g.informative()] if drop_uninformative else groups
-            if not refill:
-                n = self.cfg.trainer.minibatches_per_step
-                for g in candidates:  # the prompt's place in the draw decides its mini-batch
-                    g.minibatch = g.slot * n // len(records)
-                trained = candidates
-                break
-            # Refill: each group counts with its weight (a kept candidate stands for the prompts
-            # pruning skipped), so skipped prompts are not also replaced by new draws.
-            for g, w in zip(candidates, take_until_full([g.prompt_weight for g in candidates], B, filled)):
-                if w > 0:
-                    g.prompt_weight = w
-                    g.minibatch = min(
-                        int(filled * cfg.trainer.minibatches_per_step / B), cfg.trainer.minibatches_per_step - 1
-                    )
-                    trained.append(g)
-                    filled += w
-            if filled >= B - 1e-9:
-                break
-        if rolled:
-            self.strategy.observe([g.record.id for g in rolled], stack_rewards(rolled))
-        return trained, rolled, counts
-
-    def _draw_round(self, gen):
-        """One round's prompts and the strategy's decision on each, before rollout. A strategy that
-        replaces what it skips (GRESO) keeps drawing until prompts_to_draw prompts survive, as its
-        authors' code does; the survivors past that number are left for another step."""
-        cfg, B = self.cfg, self.cfg.trainer.prompts_per_step
-        want = self.strategy.prompts_to_draw(B, cfg.pruning.r_q, cfg.pruning.r_o)
-        records, keeps, weights = [], [], []
-        while True:
-            batch = self.data.next_batch(B if self.strategy.refills else want)
-            keep, weight = self.strategy.prune_prompts(self.history.stats([r.id for r in batch]), cfg.pruning.r_q, gen)
-            records += batch
-            keeps.append(keep)
-            weights.append(weight)
-            if (
-                not self.strategy.refills or int(sum(k.sum() for k in keeps)) >= want or len(records) >= 16 * want
-            ):  # a bound: almost everything skipped
-                break
-        keep, weight = torch.cat(keeps), torch.cat(weights)
-        beyond = keep.cumsum(0) > want
-        keep, weight = keep & ~beyond, torch.where(beyond, torch.zeros_like(weight), weight)
-        return records, keep, weight
-
     def _rollout(self, step, rnd, items, counts: RolloutCounts, timer) -> list[Group]:
         """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
-        slice (every rank of an engine the same slice, with the same seeds), its leader scores it, and
-        the groups are gathered in slot order."""
-        G, rc = self.cfg.rollout.group_size, self.cfg.rollout
+        slice (every rank of an engine the same slice, with the same seeds), its leader scores it,
+        the groups are gathered in slot order and every one is recorded in the prompt history."""
+        counts.prompts_rolled += len(items)
         per = math.ceil(len(items) / self.num_engines)
         mine = items[self.engine_index * per : (self.engine_index + 1) * per]
         prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
         with timer("rollout"):
-            outs = (
-                self.engine.generate(
-                    prompt_ids,
-                    n=G,
-                    max_new_tokens=rc.max_new_tokens,
-                    temperature=rc.temperature,
-                    top_p=rc.top_p,
-                    seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
-                )
-                if mine
-                else []
-            )
-        local, error = [], None
+            completions = self._generate(step, rnd, mine, prompt_ids)
+        part = EnginePart()
         if self.engine_leader and mine:
-            completions = [[c.token_ids for c in group] for group in outs]
             with timer("reward"):
-                texts = [self.tokenizer.decode(c, skip_special_tokens=True) for group in completions for c in group]
-                recs = [rec for rec, _, _ in mine for _ in range(G)]
-                try:
-                    rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
-                except Exception as e:  # every rank must learn of it, or the others hang in the gather
-                    rewards, info, error = [0.0] * len(texts), {}, str(e)
-            local = [
-                (slot, p, c, rewards[q * G : (q + 1) * G])
-                for q, ((_, slot, _), p, c) in enumerate(zip(mine, prompt_ids, completions))
-            ]
-            local_counts = (
-                sum(len(c) for g in completions for c in g),
-                len(texts),
-                info.get("failures_by_kind", {}),
-                info.get("first_failures", []),
-            )
-        else:
-            local_counts = (0, 0, {}, [])
-        parts = mdist.all_gather_objects((local, local_counts, error))
-        errors = [e for _, _, e in parts if e]
+                part = self._score(mine, prompt_ids, completions)
+        parts = mdist.all_gather_objects(part)
+        errors = [p.error for p in parts if p.error]
         if errors:
             raise RuntimeError(errors[0])
-        by_slot = {slot: (w_q, rec) for rec, slot, w_q in items}
+        by_slot = {slot: (rec, w_q) for rec, slot, w_q in items}
         groups = []
-        for part, (tokens, checks, failures, first), _ in parts:
-            counts.generated_tokens += tokens
-            counts.reward_checks += checks
-            counts.add_failures(failures, first)
-            for slot, p, c, r in part:
-                w_q, rec = by_slot[slot]
-                groups.append(
-                    Group(
-                        record=rec,
-                        round=rnd,
-                        slot=slot,
-                        prompt_ids=p,
-                        completions=c,
-                        rewards=[float(x) for x in r],
-                        prompt_weight=w_q,
-                    )
-                )
-        return sorted(groups, key=lambda g: g.slot)
+        for p in parts:
+            counts.generated_tokens += p.generated_tokens
+            counts.reward_checks += p.checks
+            counts.add_failures(p.failures, p.first_failures)
+            for slot, prompt_ids, comps, rewards in p.groups:
+                rec, w_q = by_slot[slot]
+                groups.append(Group(rec, rnd, slot, prompt_ids, comps, [float(x) for x in rewards], prompt_weight=w_q))
+        groups.sort(key=lambda g: g.slot)
+        if groups:
+            self.history.update([g.record.id for g in groups], stack_rewards(groups))
+        return groups
 
-    def _pack_minibatches(self, trained: list[Group], drawn: int) -> list[dict]:
-        """Each mini-batch's THD micro-batches for this rank and its full-batch denominator."""
-        tc = self.cfg.trainer
-        out = []
-        for k in range(tc.minibatches_per_step):
-            groups = [g for g in trained if g.minibatch == k]
-            samples = [s for n, g in enumerate(groups) for s in g.samples(first_seq_id=n * g.group_size)]
-            if not samples:  # nothing informative survived: no gradient, no optimizer step
-                continue
-            batches, density = self._pack(samples)
-            out.append(
-                {
-                    "batches": batches,
-                    "density": density,
-                    "denominator": self._denominator(k, groups, drawn),
-                    "tokens": sum(len(s.tokens) for s in samples),
-                    "completion_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
-                }
-            )
-        return out
+    def _generate(self, step, rnd, mine, prompt_ids) -> list[list[list[int]]]:
+        """G completions (token ids) for each of this engine's prompts."""
+        rc = self.cfg.rollout
+        if not mine:
+            return []
+        outs = self.engine.generate(
+            prompt_ids,
+            n=rc.group_size,
+            max_new_tokens=rc.max_new_tokens,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
+        )
+        return [[c.token_ids for c in group] for group in outs]
 
-    def _denominator(self, k: int, groups: list[Group], drawn: int) -> float:
-        """The aggregation's normaliser of mini-batch k of the batch the UNPRUNED method trains
-        (docs/algorithm.md). Without refill: the mini-batch's share of the drawn prompts (exact),
-        token-mean estimated over its rolled-out groups with their prompt weights. With refill: the
-        trained groups' weights (their sum is B when refill succeeds). A strategy that normalises
-        over what it kept (CPPO as published) counts the kept completions instead."""
-        cfg = self.cfg
-        G, agg, lmax = cfg.rollout.group_size, cfg.algorithm.loss_agg, cfg.rollout.max_new_tokens
-        # groups: every group of mini-batch k the unpruned method would train (zero-variance ones
-        # too, unless the method filters them); all their completions were generated.
-        lengths = torch.tensor([g.completion_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
-        weights = torch.tensor([g.prompt_weight for g in groups], dtype=torch.float64)
-        if self.strategy.denominator == "kept":
-            seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64) * weights[:, None]
-            return losses.kept_denominator(agg, seq_weight, lengths, lmax)
-        if cfg.algorithm.dynamic_sampling or self.strategy.refills:
-            return losses.refill_denominator(agg, weights, lengths, G, lmax)
-        count = sum(1 for slot in range(drawn) if slot * cfg.trainer.minibatches_per_step // drawn == k)
-        return losses.full_batch_denominator(
-            agg,
-            num_prompts=count,
-            group_size=G,
-            completion_lengths=lengths,
-            prompt_weight=weights,
-            max_response_length=lmax,
+    def _score(self, mine, prompt_ids, completions) -> EnginePart:
+        """The engine leader's rewards for its slice; a scorer error travels to every rank (or the
+        others would hang in the gather)."""
+        G = self.cfg.rollout.group_size
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for group in completions for c in group]
+        recs = [rec for rec, _, _ in mine for _ in range(G)]
+        error = None
+        try:
+            rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank after the gather
+            rewards, info, error = [0.0] * len(texts), {}, str(e)
+        return EnginePart(
+            groups=[
+                (slot, p, comps, rewards[q * G : (q + 1) * G])
+                for q, ((_, slot, _), p, comps) in enumerate(zip(mine, prompt_ids, completions))
+            ],
+            generated_tokens=sum(len(c) for g in completions for c in g),
+            checks=len(texts),
+            failures=info.get("failures_by_kind", {}),
+            first_failures=info.get("first_failures", []),
+            error=error,
         )
 
     def _pack(self, samples):
@@ -672,7 +608,7 @@ def _rollout_seed(seed: int, step: int, rnd: int, slot: int) -> int:
     return request_seed("rollout", seed, step, rnd, slot)
 
 
-def _train_metrics(train: list[dict], minibatches: list[dict]) -> dict:
+def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dict:
     """Optimizer-step metrics averaged over the step's updates (max for the max), and the packing."""
     out = {"train/optimizer_steps": len(train)}
     if not train:  # nothing was trained this step (every group uninformative)
@@ -681,7 +617,7 @@ def _train_metrics(train: list[dict], minibatches: list[dict]) -> dict:
         vals = [m[key] for m in train]
         out[f"train/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
     out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
-    out["pack/density"] = sum(mb["density"] for mb in minibatches) / len(minibatches)
-    out["tokens/trained"] = sum(mb["tokens"] for mb in minibatches)
-    out["tokens/trained_completion"] = sum(mb["completion_tokens"] for mb in minibatches)
+    out["pack/density"] = sum(mb.density for mb in minibatches) / len(minibatches)
+    out["tokens/trained"] = sum(mb.tokens for mb in minibatches)
+    out["tokens/trained_completion"] = sum(mb.completion_tokens for mb in minibatches)
     return out

@@ -3,17 +3,22 @@
 A synthetic step: B prompts x G completions with binary rewards, a prompt history, ragged
 completion lengths, and a linear "policy" logp_t = phi_t . theta (theta in R^D). The per-token
 loss is the library's own policy_loss; its Jacobian J [T, D] is computed once. Each mask draw
-runs the library's pruning, weights, denominator and token coefficients, and its gradient is
-coef @ J (exact, since the aggregated loss is linear in coef). The mean over N draws is
-compared with the unpruned gradient, coordinate by coordinate, against its Monte Carlo
-standard error.
+runs the TRAINER'S OWN planning (algorithms/batch.py: collect -> weigh_completions ->
+plan_minibatches) over a synthetic rollout (the rewards and lengths fixed above), and its
+gradient is coef @ J (exact, since the aggregated loss is linear in coef). The mean over N draws
+is compared with the unpruned gradient, computed directly (every completion weight 1 over the
+full batch's denominator), coordinate by coordinate, against its Monte Carlo standard error.
+
+The static check looks at one round of B prompts: a strategy's over-sampling (CPPO's
+B / (1 - P) prompts) and refill (GRESO's) are fixed off there; refill is what the dynamic check
+measures.
 
 Dynamic-sampling mode (`run_dynamic_check`, docs/algorithm.md "DAPO + DPPO"): a fixed prompt
 stream with fixed rewards per prompt, so unpruned DAPO's batch is exactly the first B
-informative prompts of the stream, each with weight 1. Each draw runs the rounds the trainer
-runs (draw, prune prompts, drop zero-variance groups, `refill.take_until_full` by weight,
-prune completions inside the trained groups, the refill denominator) and is compared with that
-batch's gradient, and its total weight with B.
+informative prompts of the stream, each with weight 1. Each draw runs the trainer's rounds
+(batch.collect with dynamic sampling: draw, prune prompts, drop zero-variance groups, refill by
+weight; then completion pruning inside the trained groups and the refill denominator) and is
+compared with that batch's gradient, and its total weight with B.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from statistics import NormalDist
 
 import torch
 
-from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms import batch, losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import _drop_uniformly, drop_zero_variance_groups, get_strategy
-from megatron_dppo.algorithms.refill import take_until_full
+from megatron_dppo.rollout.records import Group
 
 REFILL_RULES = ("weight", "count")
 
@@ -146,23 +151,93 @@ def _token_loss_jacobian(cfg, adv, lengths, gen):
     return J, seq_index, seq_len
 
 
-def _gradient(cfg, keep_q, w_q, keep_o, w_o, lengths, seq_index, seq_len, J, kept_norm=False):
-    B, G = lengths.shape
-    seq_w = (w_q[:, None] * w_o).flatten().double()  # 0 for skipped prompts / dropped completions
-    rolled = keep_q.nonzero().flatten()
-    if kept_norm:
-        denom = losses.kept_denominator(cfg.loss_agg, seq_w, lengths, cfg.max_len)
-    else:
-        denom = losses.full_batch_denominator(
-            cfg.loss_agg,
-            num_prompts=B,
-            group_size=G,
-            completion_lengths=lengths[rolled],
-            prompt_weight=w_q[rolled],
-            max_response_length=cfg.max_len,
-        )
-    coef = losses.token_coefficients(seq_index, seq_w, seq_len, cfg.loss_agg, denom).double()
-    return coef @ J
+@dataclass(frozen=True)
+class _SyntheticPrompt:
+    """A prompt of the synthetic stream: its history id and its row in the rewards/lengths."""
+
+    id: str
+    index: int
+
+
+def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Method:
+    """The trainer's Method for the check's settings (one mini-batch, one epoch)."""
+    from megatron_dppo.config import Config
+
+    c = Config()
+    c.algorithm.advantage, c.algorithm.loss_agg, c.algorithm.kl_coef = cfg.advantage, cfg.loss_agg, cfg.kl_coef
+    c.algorithm.dynamic_sampling, c.algorithm.max_resample_rounds = dynamic_sampling, cfg.max_resample_rounds
+    c.pruning.r_q, c.pruning.r_o = cfg.r_q, cfg.r_o
+    c.pruning.drop_zero_variance = cfg.kl_coef == 0  # config.resolve's default
+    c.trainer.prompts_per_step = cfg.num_prompts
+    c.rollout.group_size, c.rollout.max_new_tokens = cfg.group_size, cfg.max_len
+    return batch.Method.from_config(c, strategy)
+
+
+def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor):
+    """The trainer's rollout callback, answered from fixed rewards and completion lengths."""
+
+    def rollout(rnd: int, items: list[tuple]) -> list[Group]:
+        return [
+            Group(
+                record=rec,
+                round=rnd,
+                slot=slot,
+                prompt_ids=[0],
+                completions=[[0] * int(n) for n in lengths[rec.index]],
+                rewards=rewards[rec.index].tolist(),
+                prompt_weight=w_q,
+            )
+            for rec, slot, w_q in items
+        ]
+
+    return rollout
+
+
+def _stats_of(stats, prompts: list[_SyntheticPrompt]):
+    """history.stats for the synthetic stream: the rows of the fixed stats by prompt id."""
+    row = {p.id: p.index for p in prompts}
+
+    def stats_of(ids):
+        idx = torch.tensor([row[i] for i in ids], dtype=torch.long)
+        return type(stats)(**{k: v[idx] for k, v in vars(stats).items()})
+
+    return stats_of
+
+
+def _trainers_draw(cfg, method, strategy, next_batch, stats_of, rollout, gen, jac, select=None, denominator=None):
+    """One mask draw through the trainer's planning: collect (rounds, prompt pruning, selection),
+    weigh_completions, plan_minibatches; then the gradient of the loss it would train (each
+    completion's weight from its group, train_weight x w_o, over the plan's denominator, with
+    the library's token coefficients). `denominator` replaces the plan's (the negative control).
+    jac: (seq_index, seq_len, J) of the synthetic step. Returns (gradient, the Collected groups)."""
+    seq_index, seq_len, J = jac
+    collected = batch.collect(
+        method, strategy, next_batch=next_batch, stats_of=stats_of, rollout=rollout, generator=gen, select=select
+    )
+    batch.weigh_completions(method, strategy, collected.trained, gen)
+    plans = batch.plan_minibatches(method, collected.trained, collected.drawn)
+    if not plans:  # nothing trained
+        return torch.zeros(J.shape[1], dtype=torch.float64), collected
+    denom = denominator(plans[0].groups) if denominator else plans[0].denominator
+    seq_w = torch.zeros(seq_len.numel() // cfg.group_size, cfg.group_size, dtype=torch.float64)
+    seq_w[[g.record.index for g in collected.trained]] = batch.sequence_weights(collected.trained)
+    coef = losses.token_coefficients(seq_index, seq_w.flatten(), seq_len, cfg.loss_agg, denom)
+    return coef.double() @ J, collected
+
+
+def _direct_gradient(cfg, seq_w, lengths, w_q_rolled, rolled, seq_index, seq_len, J):
+    """A reference computed without the planning module: sequence weights seq_w [N, G] (every
+    prompt of the synthetic step or stream) over the full batch's denominator (B prompts;
+    token-mean over the tokens of the rolled-out ones, `rolled`, weighted by w_q_rolled)."""
+    denom = losses.full_batch_denominator(
+        cfg.loss_agg,
+        num_prompts=cfg.num_prompts,
+        group_size=cfg.group_size,
+        completion_lengths=lengths[rolled],
+        prompt_weight=w_q_rolled,
+        max_response_length=cfg.max_len,
+    )
+    return losses.token_coefficients(seq_index, seq_w.flatten().double(), seq_len, cfg.loss_agg, denom).double() @ J
 
 
 def _compare(grads: torch.Tensor, full: torch.Tensor, alpha: float):
@@ -198,27 +273,29 @@ def run_check(cfg: CheckConfig) -> CheckResult:
     adv = group_advantages(rewards, cfg.advantage)
     J, seq_index, seq_len = _token_loss_jacobian(cfg, adv, lengths, gen)
     B, G = adv.shape
-    ones_q, ones_o = torch.ones(B, dtype=torch.bool), torch.ones(B, G)
-    full = _gradient(cfg, ones_q, ones_q.float(), ones_o.bool(), ones_o, lengths, seq_index, seq_len, J)
+    all_q = torch.ones(B, dtype=torch.bool)
+    full = _direct_gradient(cfg, torch.ones(B, G), lengths, torch.ones(B), all_q, seq_index, seq_len, J)
 
     strategy = get_strategy(cfg.strategy)
-    kept_norm = strategy.denominator == "kept"
+    # One round of exactly the B prompts (module docstring): no over-sampling, no refill.
+    method = _method(cfg, strategy, dynamic_sampling=False)
+    method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
+    prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
+    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths)
     nonzero_group = drop_zero_variance_groups(adv) if cfg.kl_coef == 0 else torch.ones(B, dtype=torch.bool)
     grads, grads_uniform, kept_q, kept_o = [], [], 0.0, 0.0
     for _ in range(cfg.draws):
-        keep_q, w_q = strategy.prune_prompts(stats, cfg.r_q, gen)
-        keep_o, w_o = strategy.prune_completions(adv, cfg.r_o, gen)
-        # Completions of skipped prompts were never generated; all-zero-advantage groups
-        # contribute exactly nothing when there is no KL term (the trainer drops them too).
-        w_o = w_o * keep_q[:, None] * nonzero_group[:, None]
-        grads.append(_gradient(cfg, keep_q, w_q, keep_o, w_o, lengths, seq_index, seq_len, J, kept_norm))
-        kept_q += keep_q.float().mean().item()
-        kept_o += (w_o > 0).float().mean().item()
+        grad, collected = _trainers_draw(
+            cfg, method, strategy, lambda n: prompts, stats_of, rollout, gen, (seq_index, seq_len, J)
+        )
+        grads.append(grad)
+        kept_q += len(collected.rolled) / B
+        kept_o += sum(w > 0 for g in collected.trained for w in g.completion_weights) / (B * G)
         # Reference: the same ratios applied to everything, uniformly (no |A| information).
         uq, uwq = _drop_uniformly(~torch.isnan(stats.score)[None], cfg.r_q, gen)
         uo, uwo = _drop_uniformly(torch.ones(B, G, dtype=torch.bool), cfg.r_o, gen)
-        uwo = uwo * uq[0][:, None] * nonzero_group[:, None]
-        grads_uniform.append(_gradient(cfg, uq[0], uwq[0], uo, uwo, lengths, seq_index, seq_len, J))
+        seq_w = uwq[0][:, None] * uwo * uq[0][:, None] * nonzero_group[:, None]
+        grads_uniform.append(_direct_gradient(cfg, seq_w, lengths, uwq[0][uq[0]], uq[0], seq_index, seq_len, J))
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(grads), full, cfg.alpha)
     exact = strategy.unbiased and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0 and cfg.strategy != "none")
     unbiased = (
@@ -272,39 +349,57 @@ class DynamicCheckResult:
         )
 
 
-def _dapo_rounds(cfg, strategy, stats, informative, order, gen):
-    """One step of DAPO dynamic sampling with the strategy's prompt pruning over the stream
-    `order` (prompt indices in stream order). Returns W [N] (each prompt's trained weight, 0 if
-    not trained) and the number of prompts rolled out."""
+def _select_by_count(method: batch.Method, groups: list[Group], num_drawn: int, count: float):
+    """The negative control (refill_by="count"), the old rule: B groups by COUNT, each trained
+    with its full w_q, so a skipped prompt is both represented (w_q) and replaced (a new draw)."""
+    chosen = [g for g in groups if g.informative()][: max(method.batch_size - int(count), 0)]
+    for g in chosen:
+        g.train_weight, g.minibatch = g.prompt_weight, 0
+    return chosen, count + len(chosen)
+
+
+def _count_rule_denominator(cfg: CheckConfig, trained: list[Group]) -> float:
+    """The old trainer's denominators under refill by count: B*G, B*G*Lmax, or the
+    Horvitz-Thompson tokens of what it kept."""
+    lengths = torch.tensor([g.completion_lengths() for g in trained], dtype=torch.float64)
+    return losses.full_batch_denominator(
+        cfg.loss_agg,
+        num_prompts=cfg.num_prompts,
+        group_size=cfg.group_size,
+        completion_lengths=lengths.reshape(len(trained), cfg.group_size),
+        prompt_weight=torch.tensor([g.train_weight for g in trained], dtype=torch.float64),
+        max_response_length=cfg.max_len,
+    )
+
+
+def _stream(prompts: list[_SyntheticPrompt], order: torch.Tensor):
+    """next_batch over the stream in `order` (as the sampler hands out prompts)."""
+    pos = 0
+
+    def next_batch(n: int):
+        nonlocal pos
+        out = [prompts[i] for i in order[pos : pos + n].tolist()]
+        pos += n
+        return out
+
+    return next_batch
+
+
+def _unpruned_dapo(cfg: CheckConfig, order, informative, lengths, jac):
+    """Computed directly, without the planning module: unpruned DAPO trains the first B informative
+    prompts in stream order, weight 1 each. Returns (its gradient, the prompts it rolled out)."""
+    seq_index, seq_len, J = jac
     B = cfg.num_prompts
-    per_round = strategy.prompts_to_draw(B, cfg.r_q, cfg.r_o)
-    W = torch.zeros(informative.shape[0], dtype=torch.float64)
-    filled, count, rolled = 0.0, 0, 0
-    for rnd in range(1 + cfg.max_resample_rounds):
-        idx = order[rnd * per_round : (rnd + 1) * per_round]
-        round_stats = type(stats)(**{k: v[idx] for k, v in vars(stats).items()})
-        keep_q, w_q = strategy.prune_prompts(round_stats, cfg.r_q, gen)
-        rolled += int(keep_q.sum())
-        kept_informative = keep_q & informative[idx]  # every rolled-out group is recorded; these are trained
-        groups, weights = idx[kept_informative], w_q[kept_informative].double()
-        if cfg.refill_by == "weight":
-            take = torch.tensor(take_until_full(weights.tolist(), B, filled), dtype=torch.float64)
-        else:  # the old rule: B groups by COUNT, each with its full w_q (skipped prompts counted twice)
-            take = weights.clone()
-            take[B - count :] = 0
-            count += int((take > 0).sum())
-        W[groups] = take
-        filled += float(take.sum())
-        if (filled >= B - 1e-9) if cfg.refill_by == "weight" else count >= B:
-            break
-    return W, rolled
+    first = order[informative[order]][:B]
+    seq_w = torch.zeros(lengths.shape, dtype=torch.float64)
+    seq_w[first] = 1.0
+    grad = _direct_gradient(cfg, seq_w, lengths, torch.ones(B), first, seq_index, seq_len, J)
+    last_pos = int((order == first[-1]).nonzero())
+    return grad, math.ceil((last_pos + 1) / B) * B
 
 
-def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
-    """The stream's prompts and their rewards are fixed. cfg.fixed_order: one stream order, and
-    unpruned DAPO's batch is its first B informative prompts. Otherwise each draw also shuffles
-    the stream (as the prompt sampler does), and the target is unpruned DAPO's gradient averaged
-    over the orders (each draw paired with its own order's unpruned batch)."""
+def _dynamic_strategy(cfg: CheckConfig):
+    """The strategy, if the dynamic check can judge it (ValueError saying why not)."""
     if cfg.refill_by not in REFILL_RULES:
         raise ValueError(f"refill_by must be one of {REFILL_RULES}, got {cfg.refill_by!r}")
     if cfg.kl_coef != 0:
@@ -318,8 +413,18 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
             f"dynamic-sampling mode checks reweighting strategies (none, dppo, reverse): "
             f"{cfg.strategy!r} replaces skipped prompts or normalises over what it keeps"
         )
-    B, G = cfg.num_prompts, cfg.group_size
-    n_stream = strategy.prompts_to_draw(B, cfg.r_q, cfg.r_o) * (1 + cfg.max_resample_rounds)
+    return strategy
+
+
+def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
+    """The stream's prompts and their rewards are fixed. cfg.fixed_order: one stream order, and
+    unpruned DAPO's batch is its first B informative prompts. Otherwise each draw also shuffles
+    the stream (as the prompt sampler does), and the target is unpruned DAPO's gradient averaged
+    over the orders (each draw paired with its own order's unpruned batch)."""
+    strategy = _dynamic_strategy(cfg)
+    method = _method(cfg, strategy, dynamic_sampling=True)
+    B = cfg.num_prompts
+    n_stream = method.prompts_per_round * method.rounds
     gen = torch.Generator().manual_seed(cfg.seed)
     rewards, stats, lengths = _synthetic_step(cfg, gen, num_prompts=n_stream, extreme_frac=cfg.extreme_frac)
     adv = group_advantages(rewards, cfg.advantage)
@@ -330,50 +435,39 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
             f"B={B}: lower extreme_frac or raise max_resample_rounds"
         )
     J, seq_index, seq_len = _token_loss_jacobian(cfg, adv, lengths, gen)
-
-    def gradient(seq_w, denom):
-        return losses.token_coefficients(seq_index, seq_w.flatten(), seq_len, cfg.loss_agg, denom).double() @ J
+    prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(n_stream)]
+    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths)
 
     def unpruned_dapo(order):
-        """Computed directly: the first B informative prompts in stream order, weight 1 each."""
-        first = order[informative[order]][:B]
-        w = torch.zeros(n_stream, dtype=torch.float64)
-        w[first] = 1.0
-        denom = losses.refill_denominator(cfg.loss_agg, w[first], lengths[first], G, cfg.max_len)
-        last_pos = int((order == first[-1]).nonzero())
-        return gradient(w[:, None].expand(n_stream, G), denom), math.ceil((last_pos + 1) / B) * B
+        return _unpruned_dapo(cfg, order, informative, lengths, (seq_index, seq_len, J))
 
     shuffle = not cfg.fixed_order
     fixed_order = torch.arange(n_stream)
     full, rolled_unpruned = unpruned_dapo(fixed_order)
+    select = batch.select_groups if cfg.refill_by == "weight" else _select_by_count
     diffs, refs, totals, rolled, rolled_ref, short = [], [], [], 0, 0, 0
     for _ in range(cfg.draws):
         order = torch.randperm(n_stream, generator=gen) if shuffle else fixed_order
-        W, n_rolled = _dapo_rounds(cfg, strategy, stats, informative, order, gen)
-        trained = (W > 0).nonzero().flatten()
-        seq_w = torch.zeros(n_stream, G, dtype=torch.float64)
-        if trained.numel():
-            _, w_o = strategy.prune_completions(adv[trained], cfg.r_o, gen)  # inside the trained groups
-            seq_w[trained] = W[trained, None] * w_o.double()
-        total = float(W.sum())
-        if cfg.refill_by == "weight":
-            denom = losses.refill_denominator(cfg.loss_agg, W[trained], lengths[trained], G, cfg.max_len)
-        else:  # the old trainer's denominators: B*G, B*G*Lmax, Horvitz-Thompson tokens of what it kept
-            denom = losses.full_batch_denominator(
-                cfg.loss_agg,
-                num_prompts=B,
-                group_size=G,
-                completion_lengths=lengths[trained],
-                prompt_weight=W[trained],
-                max_response_length=cfg.max_len,
-            )
+        denom = (lambda groups: _count_rule_denominator(cfg, groups)) if cfg.refill_by == "count" else None
+        jac = (seq_index, seq_len, J)
+        next_batch = _stream(prompts, order)
+        grad, collected = _trainers_draw(
+            cfg, method, strategy, next_batch, stats_of, rollout, gen, jac, select=select, denominator=denom
+        )
         ref, ref_rolled = unpruned_dapo(order) if shuffle else (full, rolled_unpruned)
-        diffs.append(gradient(seq_w, denom) - ref)
+        diffs.append(grad - ref)
         refs.append(ref)
+        total = sum(g.train_weight for g in collected.trained)
         totals.append(total)
-        rolled += n_rolled
+        rolled += len(collected.rolled)
         rolled_ref += ref_rolled
         short += total < B - 1e-9
+    return _dynamic_result(cfg, strategy, diffs, refs, totals, rolled, rolled_ref, short)
+
+
+def _dynamic_result(cfg, strategy, diffs, refs, totals, rolled, rolled_ref, short) -> DynamicCheckResult:
+    """The dynamic check's numbers and verdict from its draws."""
+    B = cfg.num_prompts
     target = torch.stack(refs).mean(0)
     # The mean of (draw - its own reference) + the target = the draws' mean, compared with the target.
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(diffs) + target, target, cfg.alpha)

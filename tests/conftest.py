@@ -1,6 +1,5 @@
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,6 +9,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from megatron_dppo.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Every process a test starts inherits these (exec'd or forked, in whatever session): how the
@@ -96,12 +97,6 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a worker script (under torchrun on a free port when nproc > 1) in its own process
     group. Output goes to files, not pipes, and everything it started is killed afterwards: its
@@ -116,7 +111,7 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
             "torch.distributed.run",
             f"--nproc_per_node={nproc}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             str(script),
             *map(str, args),
         ]

@@ -48,6 +48,24 @@ def test_saved_config_is_complete(tmp_path):
     assert load_config(str(path)) == cfg
 
 
+def test_saved_config_shows_only_what_the_method_reads(tmp_path):
+    """A GRPO run (strategy none, no KL) saves no pruning ratios and no KL estimator; DPPO keeps both
+    ratios, GRESO only r_q, CPPO only r_o; DAPO keeps its resample rounds."""
+    cases = {
+        "pruning.strategy=none": ({"pruning.r_q", "pruning.r_o", "pruning.history_ema"}, set()),
+        "pruning.strategy=dppo": ({"algorithm.kl_estimator"}, {"pruning.r_q", "pruning.r_o"}),
+        "pruning.strategy=greso": ({"pruning.r_o"}, {"pruning.r_q", "algorithm.max_resample_rounds"}),
+        "pruning.strategy=cppo": ({"pruning.r_q"}, {"pruning.r_o"}),
+        "algorithm.dynamic_sampling=true": (set(), {"algorithm.max_resample_rounds"}),
+        "algorithm.kl_coef=0.1": ({"algorithm.max_resample_rounds"}, {"algorithm.kl_estimator"}),
+    }
+    for override, (absent, present) in cases.items():
+        cfg = resolve(load_config(TINY, [override, "pruning.r_q=0.5", "pruning.r_o=0.5"]), **FACTS)
+        save_config(cfg, tmp_path / "config.yaml")
+        saved = set(dict(_walk(yaml.safe_load((tmp_path / "config.yaml").read_text()))))
+        assert not absent & saved and present <= saved, (override, absent & saved, present - saved)
+
+
 def test_unresolved_config_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match="unresolved"):
         save_config(load_config(TINY), tmp_path / "config.yaml")

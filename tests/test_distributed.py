@@ -111,7 +111,7 @@ def _dist_optimizer():
     from megatron_dppo.algorithms import losses
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
 
     gc = _grad_check_helpers()
     initialize_parallel(1, 1, seed=0)

@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from megatron_dppo.config import check_layout, load_config
 from megatron_dppo.plan import load_hf_config
+from megatron_dppo.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "qwen3_32b"
@@ -41,12 +41,6 @@ TINY_RUN = [
     "logging.tensorboard=false",
     "logging.progress=false",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(**extra) -> dict:
@@ -88,7 +82,7 @@ def test_two_nodes_on_one_host(tmp_path):
     out_dir = tmp_path / "runs"
     env = _clean_env(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         NNODES="2",
         GPUS_PER_NODE="1",
         HF_DIR=str(TINY_MODEL),

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from megatron_dppo.process import free_port
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 
@@ -51,12 +52,6 @@ SMALL = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -71,7 +66,7 @@ def train_cmd(out, name, model_dir, nproc, *overrides, resume=False):
             "torch.distributed.run",
             f"--nproc_per_node={nproc}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
         ]
     )
     cmd = launcher + [

@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
+from megatron_dppo.process import free_port  # noqa: E402
+
 MIB = 2**20
 DIMS = dict(
     vocab_size=32000,
@@ -86,7 +87,7 @@ def worker(args) -> None:
     from megatron_dppo.convert import qwen3 as mapping
     from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel
     from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_models, load_hf_into_policy, rank_layout
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
 
     torch.set_num_threads(1)
     initialize_parallel(args.tp, args.pp, seed=0)
@@ -148,10 +149,6 @@ def worker(args) -> None:
 
 
 # ---- the driver --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(hf_dir: str, tp: int, pp: int, mode: str, path: str) -> list:
@@ -161,7 +158,7 @@ def measure(hf_dir: str, tp: int, pp: int, mode: str, path: str) -> list:
         "torch.distributed.run",
         f"--nproc_per_node={tp * pp}",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         os.path.abspath(__file__),
         "--worker",
         "--hf-dir",

@@ -270,7 +270,7 @@ def section_profile(args) -> dict:
 
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import cpu_compat, initialize_parallel
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
 
     torch.set_num_threads(args.threads)
     initialize_parallel(1, 1, args.seed)

@@ -588,7 +588,9 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
                 cum_cpu += step_cpu[r["step"]]
         if "eval/accuracy" in r:
             curve.append((r["step"], cum, r["eval/accuracy"], cum_cpu if step_cpu is not None else None))
-    phases = {p: sum(r.get(f"time/{p}", 0.0) for r in steps) for p in ("rollout", "reward", "logprob", "train", "sync")}
+    from megatron_dppo.profiling import phase_totals
+
+    phases = phase_totals(steps)
     return {
         "method": run.method,
         "seed": run.seed,
@@ -647,6 +649,8 @@ def time_to_target(curve: list[tuple], target: float):
 
 
 def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_steps: int) -> dict:
+    from megatron_dppo.profiling import PHASES
+
     by_method = {m["name"]: [r for r in per_run if r["method"] == m["name"] and r["finished"]] for m in methods}
     rows = []
     for m in methods:
@@ -678,12 +682,7 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
                 "train_cpu_s": _mean([r["train_cpu_s"] for r in rs]),
                 "train_cpu_se": _se([r["train_cpu_s"] for r in rs if r["train_cpu_s"] is not None]),
                 "train_cpu_seeds": sorted(r["seed"] for r in rs if r["train_cpu_s"] is not None),
-                "phase_time_s": {
-                    p: _mean([r["phase_time_s"][p] for r in rs])
-                    for p in ("rollout", "reward", "logprob", "train", "sync")
-                }
-                if rs
-                else {},
+                "phase_time_s": {p: _mean([r["phase_time_s"][p] for r in rs]) for p in PHASES} if rs else {},
                 "tokens_generated": _mean([r["tokens_generated"] for r in rs]),
                 "tokens_trained": _mean([r["tokens_trained"] for r in rs]),
                 "completion_tokens_trained": _mean([r["completion_tokens_trained"] for r in rs]),

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatron_dppo.process import free_port  # noqa: E402
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -48,12 +48,6 @@ def parse_args(argv=None):
     )
     ap.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog.")
     return ap.parse_args(argv)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_verify(args) -> int:
@@ -84,7 +78,7 @@ def launch_verify(args) -> int:
             "torch.distributed.run",
             f"--nproc_per_node={n}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
         ]
         + script
     )

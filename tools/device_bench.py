@@ -117,7 +117,7 @@ def _sync():
 def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron.model import module_device
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
 
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -93,7 +93,7 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     from megatron_dppo.algorithms import losses
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron.model import module_device
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
     from megatron_dppo.packing import Sample, build_thd_batch, pack
 
     t0 = time.perf_counter()

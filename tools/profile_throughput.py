@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from megatron_dppo import profiling  # noqa: E402  (plain arithmetic; no torch at import)
+from megatron_dppo.process import free_port  # noqa: E402
 
 METHODS = {  # method -> overrides on top of the config and the common overrides
     "grpo": ["pruning.strategy=none", "pruning.r_q=0", "pruning.r_o=0"],
@@ -202,7 +203,7 @@ def _spawn(args, name: str, out: Path, hs: Path) -> subprocess.Popen:
             "torch.distributed.run",
             f"--nproc_per_node={args.nproc}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
         ]
     log = open(out / f"{name}.log", "w")
     return subprocess.Popen(
@@ -213,14 +214,6 @@ def _spawn(args, name: str, out: Path, hs: Path) -> subprocess.Popen:
         start_new_session=True,
         env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _await(path: Path, procs: dict, out: Path, timeout: float) -> None:

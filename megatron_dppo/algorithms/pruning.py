@@ -157,9 +157,11 @@ class PruningStrategy:
     refills: prompts skipped before rollout are replaced by drawing more (GRESO).
     filters_zero_variance: the method's own pipeline drops zero-variance groups (dynamic sampling).
     denominator: "full" (the unpruned batch's normaliser) or "kept" (what was trained, as CPPO does).
+    ratios: the pruning.* ratios the strategy reads (the saved config leaves the others out).
     """
 
     name = "none"
+    ratios: tuple[str, ...] = ()
     unbiased = True
     refills = False
     filters_zero_variance = False
@@ -204,6 +206,7 @@ class DPPO(PruningStrategy):
     rule="high" is the reverse ablation (prune the informative ones instead)."""
 
     name = "dppo"
+    ratios = ("r_q", "r_o")
 
     def __init__(self, rule: str = "low"):
         self.rule = rule
@@ -228,6 +231,7 @@ class CPPO(PruningStrategy):
     loss over the kept completions. Ties in |A| are broken uniformly at random (ours)."""
 
     name = "cppo"
+    ratios = ("r_o",)
     unbiased = False
     denominator = "kept"
 
@@ -253,6 +257,7 @@ class CPPOGroup(PruningStrategy):
     group by |A|, no over-sampling, no reweighting, the full-batch denominator."""
 
     name = "cppo-group"
+    ratios = ("r_o",)
     unbiased = False
 
     def prune_completions(self, advantages, ratio, generator=None):
@@ -286,6 +291,7 @@ class GRESO(PruningStrategy):
     """
 
     name = "greso"
+    ratios = ("r_q",)
     unbiased = False
     refills = True
     filters_zero_variance = True
@@ -376,6 +382,7 @@ class GRESOSimple(PruningStrategy):
     skip probability 1 - (1 - r_q)^z, fixed, no refill, no reweighting; completions untouched."""
 
     name = "greso-simple"
+    ratios = ("r_q",)
     unbiased = False
 
     def prune_prompts(self, stats, ratio, generator=None):

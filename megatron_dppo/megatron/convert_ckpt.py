@@ -531,7 +531,7 @@ def verify_logits(
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.distributed import all_reduce_max
     from megatron_dppo.megatron.checkpoint import load_checkpoint
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     hf_config = load_hf_config(os.path.join(ckpt, HF_CONFIG))

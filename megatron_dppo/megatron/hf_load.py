@@ -38,6 +38,7 @@ from megatron.core import parallel_state
 
 from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.convert.hf_io import _DTYPE_NAMES, INDEX, SINGLE, HFCheckpoint
+from megatron_dppo.megatron.model import current_device
 
 
 class HFModelDirError(ValueError):
@@ -344,10 +345,6 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
     return {"tensors": len(names), "bytes_read": reader.bytes_read}
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def load_hf_into_policy(policy, hf_dir, into_reference: bool = True) -> dict:
     """Load the HF checkpoint in hf_dir (a path or a checked HFModelDir) into this rank's shard
     of policy (and of its KL reference, when it has one and into_reference). Each rank reads
@@ -363,7 +360,7 @@ def load_hf_into_policy(policy, hf_dir, into_reference: bool = True) -> dict:
     except Exception as e:  # noqa: BLE001  (re-raised below, on every rank)
         error = e
     if dist.is_initialized() and dist.get_world_size() > 1:
-        failed = torch.tensor([0 if error is None else 1], device=_device())
+        failed = torch.tensor([0 if error is None else 1], device=current_device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if error is None and failed.item():
             raise RuntimeError("loading the HF weights failed on another rank (its error says why)")

@@ -41,6 +41,11 @@ def resolve_attention_backend(attention: str = "auto") -> str:
     return attention
 
 
+def current_device() -> torch.device:
+    """This rank's device: its CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def module_device(module: torch.nn.Module) -> torch.device:
     """Where a model's parameters live: the device its inputs must be moved to."""
     return next(module.parameters()).device

@@ -28,7 +28,8 @@ class Group:
     prompt_ids: list[int]
     completions: list[list[int]]  # token ids; ends with eos when the completion stopped
     rewards: list[float]
-    prompt_weight: float = 1.0  # w_q (times the refill remainder for the group that fills B)
+    prompt_weight: float = 1.0  # w_q, as prompt pruning drew it
+    train_weight: float = 0.0  # what it trains with: w_q, or its share of B under refill (algorithms/batch.py)
     minibatch: int = 0
     advantages: list[float] = field(default_factory=list)  # on the full group
     completion_weights: list[float] = field(default_factory=list)  # w_o; 0 = not trained
@@ -45,13 +46,13 @@ class Group:
         return len(set(self.rewards)) > 1
 
     def samples(self, first_seq_id: int) -> list[Sample]:
-        """The trained completions as packing samples (prompt + completion), weight w_q * w_o."""
+        """The trained completions as packing samples (prompt + completion), weight train_weight * w_o."""
         return [
             Sample(
                 tokens=self.prompt_ids + c,
                 prompt_len=len(self.prompt_ids),
                 advantage=a,
-                weight=self.prompt_weight * w,
+                weight=self.train_weight * w,
                 seq_id=first_seq_id + i,
             )
             for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
@@ -62,11 +63,6 @@ class Group:
 def stack_rewards(groups: list[Group]) -> torch.Tensor:
     """[P, G] float32 (an empty [0, 0] tensor for no groups)."""
     return torch.tensor([g.rewards for g in groups], dtype=torch.float32).reshape(len(groups), -1)
-
-
-def set_completion_weights(groups: list[Group], advantages: torch.Tensor, weights: torch.Tensor) -> None:
-    for g, a, w in zip(groups, advantages.tolist(), weights.tolist()):
-        g.advantages, g.completion_weights = a, w
 
 
 @dataclass
@@ -87,20 +83,18 @@ class RolloutCounts:
 
 
 def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCounts) -> dict:
-    """The step's rollout-side metrics: rewards over every rolled-out group, pruning over the
-    trained ones."""
+    """The step's rollout-side metrics: rewards over every rolled-out group, the trained weight;
+    completion pruning's own metrics come from algorithms/batch.weigh_completions."""
     rewards = [r for g in rolled for r in g.rewards]
     lengths = [n for g in rolled for n in g.completion_lengths()]
-    weights = [w for g in trained for w in g.completion_weights]
     G = rolled[0].group_size if rolled else 0
     out = {
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards) if rewards else 0.0,
         "reward/failures": sum(counts.reward_failures.values()),
         "prune/prompts_kept_frac": counts.prompts_rolled / max(counts.prompts_drawn, 1),
-        "prune/completions_kept_frac": sum(w > 0 for w in weights) / len(weights) if weights else 0.0,
         "groups/zero_variance_frac": sum(not g.informative() for g in rolled) / len(rolled) if rolled else 0.0,
-        "groups/trained_weight": sum(g.prompt_weight for g in trained),
+        "groups/trained_weight": sum(g.train_weight for g in trained),
         "tokens/generated": counts.generated_tokens,
         "completion/mean_length": statistics.fmean(lengths) if lengths else 0.0,
         "completion/max_length": max(lengths, default=0),

@@ -25,7 +25,7 @@ from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config  # noqa: E402
-from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
+from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 
 

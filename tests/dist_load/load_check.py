@@ -38,7 +38,7 @@ from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import megatron_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_policy  # noqa: E402
-from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
+from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 
 TOL = 1e-5
 

@@ -28,7 +28,7 @@ from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel
 from megatron_dppo.megatron.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_dppo.megatron.step import MegatronPolicy
+from megatron_dppo.megatron.policy import MegatronPolicy
 
 
 def batch_for_step(model, step, dp_rank, dp_size):

@@ -1,0 +1,122 @@
+"""The DPPO loss of one micro-batch on the last pipeline stage, and the step's metrics record.
+
+The loss is sum_t coef_t * loss_t with coef_t = (t's sequence weight) / (the FULL mini-batch
+denominator) [/ |o| for seq-mean-token-mean], fixed before the step (algorithms/losses.py), so
+summing micro-batches, stages and ranks gives the same number whatever the split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dppo.algorithms import losses
+from megatron_dppo.megatron.logprobs import token_logprobs
+from megatron_dppo.megatron.model import current_device
+
+# What each micro-batch reports, summed over its loss tokens (ratio_dev_max is a max instead).
+SUMMED = ("loss", "tokens", "clip_frac_sum", "kl_sum", "ratio_dev_sum", "approx_kl_sum")
+
+
+@dataclass
+class TrainReport:
+    """One forward_backward's metrics, reduced over micro-batches and data-parallel ranks."""
+
+    loss: float
+    tokens: float
+    clip_frac: float
+    kl: float
+    ratio_dev_mean: float
+    ratio_dev_max: float
+    approx_kl: float
+
+    @classmethod
+    def from_sums(cls, sums: dict, ratio_dev_max: float) -> TrainReport:
+        n = max(sums["tokens"], 1)
+        return cls(
+            loss=sums["loss"],
+            tokens=sums["tokens"],
+            clip_frac=sums["clip_frac_sum"] / n,
+            kl=sums["kl_sum"] / n,
+            ratio_dev_mean=sums["ratio_dev_sum"] / n,
+            ratio_dev_max=ratio_dev_max,
+            approx_kl=sums["approx_kl_sum"] / n,
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: float, mode: str, denominator):
+    """logits [b, s, V/tp] -> (loss, number of loss tokens, report dict of SUMMED + ratio_dev_max).
+    mode "logprob" returns the per-position log-probs instead (no loss). Works for a packed row
+    (b = 1) and for the padded baseline (b = rows) alike."""
+    dev = logits.device
+    logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=vocab_size, temperature=temperature).flatten()
+    mask = batch.loss_mask.to(dev).flatten() > 0
+    n_tokens = mask.sum().to(torch.int)
+    if mode == "logprob":
+        return logp.sum() * 0.0, n_tokens, {"logp": logp.detach().view(batch.labels.shape)}
+
+    def picked(t):
+        return t.to(dev).flatten()[mask]
+
+    seq_index = picked(batch.seq_index)
+    # No old log-probs: the batch is trained right after it was generated, in one optimizer step,
+    # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
+    # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs the
+    # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
+    old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
+    a = algorithm
+    token_loss, stats = losses.policy_loss(
+        logp[mask],
+        old_logp,
+        picked(batch.advantages),
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        ratio_type=a.ratio_type,
+        seq_index=seq_index,
+        num_seqs=batch.num_seqs,
+        ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+    )
+    seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
+    coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
+    loss = losses.aggregate(token_loss, coef)
+    return loss, n_tokens, _report(loss, n_tokens, logp[mask], old_logp, stats)
+
+
+@torch.no_grad()
+def _report(loss, n_tokens, logp, old_logp, stats) -> dict:
+    zero = torch.zeros((), dtype=torch.float64, device=loss.device)
+    log_ratio = (logp - old_logp).double()
+    ratio_dev = (stats["ratio"].double() - 1).abs()
+    return {
+        "loss": loss.detach().double(),
+        "tokens": n_tokens.double(),
+        "clip_frac_sum": stats["clip_frac"].sum().double(),
+        "kl_sum": stats["kl"].sum().double() if "kl" in stats else zero,
+        "ratio_dev_sum": ratio_dev.sum(),
+        "ratio_dev_max": ratio_dev.max() if ratio_dev.numel() else zero,
+        # k3 estimate of KL(pi_old || pi) from the tokens sampled by pi_old
+        "approx_kl_sum": (log_ratio.exp() - 1 - log_ratio).sum(),
+    }
+
+
+def reduce_reports(reports: list[dict]) -> TrainReport:
+    """Sum the last stages' micro-batch reports over DP (TP rank 0 only: TP ranks repeat them);
+    the max |ratio - 1| is reduced with a max. Collective over the world."""
+    dev = current_device()
+    sums = torch.zeros(len(SUMMED), dtype=torch.float64, device=dev)
+    dev_max = torch.zeros(1, dtype=torch.float64, device=dev)
+    if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
+        for r in reports:
+            sums += torch.stack([r[k].to(dev) for k in SUMMED])
+            dev_max = torch.maximum(dev_max, r["ratio_dev_max"].to(dev))
+    dist.all_reduce(sums)
+    dist.all_reduce(dev_max, op=dist.ReduceOp.MAX)
+    return TrainReport.from_sums(dict(zip(SUMMED, sums.tolist())), float(dev_max))

@@ -1,0 +1,190 @@
+"""The policy on Megatron-Core: packed micro-batches through forward_backward with the DPPO loss.
+
+How the DPPO loss enters Megatron's distributed reduction (DPPO.md section 4): each micro-batch's
+loss is sum_t coef_t * loss_t (megatron/loss.py), fixed before the step. The gradient we want is
+the gradient of the sum of those over every micro-batch of every rank. So:
+  * calculate_per_token_loss=True: the schedule neither divides a micro-batch's loss by its token
+    count nor by the number of micro-batches;
+  * the DDP sums gradients over data-parallel ranks (gradient_scaling_factor 1, no averaging);
+  * finalize_model_grads runs WITHOUT its 1/num_tokens scaling (megatron/optimizer.py).
+The result is independent of the micro-batch split, PP, TP and DP by construction, and a test
+compares it with a single-process reference for each layout.
+
+The pieces: megatron/optimizer.py builds DDP, optimizer and schedule; megatron/loss.py is the
+loss and its metrics; megatron/weights.py moves weights in and out under HF names.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dppo.config import AlgorithmConfig, OptimConfig
+from megatron_dppo.convert import qwen3 as mapping
+from megatron_dppo.megatron import weights
+from megatron_dppo.megatron.attention import packed_seq_params
+from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
+from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
+from megatron_dppo.megatron.model import build_gpt_model, current_device, resolve_attention_backend
+from megatron_dppo.megatron.optimizer import wrap_for_training
+
+
+def _config_overrides(backend: str, tp_size: int, pp_size: int, sequence_parallel: bool, recompute: str) -> dict:
+    """TransformerConfig settings that follow from the run's layout and memory options."""
+    overrides = dict(calculate_per_token_loss=True)
+    if sequence_parallel and tp_size > 1:
+        if backend != "te":
+            raise ValueError(
+                "parallel.sequence_parallel needs the Transformer Engine path (model.attention=te on a "
+                "GPU with transformer_engine): megatron-core's local spec has no sequence-parallel norm"
+            )
+        overrides["sequence_parallel"] = True
+    if recompute == "selective":  # recompute attention and MLP internals in backward
+        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    elif recompute == "full":  # keep only each layer's input
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute != "none":
+        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    if pp_size > 1:
+        # Packs differ in length: let the pipeline send each activation's shape first.
+        # (TransformerConfig insists on the alltoall MoE dispatcher for that, even for a dense
+        # model, where it is unused.)
+        overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    return overrides
+
+
+class MegatronPolicy:
+    """One rank's share of the policy (and optional frozen reference) model."""
+
+    def __init__(
+        self,
+        hf_config,
+        optim: OptimConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        temperature: float = 1.0,
+        params_dtype=torch.float32,
+        attention: str = "auto",
+        with_reference: bool = False,
+        sequence_parallel: bool = False,
+        recompute: str = "none",
+        distributed_optimizer: bool | None = None,
+    ):
+        """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
+        sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
+        self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
+        self.attention_backend = backend = resolve_attention_backend(attention)
+        self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute)
+        model = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+        self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
+        self.vocab_size = hf_config.vocab_size
+        # None: on with CUDA (optimizer state sharded over DP), off on CPU
+        dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
+        self.model, self.optimizer, self.scheduler = wrap_for_training(
+            model, optim, params_dtype=params_dtype, distributed_optimizer=dist_opt
+        )
+        self.reference = None
+        if with_reference:
+            self.reference = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+            self.reference.requires_grad_(False)
+            self.reference.eval()
+
+    # ---- weights (megatron/weights.py) -----------------------------------------------------------
+    def load_hf_state_dict(self, hf_sd: dict, into_reference: bool = True) -> None:
+        """Load HF-named full tensors (every rank passes the same dict) into this rank's shard."""
+        targets = [self.model.module] + ([self.reference] if self.reference is not None and into_reference else [])
+        weights.load_hf_state_dict(targets, self.layout, hf_sd)
+        self.optimizer.reload_model_params()  # the fp32 main copy of a bf16 model, if any
+
+    def copy_policy_to_reference(self) -> bool:
+        """The KL reference := the policy's current weights (for model.init_checkpoint: the reference
+        must start where the policy starts). False (and nothing done) without a reference."""
+        if self.reference is None:
+            return False
+        weights.copy_parameters(self.model.module, self.reference)
+        return True
+
+    def hf_weight_buckets(self, bucket_bytes: int = 1 << 30):
+        """The current weights under HF names, in buckets, on every rank (a generator)."""
+        return weights.hf_weight_buckets(self.model.module, self.layout, bucket_bytes)
+
+    def hf_state_dict(self) -> dict:
+        """The current weights under HF names, on every rank (small models, tests)."""
+        return {k: v for bucket in self.hf_weight_buckets() for k, v in bucket}
+
+    def hf_grads(self) -> dict:
+        """Gradients after forward_backward (DP-reduced), under HF names, on every rank."""
+        return weights.hf_grads(self.model, self.layout)
+
+    # ---- forward / backward ----------------------------------------------------------------------
+    def _forward_step(self, data_iterator, model, *, mode: str, denominator: float | None):
+        batch = next(data_iterator)
+        dev = current_device()
+        # None for a padded [rows, L] batch; the row layout is read on the host here, once.
+        psp = packed_seq_params(batch, dev)
+        ids, pos = batch.tokens.to(dev), batch.position_ids.to(dev)
+        # On CPU, the shim's device-rewriting mode runs Python on every torch call; the built
+        # model's forward allocates nothing on "cuda", so it runs without it (8% of an addition
+        # step's forward_backward, tools/bench_packing.py --sections profile). No-op on GPUs.
+        with suspend_cpu_compat():
+            output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
+        loss = partial(
+            micro_batch_loss,
+            batch,
+            algorithm=self.algorithm,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            mode=mode,
+            denominator=denominator,
+        )
+        return output, loss
+
+    def _run(self, model, microbatches, mode, denominator=None, forward_only=False):
+        return get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, mode=mode, denominator=denominator),
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=max(int(mb.tokens.shape[1]) for mb in microbatches),
+            micro_batch_size=int(microbatches[0].tokens.shape[0]),
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def compute_logprobs(self, microbatches, reference: bool = False):
+        """Per-position log-probs of the labels for each micro-batch (shaped like its labels) on the last
+        pipeline stage; None elsewhere. Reuses the packed micro-batches of the train step."""
+        model = self.reference if reference else self.model
+        if reference and model is None:
+            raise ValueError("compute_logprobs(reference=True) needs MegatronPolicy(with_reference=True)")
+        model.eval()
+        out = self._run(model, microbatches, "logprob", forward_only=True)
+        model.train()
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        return [o["logp"] for o in out]
+
+    def forward_backward(self, microbatches, denominator: float) -> dict:
+        """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return reduce_reports(self._run(self.model, microbatches, "train", denominator=denominator)).as_dict()
+
+    def optimizer_step(self) -> dict:
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "update_ok": bool(ok),
+        }
+
+    def train_step(self, microbatches, denominator: float) -> dict:
+        metrics = self.forward_backward(microbatches, denominator)
+        metrics.update(self.optimizer_step())
+        return metrics

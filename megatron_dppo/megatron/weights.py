@@ -1,0 +1,196 @@
+"""The policy's weights under HF names: loaded from HF tensors, exported (TP-merged, gathered from
+every PP stage) one unit at a time for the weight sync into vLLM and for HF checkpoints, and the
+DP-reduced gradients under HF names (the layout tests compare them with a reference).
+
+A "unit" is the embedding, one decoder layer, or the head (final norm + output layer): streaming
+by unit keeps a large model's export from ever holding the whole model on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dppo.convert import qwen3 as mapping
+from megatron_dppo.megatron.model import current_device
+
+
+def _merged_shape(name: str, shape, tp_size: int) -> tuple:
+    kind = mapping.tp_split_kind(name)
+    shape = list(shape)
+    if tp_size > 1 and kind != "replicated":
+        shape[1 if kind == "row" else 0] *= tp_size
+    return tuple(shape)
+
+
+def _unit_of(name: str):
+    """A decoder layer's index, or 'embedding' / 'head' for the rest."""
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2])
+    return "embedding" if name.startswith("embedding.") else "head"
+
+
+def _unit_order(unit):
+    return -1 if unit == "embedding" else (10**9 if unit == "head" else unit)
+
+
+def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
+    """Copy HF-named full tensors (every rank passes the same dict) into this rank's shard of each
+    module. Holds the whole model on every rank: for small models and tests. From an HF directory,
+    megatron_dppo.megatron.hf_load reads only this rank's slices."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    local = mapping.shard_for_rank(
+        mapping.hf_to_megatron(hf_sd, layout),
+        layout,
+        parallel_state.get_tensor_model_parallel_rank(),
+        tp_size,
+        parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size,
+    )
+    for module in modules:
+        own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
+        missing, unexpected = own - local.keys(), local.keys() - own
+        if missing or unexpected:
+            raise ValueError(
+                f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+            )
+        with torch.no_grad():
+            params = dict(module.named_parameters())
+            for name, tensor in local.items():
+                params[name].copy_(tensor)
+
+
+def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """dst := src, shard by shard (both built with the same TP/PP layout: no communication)."""
+    a, b = dict(src.named_parameters()), dict(dst.named_parameters())
+    if a.keys() != b.keys():
+        raise ValueError(f"the two models differ in their parameters: {sorted(a.keys() ^ b.keys())[:5]}")
+    with torch.no_grad():
+        for name, p in b.items():
+            p.copy_(a[name])
+
+
+def _stage_metadata(mine: dict, tp_size: int, pp_size: int, pp_rank: int) -> dict:
+    """{global name: (stage, its global rank, full shape, dtype)} of every PP stage's tensors."""
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    meta = {}
+    for stage, src in enumerate(dist.get_process_group_ranks(pp_group)):
+        shapes = [(k, _merged_shape(k, v.shape, tp_size), v.dtype) for k, v in mine.items()]
+        info = [shapes if stage == pp_rank else None]
+        if pp_size > 1:
+            dist.broadcast_object_list(info, src=src, group=pp_group)
+        for k, shape, dtype in info[0]:
+            meta[k] = (stage, src, shape, dtype)
+    return meta
+
+
+def full_units(tensors: dict, layout):
+    """Local megatron-named tensors -> full (TP-merged) tensors of every PP stage, on every rank,
+    one unit at a time. Yields (unit, {global megatron name: full tensor}). Collective over the world."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    mine = {}
+    for local, t in tensors.items():
+        name = mapping.to_global_name(local, pp_rank, pp_size, layout.num_layers)
+        if layout.tied and pp_size > 1 and name == "output_layer.weight":
+            continue  # the last stage's copy of the tied embedding
+        mine[name] = t
+    meta = _stage_metadata(mine, tp_size, pp_size, pp_rank)
+    units = {}
+    for k in meta:
+        units.setdefault(_unit_of(k), []).append(k)
+    for unit in sorted(units, key=_unit_order):
+        out = {}
+        for k in sorted(units[unit]):
+            stage, src, shape, dtype = meta[k]
+            if stage == pp_rank:
+                t = mine[k]
+                if tp_size > 1 and mapping.tp_split_kind(k) != "replicated":
+                    shards = [torch.empty_like(t) for _ in range(tp_size)]
+                    dist.all_gather(shards, t.contiguous(), group=tp_group)
+                    t = mapping.tp_merge(k, shards)
+                buf = t.contiguous()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=current_device())
+            if pp_size > 1:
+                dist.broadcast(buf, src=src, group=pp_group)
+            out[k] = buf
+        yield unit, out
+
+
+def unit_to_hf(unit, full: dict, layout) -> dict:
+    """One unit's full megatron-named tensors -> HF names (vocab padding cut off)."""
+    if isinstance(unit, int):
+        return mapping.megatron_layer_to_hf(unit, full.__getitem__, layout)
+    out = {}
+    if "embedding.word_embeddings.weight" in full:
+        out["model.embed_tokens.weight"] = full["embedding.word_embeddings.weight"][: layout.vocab]
+    if "decoder.final_layernorm.weight" in full:
+        out["model.norm.weight"] = full["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in full:
+        out["lm_head.weight"] = full["output_layer.weight"][: layout.vocab]
+    return out
+
+
+def hf_weight_buckets(module: torch.nn.Module, layout, bucket_bytes: int = 1 << 30):
+    """The module's current weights under HF names, in buckets of about bucket_bytes, on every
+    rank. A generator: the weight sync streams a large model instead of gathering it whole."""
+    local = {k: v.detach() for k, v in module.named_parameters()}
+    bucket, size = [], 0
+    for unit, full in full_units(local, layout):
+        for name, t in unit_to_hf(unit, full, layout).items():
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _reduced_main_grads(ddp) -> dict:
+    """{local megatron name: this rank's DP-reduced gradient} after forward_backward, copies.
+
+    Without the distributed optimizer the DDP all-reduces every bucket: main_grad is the reduced
+    gradient. With it (on by default on GPUs) the DDP reduce-scatters instead: each bucket's
+    grad_data is cut into dp equal shards and rank r holds the reduced sum only in shard r; the
+    rest of its main_grad is still its own unreduced gradient. Here each bucket's reduced shards
+    are all-gathered (into a copy of the buffer: the optimizer step reads the buffer as it is)
+    over the group the DDP reduce-scattered in, and the parameters are cut out at the buffer's
+    param_index_map (which includes the optimizer's alignment padding)."""
+    module = ddp.module
+    if not ddp.ddp_config.use_distributed_optimizer:
+        return {k: p.main_grad.detach().clone() for k, p in module.named_parameters()}
+    group_of = {id(b): g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups for b in g.buckets}
+    reduced = {}
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        full = torch.empty_like(buffer.grad_data)
+        for bucket in buffer.buckets:
+            group = group_of[id(bucket)]
+            size = group.intra_distributed_optimizer_instance_size
+            rank = group.intra_distributed_optimizer_instance_rank
+            # Megatron pads every bucket to a multiple of dp: equal shards, as it reduce-scattered them.
+            shards = list(full[bucket.offset : bucket.offset + bucket.grad_data.numel()].chunk(size))
+            n = shards[0].numel()
+            dist.all_gather(
+                shards,
+                bucket.grad_data[rank * n : (rank + 1) * n].contiguous(),
+                group=group.intra_distributed_optimizer_instance_group,
+            )
+        for p, (start, end, _) in buffer.param_index_map.items():
+            reduced[p] = full[start:end].view(p.shape)
+    return {k: reduced[p] for k, p in module.named_parameters()}
+
+
+def hf_grads(ddp, layout) -> dict:
+    """Gradients after forward_backward (DP-reduced), under HF names, on every rank; correct with
+    and without the distributed optimizer (see _reduced_main_grads)."""
+    out = {}
+    for unit, full in full_units(_reduced_main_grads(ddp), layout):
+        out.update(unit_to_hf(unit, full, layout))
+    return out
