@@ -311,6 +311,9 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert (tmp_path / "term" / "checkpoints" / "latest").read_text().strip() == f"step_{done:06d}"
     run(train_cmd(tmp_path, "term", f"trainer.max_steps={done + 2}", "trainer.save_every=0", resume=True))
     assert sorted(metrics(tmp_path, "term")) == list(range(1, done + 3))
+    # A resume restores the RNG state after vLLM's start-up and the trainer's seeding, not before.
+    check = [sys.executable, str(REPO / "tests" / "dist_train" / "resume_rng.py")] + train_cmd(tmp_path, "term")[5:]
+    assert "rng restored" in run(check).stdout
 
 
 def test_tiny_run_accuracy_rises(tmp_path):

@@ -42,6 +42,11 @@ def token_logprobs_and_entropy(logits, labels, *, vocab_size: int, temperature: 
     differentiable; the entropy's sums run over the TP group (all-reduces of [b, s] tensors)."""
     z = _scaled_masked_logits(logits, vocab_size, temperature)
     logp = -vocab_parallel_cross_entropy(z.clone(), labels)  # clone: CE overwrites its input
+    return logp, _entropy(z)
+
+
+def _entropy(z):
+    """Entropy of softmax(z) over the TP-split last dim (z: scaled, padding at -inf)."""
     group = parallel_state.get_tensor_model_parallel_group()
     zmax = z.detach().max(dim=-1, keepdim=True).values
     dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)  # for stability only: no grad
@@ -50,5 +55,19 @@ def token_logprobs_and_entropy(logits, labels, *, vocab_size: int, temperature: 
     p = exp / sum_exp
     # H = log Z - sum_v p_v z_v; padding columns have p = 0 and z = -inf: count them as 0.
     pz = reduce_from_tensor_model_parallel_region((p * z.masked_fill(p == 0, 0.0)).sum(dim=-1))
-    entropy = torch.log(sum_exp.squeeze(-1)) + zmax.squeeze(-1) - pz
-    return logp, entropy
+    return torch.log(sum_exp.squeeze(-1)) + zmax.squeeze(-1) - pz
+
+
+@torch.no_grad()
+def entropy_sum(logits, mask, *, vocab_size: int, temperature: float = 1.0, chunk: int = 1024) -> torch.Tensor:
+    """Sum of the next-token entropies at the positions where mask [b, s] is set (fp64 scalar),
+    computed `chunk` positions at a time so the fp32 copy of the vocabulary slice stays small
+    (1024 x 151936 / tp floats at most) beside the training forward's own logits."""
+    rows = logits.detach().reshape(-1, logits.size(-1))[mask.flatten().to(logits.device)]
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    n_chunks = -(-rows.size(0) // chunk)
+    # Every TP rank runs the same number of all-reduces: they hold the same positions.
+    for i in range(n_chunks):
+        z = _scaled_masked_logits(rows[i * chunk : (i + 1) * chunk], vocab_size, temperature)
+        total += _entropy(z).double().sum()
+    return total

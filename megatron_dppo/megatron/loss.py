@@ -14,11 +14,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dppo.algorithms import losses
-from megatron_dppo.megatron.logprobs import token_logprobs
+from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs
 from megatron_dppo.megatron.model import current_device
 
 # What each micro-batch reports, summed over its loss tokens (ratio_dev_max is a max instead).
-SUMMED = ("loss", "tokens", "clip_frac_sum", "kl_sum", "ratio_dev_sum", "approx_kl_sum")
+SUMMED = ("loss", "tokens", "clip_frac_sum", "kl_sum", "ratio_dev_sum", "approx_kl_sum", "entropy_sum")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class TrainReport:
     ratio_dev_mean: float
     ratio_dev_max: float
     approx_kl: float
+    entropy: float  # the policy's mean next-token entropy over the trained tokens
 
     @classmethod
     def from_sums(cls, sums: dict, ratio_dev_max: float) -> TrainReport:
@@ -44,6 +45,7 @@ class TrainReport:
             ratio_dev_mean=sums["ratio_dev_sum"] / n,
             ratio_dev_max=ratio_dev_max,
             approx_kl=sums["approx_kl_sum"] / n,
+            entropy=sums["entropy_sum"] / n,
         )
 
     def as_dict(self) -> dict:
@@ -87,7 +89,11 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
-    return loss, n_tokens, _report(loss, n_tokens, logp[mask], old_logp, stats)
+    report = _report(loss, n_tokens, logp[mask], old_logp, stats)
+    report["entropy_sum"] = entropy_sum(
+        logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
+    )
+    return loss, n_tokens, report
 
 
 @torch.no_grad()

@@ -39,6 +39,17 @@ def seq_logp(model, tokens, prompt_len):
     return logp[prompt_len - 1 :]
 
 
+@torch.no_grad()
+def mean_entropy(model, samples):
+    """The policy's mean next-token entropy over the samples' completion tokens (the trained ones)."""
+    ents = []
+    for s in samples:
+        tokens = torch.as_tensor(s.tokens)
+        logp = torch.log_softmax(model(tokens[None]).logits[0, s.prompt_len - 1 : -1].float(), -1)
+        ents.append(-(logp.exp() * logp).sum(-1))
+    return float(torch.cat(ents).double().mean())
+
+
 def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
     """A fixed random batch (from `seed`) pruned with masks drawn from `mask_seed`."""
     gen = torch.Generator().manual_seed(seed)
@@ -265,6 +276,7 @@ def main():
                 max_response_length=MAX_NEW,
             )
             ref_loss, ref = reference_grads(model, samples, loss_cfg, denom)
+            ref_entropy = mean_entropy(model, samples)
             for capacity in (10_000, 24):  # one micro-batch per rank, then several
                 mbs = my_microbatches(samples, capacity, dp_rank, dp_size)
                 metrics = policy.forward_backward(mbs, denom)
@@ -275,6 +287,7 @@ def main():
                 worst = max(worst, rel)
                 assert got.keys() == {k for k in ref if k != "lm_head.weight"}, sorted(got.keys() ^ ref.keys())
                 assert abs(metrics["loss"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (metrics["loss"], ref_loss)
+                assert abs(metrics["entropy"] - ref_entropy) <= 1e-5 * ref_entropy, (metrics["entropy"], ref_entropy)
                 assert rel < 1e-5, f"{agg} {ratio_type} kl={kl} r={r} capacity={capacity}: relative grad error {rel}"
                 checked += 1
                 if dist.get_rank() == 0:
