@@ -48,3 +48,17 @@ def gsm8k_final(text: str) -> str | None:
         return None
     ans = text[i + 4 :].strip().split("\n", 1)[0].strip()
     return ans or None
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def answer_after_thinking(text: str) -> str | None:
+    """The part of a completion that answers: the text after the last "</think>" (Qwen3-style
+    thinking templates; also when the template put "<think>" into the prompt), the whole text
+    when it has no thinking block, and None when a "<think>" was opened and never closed (the
+    model ran out of tokens while thinking: there is no answer to read)."""
+    close = text.rfind(THINK_CLOSE)
+    if close >= 0:
+        return text[close + len(THINK_CLOSE) :]
+    return None if THINK_OPEN in text else text

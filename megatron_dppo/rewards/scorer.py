@@ -8,10 +8,19 @@ import time
 from collections import deque
 from multiprocessing.connection import wait
 
-from megatron_dppo.rewards.spec import resolve_reward_fn
-from megatron_dppo.rewards.worker import Worker
+from megatron_dppo.rewards.spec import absolute_spec, batched_specs, data_source_of, resolve_reward_fn
+from megatron_dppo.rewards.worker import Task, Worker, protect_forkserver
 
-FAILURE_KINDS = ("timeout", "raised", "non-numeric", "non-finite", "worker-died", "deadline")
+FAILURE_KINDS = (
+    "timeout",
+    "raised",
+    "non-numeric",
+    "non-finite",
+    "bad-dict",
+    "bad-batch",
+    "worker-died",
+    "deadline",
+)
 MAX_FIRST_FAILURES = 5
 
 
@@ -45,28 +54,35 @@ class _CheckTimes:
 
 
 class _Call:
-    """One score() call: its results, the checks not yet started (`pending`), the count of checks
-    left, and its time budget. Every check ends here, through `finish` (a result or a failure) or
-    `expire` (the budget ran out); nothing else changes the count."""
+    """One score() call: its results, the tasks not yet started (`pending`), the count of checks
+    left, and its time budget. Every check ends here, through `finish` (a worker's results),
+    `fail` (a timeout, a dead worker) or `expire` (the budget ran out); nothing else changes the
+    count."""
 
-    def __init__(self, scorer: RewardScorer, records):
+    def __init__(self, scorer: RewardScorer, tasks: list[Task], records):
         n = len(records)
         self.records, self.n = records, n
         self.rewards = [0.0] * n
-        self.pending = deque(range(n))
+        self.extras: list[dict] = [{} for _ in range(n)]
+        self.pending = deque(tasks)
         self.left = n
         self.by_kind: dict[str, int] = {}
         self.first: list[str] = []
         self._timeout_s, self._fixed_s = scorer.timeout_s, scorer.call_timeout_s
         self._num_workers, self._times = len(scorer._workers), scorer._check_times
+        self._singles = sum(len(t.items) for t in tasks if not t.batched)
+        self._batches_s = sum(t.timeout_s for t in tasks if t.batched)
         self.t0 = time.monotonic()
         self._uncharged_s = 0.0  # time in which no worker was ready (all starting)
 
     def budget_s(self) -> float:
-        """Fixed, or room for one round of hung checks plus 4x the measured healthy workload."""
+        """Fixed, or room for one round of hung checks plus 4x the measured healthy workload of the
+        single checks, plus the batched calls' timeouts (they may run one after another; and so a
+        batch's own timeout, which starts when it is sent, comes first)."""
         if self._fixed_s is not None:
             return self._fixed_s
-        return 2 * self._timeout_s + 4 * math.ceil(self.n / self._num_workers) * self._times.mean()
+        rounds = math.ceil(self._singles / self._num_workers)
+        return 2 * self._timeout_s + 4 * rounds * self._times.mean() + self._batches_s
 
     def deadline(self) -> float:
         return self.t0 + self._uncharged_s + self.budget_s()
@@ -74,29 +90,34 @@ class _Call:
     def uncharge(self, seconds: float) -> None:
         self._uncharged_s += seconds
 
-    def finish(self, idx: int, status: str, value, seconds: float | None = None) -> None:
-        """Check idx ended: ("ok", reward) or (failure kind, message). `seconds`: it returned after
-        that long (feeds the budget's mean; None for a timeout, a dead worker, the deadline)."""
-        if seconds is not None:
+    def finish(self, task: Task, results: list[tuple], seconds: float | None = None) -> None:
+        """The task's checks ended: one (status, value, extras) each, ("ok", reward, extras) or
+        (failure kind, message, None). `seconds`: it returned after that long (a single check's
+        time feeds the budget's mean; None for a timeout, a dead worker, the deadline)."""
+        if seconds is not None and not task.batched:
             self._times.add(seconds)
-        if status == "ok":
-            self.rewards[idx] = value
-        else:
-            self.by_kind[status] = self.by_kind.get(status, 0) + 1
-            if len(self.first) < MAX_FIRST_FAILURES:
-                self.first.append(f"record {_record_id(self.records[idx], idx)}: {status}: {value}")
-        self.left -= 1
+        for idx, (status, value, extras) in zip(task.items, results, strict=True):
+            if status == "ok":
+                self.rewards[idx], self.extras[idx] = value, extras
+            else:
+                self.by_kind[status] = self.by_kind.get(status, 0) + 1
+                if len(self.first) < MAX_FIRST_FAILURES:
+                    self.first.append(f"record {_record_id(self.records[idx], idx)}: {status}: {value}")
+        self.left -= len(task.items)
 
-    def expire(self, running: list[int], now: float) -> bool:
+    def fail(self, task: Task, kind: str, why: str) -> None:
+        self.finish(task, [(kind, why, None)] * len(task.items))
+
+    def expire(self, running: list[Task], now: float) -> bool:
         """When the budget is spent: every running and pending check fails as "deadline" (the
         caller replaces the workers running them). True if it was spent."""
         if not self.left or now < self.deadline():
             return False
         budget = self.budget_s()
-        for idx in running:
-            self.finish(idx, "deadline", f"still running when the call's budget of {budget:.1f}s ran out")
+        for task in running:
+            self.fail(task, "deadline", f"still running when the call's budget of {budget:.1f}s ran out")
         while self.pending:
-            self.finish(self.pending.popleft(), "deadline", f"not started: the call's budget of {budget:.1f}s ran out")
+            self.fail(self.pending.popleft(), "deadline", f"not started: the call's budget of {budget:.1f}s ran out")
         return True
 
     def info(self) -> dict:
@@ -111,18 +132,24 @@ class _Call:
             "budget_s": self.budget_s(),
             "failures_by_kind": self.by_kind,
             "first_failures": self.first,
+            "extras": self.extras,
         }
 
 
 class RewardScorer:
     """Scores completions against gold answers in `num_workers` reused processes.
 
-    timeout_s bounds one check, measured from when it is handed to a worker; call_timeout_s (or
-    the adaptive budget in the module docstring) bounds one score() call. max_error_frac: the
+    kind: the reward spec of every completion whose record's data_source is not in by_source
+    ({data_source: spec}); every worker can run every spec (the package docstring says why).
+    batched: the user functions (specs that are not built-in kinds) get the call's completions
+    of their kind in one call. timeout_s bounds one check, measured from when it is handed to a
+    worker (a batched call: timeout_s * ceil(its completions / num_workers)); call_timeout_s (or
+    the adaptive budget in the package docstring) bounds one score() call. max_error_frac: the
     largest fraction of failed checks a call may have; above it score() raises
     RewardFailureError (1.0: never). startup_timeout_s bounds a worker's start (imports);
     exceeding it, or a reward function that cannot be imported in the worker, raises
-    RuntimeError: that is a setup error, not a bad sample.
+    RuntimeError: that is a setup error, not a bad sample. A spec that cannot be had is a
+    ValueError naming its config key ('reward.kind', 'reward.by_source.<source>').
     """
 
     def __init__(
@@ -134,6 +161,8 @@ class RewardScorer:
         startup_timeout_s: float = 120.0,
         max_error_frac: float = 0.5,
         call_timeout_s: float | None = None,
+        by_source: dict[str, str] | None = None,
+        batched: bool = False,
     ):
         if not timeout_s > 0 or num_workers < 1:
             raise ValueError(f"reward timeout_s must be > 0 and num_workers >= 1, got {timeout_s}, {num_workers}")
@@ -141,15 +170,46 @@ class RewardScorer:
             raise ValueError(f"reward max_error_frac must be in [0, 1], got {max_error_frac}")
         if call_timeout_s is not None and not call_timeout_s > 0:
             raise ValueError(f"reward call_timeout_s must be > 0 (or None: adaptive), got {call_timeout_s}")
-        resolve_reward_fn(kind)  # fail fast, with a clear error, in the caller's process
-        self.kind, self.timeout_s, self.startup_timeout_s = kind, timeout_s, startup_timeout_s
+        self.kind = absolute_spec(kind, "reward.kind")
+        self.by_source = {
+            src: absolute_spec(spec, f"reward.by_source.{src}") for src, spec in (by_source or {}).items()
+        }
+        self._specs = {self.kind: "reward.kind"}  # spec -> the config key it came from (first)
+        for src, spec in self.by_source.items():
+            self._specs.setdefault(spec, f"reward.by_source.{src}")
+        for spec, key in self._specs.items():
+            resolve_reward_fn(spec, key)  # fail fast, with a clear error, in the caller's process
+        self.batched = batched_specs(self._specs, batched)
+        self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.max_error_frac, self.call_timeout_s = max_error_frac, call_timeout_s
         self._ctx = mp.get_context(start_method)
-        self._workers = [Worker(self._ctx, kind) for _ in range(num_workers)]
+        protect_forkserver(self._ctx)
+        self._workers = [Worker(self._ctx, self._specs) for _ in range(num_workers)]
         self.totals = {"checks": 0, "failed": 0, "restarts": 0, "by_kind": {}}
         self._check_times = _CheckTimes()
+        self._next_task_id = 0
         self._closed = False
         self._wait_ready()
+
+    @classmethod
+    def from_config(cls, cfg, **kwargs) -> RewardScorer:
+        """From config.RewardConfig (kwargs: the other constructor arguments, e.g. start_method)."""
+        return cls(
+            cfg.kind,
+            timeout_s=cfg.timeout_s,
+            num_workers=cfg.num_workers,
+            max_error_frac=cfg.max_error_frac,
+            by_source=dict(cfg.by_source),
+            batched=cfg.batched,
+            **kwargs,
+        )
+
+    def _describe(self) -> str:
+        return repr(self.kind) + (f" (by source {self.by_source})" if self.by_source else "")
+
+    def spec_of(self, record) -> str:
+        """The spec that scores a completion of this record: by its data_source, else `kind`."""
+        return self.by_source.get(data_source_of(record), self.kind) if self.by_source else self.kind
 
     # ---- the pool ----------------------------------------------------------------------------
     def _handle_startup(self, w: Worker) -> None:
@@ -160,7 +220,7 @@ class RewardScorer:
             kind, why = "fatal", f"worker exited with code {w.proc.exitcode} during start-up"
         if kind != "ready":
             self.close()
-            raise RuntimeError(f"reward worker for {self.kind!r} failed to start: {why}")
+            raise RuntimeError(f"reward worker for {self._describe()} failed to start: {why}")
         w.ready = True
 
     def _wait_ready(self, need_all: bool = True) -> None:
@@ -175,7 +235,7 @@ class RewardScorer:
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = Worker(self._ctx, self.kind)
+        self._workers[i] = Worker(self._ctx, self._specs)
         self.totals["restarts"] += 1
 
     # ---- one call ----------------------------------------------------------------------------
@@ -184,7 +244,9 @@ class RewardScorer:
 
         info: n, failed, timeouts (kind "timeout"), errors (every other kind), seconds, budget_s,
         failures_by_kind {kind: count} (kinds that occurred), first_failures (up to 5 strings
-        "record <id>: <kind>: <message>"). Raises RewardFailureError when failed / n > max_error_frac.
+        "record <id>: <kind>: <message>"), extras (per completion, the extra numbers of a dict
+        its function returned: {} for a number or a failure). Raises RewardFailureError when
+        failed / n > max_error_frac.
         """
         if self._closed:
             raise RuntimeError("RewardScorer is closed")
@@ -200,31 +262,53 @@ class RewardScorer:
         if n:
             self._wait_ready(need_all=False)
         records = [None] * n if records is None else list(records)
-        call = _Call(self, records)
+        call = _Call(self, self._plan(records), records)
         while call.left:
             self._dispatch(call, completions, answers)
             self._collect(call, self._wait(call))
             self._enforce_timeouts(call)
         return call.rewards, self._conclude(call)
 
+    def _plan(self, records: list) -> list[Task]:
+        """The call's tasks: a batched spec's completions as one task (first: the longest), and
+        every other completion as a task of its own."""
+        batches: dict[str, list[int]] = {}
+        singles = []
+        for idx, record in enumerate(records):
+            spec = self.spec_of(record)
+            (batches.setdefault(spec, []) if spec in self.batched else singles).append((idx, spec))
+        tasks = []
+        for spec, items in batches.items():
+            rounds = math.ceil(len(items) / len(self._workers))
+            why = f"the batch's timeout of {self.timeout_s * rounds:.1f}s (timeout_s={self.timeout_s}s x {rounds})"
+            tasks.append(self._task(spec, [i for i, _ in items], True, self.timeout_s * rounds, why))
+        for idx, spec in singles:
+            tasks.append(self._task(spec, [idx], False, self.timeout_s, f"timeout_s={self.timeout_s}s"))
+        return tasks
+
+    def _task(self, spec, items, batched, timeout_s, why) -> Task:
+        self._next_task_id += 1
+        return Task(self._next_task_id, spec, items, batched, timeout_s, why)
+
     def _dispatch(self, call: _Call, completions, answers) -> None:
-        """Hand one check to each idle, ready worker."""
+        """Hand one task to each idle, ready worker."""
         for i, w in enumerate(self._workers):
             if not (w.ready and w.task is None and call.pending):
                 continue
-            idx = call.pending.popleft()
-            msg = (idx, completions[idx], answers[idx], call.records[idx])
+            task = call.pending.popleft()
             try:
-                w.conn.send(msg)
+                w.conn.send(task.message(completions, answers, call.records))
             except (BrokenPipeError, ConnectionResetError, EOFError):  # died while idle: retry
-                call.pending.appendleft(idx)
+                call.pending.appendleft(task)
                 self._replace(i)
                 continue
             except Exception as e:  # pickling: the caller's record, not the verifier
+                ids = ", ".join(_record_id(call.records[k], k) for k in task.items[:3])
                 raise ValueError(
-                    f"record {_record_id(msg[3], idx)} cannot be sent to a reward worker: {type(e).__name__}: {e}"
+                    f"record {ids}{' ...' if len(task.items) > 3 else ''} cannot be sent to a reward worker: "
+                    f"{type(e).__name__}: {e}"
                 ) from None
-            w.start_task(idx, self.timeout_s)
+            w.start_task(task)
 
     def _wait(self, call: _Call) -> list:
         """Until a worker speaks, a check's timeout, the call's deadline, or 1 s."""
@@ -245,15 +329,16 @@ class RewardScorer:
                 self._handle_startup(w)
                 continue
             try:
-                idx, status, value = conn.recv()
+                _, results = conn.recv()
             except (EOFError, OSError):  # the check took the process down with it
                 if w.task is not None:
                     w.proc.join(1)
-                    why = f"the worker process exited (code {w.proc.exitcode}) during the check"
-                    call.finish(w.task, "worker-died", why)
+                    call.fail(
+                        w.task, "worker-died", f"the worker process exited (code {w.proc.exitcode}) during the check"
+                    )
                 self._replace(i)
                 continue
-            call.finish(idx, status, value, seconds=time.monotonic() - w.task_started)
+            call.finish(w.task, results, seconds=time.monotonic() - w.task_started)
             w.end_task()
 
     def _enforce_timeouts(self, call: _Call) -> None:
@@ -261,7 +346,7 @@ class RewardScorer:
         now = time.monotonic()
         for i, w in enumerate(self._workers):
             if w.task is not None and now >= w.deadline:
-                call.finish(w.task, "timeout", f"no result within timeout_s={self.timeout_s}s (worker replaced)")
+                call.fail(w.task, "timeout", f"no result within {w.task.timeout_why} (worker replaced)")
                 self._replace(i)
             elif not w.ready and now - w.started > self.startup_timeout_s:
                 self.close()
@@ -282,7 +367,7 @@ class RewardScorer:
         if n and failed / n > self.max_error_frac:
             kinds = ", ".join(f"{k} {by_kind[k]}" for k in FAILURE_KINDS if k in by_kind)
             raise RewardFailureError(
-                f"reward {self.kind!r}: {failed} of {n} checks failed ({failed / n:.0%}, over "
+                f"reward {self._describe()}: {failed} of {n} checks failed ({failed / n:.0%}, over "
                 f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(info["first_failures"]),
                 info,
             )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_dppo.rewards.extract import gsm8k_final, last_boxed
+from megatron_dppo.rewards.extract import answer_after_thinking, gsm8k_final, last_boxed
 from megatron_dppo.tasks import exact_match
 
 BUILTIN_KINDS = {
@@ -16,13 +16,17 @@ def exact_reward(completion: str, answer: str, record=None) -> float:
 
 
 def math_reward(completion: str, answer: str, record=None) -> float:
-    """1.0 iff math-verify finds the completion's final answer equivalent to the gold answer."""
+    """1.0 iff math-verify finds the completion's final answer equivalent to the gold answer. With a
+    thinking block only the text after it is read; a block never closed has no answer: 0.0."""
     from math_verify import parse, verify  # lazily: only math workers pay for sympy
 
     gold_text = str(answer)
     gold = parse(gold_text if "\\boxed" in gold_text else "\\boxed{" + gold_text + "}")
     if not gold:
         raise ValueError(f"gold answer {gold_text[:80]!r} could not be parsed")
+    completion = answer_after_thinking(completion)
+    if completion is None:
+        return 0.0
     # Take the final answer only: math-verify reads several \boxed{} as a set, so "\boxed{41} ...
     # wait, \boxed{42}" would never equal 42, and a list of guesses must not be rewarded.
     final = last_boxed(completion)
