@@ -559,12 +559,10 @@ def test_workers_ignore_sigint_and_sigterm_idle_and_mid_check():
 GROUP_SIGNAL_SCRIPT = textwrap.dedent(
     """
     import json, os, signal, sys, threading, time
-    import megatron_dppo.rewards.forkserver_signals  # noqa: F401 (outside the forkserver: no effect)
     from megatron_dppo.rewards import RewardScorer
 
     caught = []
-    if __name__ == "__main__":  # (workers import this file too, as __mp_main__)
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if __name__ == "__main__":  # (the forkserver and the workers import this file too, as __mp_main__)
         for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's own handlers: note and go on
             signal.signal(sig, lambda signum, frame: caught.append(signal.Signals(signum).name))
         with RewardScorer("reward_fixtures:slow_exact", timeout_s=10.0, num_workers=2) as s:
@@ -588,6 +586,23 @@ GROUP_SIGNAL_SCRIPT = textwrap.dedent(
             }))
     """
 )
+
+
+def forkserver_ignores_sigterm() -> bool:
+    from multiprocessing import forkserver
+
+    with open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") as f:
+        ignored = int(next(line for line in f if line.startswith("SigIgn:")).split()[1], 16)
+    return bool(ignored & (1 << (signal.SIGTERM - 1)))
+
+
+def test_the_forkserver_ignores_sigterm_and_importing_the_preload_elsewhere_does_nothing():
+    import megatron_dppo.rewards.forkserver_signals  # noqa: F401
+
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # pytest's own handling is untouched
+    with RewardScorer("exact", num_workers=1) as s:
+        assert s.score(["1"], ["1"])[0] == [1.0]
+        assert forkserver_ignores_sigterm()
 
 
 def test_sigint_and_sigterm_to_the_process_group_leave_the_pool_alone(tmp_path):
