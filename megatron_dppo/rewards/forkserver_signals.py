@@ -1,8 +1,9 @@
 """Makes multiprocessing's forkserver ignore SIGTERM (worker.protect_forkserver says why).
 
 The forkserver imports its preload modules inside `multiprocessing.forkserver.main`, before it
-serves; this module acts only when imported from there, so that importing it anywhere else (a
-test, a linter, a doc tool) cannot make a trainer ignore SIGTERM.
+serves; this module acts only when `main` is on the stack (the forkserver, or a worker forked from
+it, which ignores SIGTERM anyway), so that importing it anywhere else (a test, a linter, a doc
+tool) cannot make a trainer ignore SIGTERM.
 """
 
 import signal

@@ -47,10 +47,14 @@ def absolute_spec(spec: str, key: str = "reward.kind") -> str:
     target, attr = _split(spec, key)
     if spec in BUILTIN_KINDS or not is_file_target(target):
         return spec
+    return f"{_existing_file(target, spec, key)}:{attr}"
+
+
+def _existing_file(target: str, spec: str, key: str) -> str:
     path = os.path.abspath(os.path.expanduser(target))
     if not os.path.isfile(path):
         raise ValueError(f"config key {key!r}: reward file {path!r} not found (from {spec!r})")
-    return f"{path}:{attr}"
+    return path
 
 
 def batched_specs(specs, batched: bool) -> set[str]:
@@ -84,9 +88,7 @@ def _load_file(path: str):
 
 def _import_target(target: str, spec: str, key: str):
     if is_file_target(target):
-        path = os.path.abspath(os.path.expanduser(target))
-        if not os.path.isfile(path):
-            raise ValueError(f"config key {key!r}: reward file {path!r} not found (from {spec!r})")
+        path = _existing_file(target, spec, key)
         try:
             return _load_file(path)
         except Exception as e:
