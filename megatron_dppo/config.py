@@ -103,10 +103,20 @@ class PruningConfig:
 
 @dataclass
 class RewardConfig:
-    kind: str = "exact"  # exact | math | "pkg.module:function"
-    timeout_s: float = 5.0
-    num_workers: int = 2
+    """What scores a completion (megatron_dppo/rewards/__init__.py documents kinds and failures)."""
+
+    # exact | math | "pkg.module:function" | "path/to/reward.py:function": the reward of every record
+    # whose data_source is not in by_source (a relative file path is stored absolute)
+    kind: str = "exact"
+    by_source: dict[str, str] = field(default_factory=dict)  # {data_source: kind}, e.g. {openai/gsm8k: math}
+    batched: bool = False  # user functions get one call per step: fn(completions, answers, records) -> list
+    timeout_s: float = 5.0  # one check (a batched call of m completions: timeout_s * ceil(m / num_workers))
+    num_workers: int = 2  # worker processes, shared by all kinds
     max_error_frac: float = 0.5  # stop the run when more checks of a step fail (raise, NaN, timeout...)
+    # DAPO's soft overlong penalty: 0 up to rollout.max_new_tokens - overlong_buffer tokens, then
+    # linear down to -overlong_penalty at rollout.max_new_tokens (rewards/shaping.py); 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -195,6 +205,9 @@ def _coerce(key: str, value, typ):
             except ValueError as e:
                 error = e
         raise error
+    if origin is dict and isinstance(value, dict):  # {name: value}: each entry checked, named key.name
+        key_type, value_type = typing.get_args(typ)
+        return {_coerce(f"{key}.{k}", k, key_type): _coerce(f"{key}.{k}", v, value_type) for k, v in value.items()}
     if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if typ is float and isinstance(value, str) and _FLOAT.match(value.strip()):
@@ -218,6 +231,8 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
         current = getattr(obj, k)
         if dataclasses.is_dataclass(current):
             _apply(current, v, key + ".")
+        elif isinstance(current, dict) and isinstance(v, dict):  # a mapping key: entries merge (overrides add)
+            setattr(obj, k, {**current, **_coerce(key, v, hints[k])})
         else:
             setattr(obj, k, _coerce(key, v, hints[k]))
 
@@ -255,6 +270,13 @@ def validate(cfg: Config) -> Config:
         ("reward.timeout_s", c.reward.timeout_s > 0, "a number of seconds > 0"),
         ("reward.num_workers", c.reward.num_workers >= 1, "an integer >= 1"),
         ("reward.max_error_frac", 0 <= c.reward.max_error_frac <= 1, "a fraction in [0, 1]"),
+        (
+            "reward.overlong_buffer",
+            0 <= c.reward.overlong_buffer < r.max_new_tokens,
+            f"an integer in [0, rollout.max_new_tokens={r.max_new_tokens}) (0 = off): the penalty's ramp is "
+            "the last overlong_buffer tokens of the generation budget",
+        ),
+        ("reward.overlong_penalty", c.reward.overlong_penalty >= 0, "a number >= 0"),
         ("optim.lr", o.lr > 0, "a number > 0"),
         ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"a number in [0, optim.lr={o.lr}]"),
         ("optim.weight_decay", o.weight_decay >= 0, "a number >= 0"),
@@ -295,7 +317,19 @@ def validate(cfg: Config) -> Config:
         if not ok:
             section, name = key.split(".")
             raise ValueError(f"config key {key!r}: expected {expected}, got {getattr(getattr(cfg, section), name)!r}")
+    _check_reward_specs(c.reward)
     return cfg
+
+
+def _check_reward_specs(rc: RewardConfig) -> None:
+    """reward.kind and reward.by_source.<source>: each spec's form, its file if it names one (made
+    absolute against the current directory, so a resumed run or a worker loads the same file);
+    reward.batched needs a user function. Importing the functions is RewardScorer's (the trainer's)."""
+    from megatron_dppo.rewards.spec import absolute_spec, batched_specs
+
+    rc.kind = absolute_spec(rc.kind, "reward.kind")
+    rc.by_source = {src: absolute_spec(spec, f"reward.by_source.{src}") for src, spec in rc.by_source.items()}
+    batched_specs([rc.kind, *rc.by_source.values()], rc.batched)
 
 
 def check_layout(

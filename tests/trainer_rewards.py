@@ -1,4 +1,5 @@
-"""User reward functions that fail, for the trainer's tests ("trainer_rewards:..." on PYTHONPATH=tests)."""
+"""User reward functions for the trainer's tests ("trainer_rewards:..." on PYTHONPATH=tests): ones that fail,
+and the dict and batched forms."""
 
 
 def raise_on_leading_one(completion: str, answer: str, record=None) -> float:
@@ -19,3 +20,17 @@ def raise_on_one_hang_on_nine(completion: str, answer: str, record=None) -> floa
 
         time.sleep(10_000)
     return raise_on_leading_one(completion, answer, record)
+
+
+def exact_with_extras(completion: str, answer: str, record=None) -> dict:
+    """Exact match as a dict reward: "score" and two extras (logged as reward/<source>/<name>)."""
+    exact = float(completion.strip() == answer.strip())
+    return {"score": exact, "exact": exact, "length": float(len(completion))}
+
+
+def batched_exact(completions: list, answers: list, records: list) -> list:
+    """The batched form (reward.batched=true): one call for all of a step's completions of its
+    kind; the extra "batch" is how many completions the call got."""
+    return [
+        {"score": float(c.strip() == a.strip()), "batch": float(len(completions))} for c, a in zip(completions, answers)
+    ]
