@@ -36,7 +36,7 @@ from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
 from megatron_dppo.process import malloc_trim, rank_prefix
 from megatron_dppo.profiling import PHASES
-from megatron_dppo.rewards import RewardScorer
+from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
 from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, stack_rewards
 from megatron_dppo.run_log import RunLogger, phase_summary
 
@@ -65,10 +65,10 @@ class StopRequested(Exception):
 
 @dataclass
 class EnginePart:
-    """What one engine's leader sends to every rank after a rollout: its slice's groups as
-    (slot, prompt ids, G completions, G rewards), and its counts (other ranks send an empty part)."""
+    """What one engine's leader sends to every rank after a rollout: its slice's scored groups and
+    its counts (other ranks send an empty part)."""
 
-    groups: list = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
     generated_tokens: int = 0
     checks: int = 0
     failures: dict = field(default_factory=dict)  # reward failure kind -> count
@@ -94,12 +94,7 @@ class Trainer:
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.method = Method.from_config(cfg, self.strategy)
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
-        self.scorer = RewardScorer(
-            cfg.reward.kind,
-            timeout_s=cfg.reward.timeout_s,
-            num_workers=cfg.reward.num_workers,
-            max_error_frac=cfg.reward.max_error_frac,
-        )
+        self.scorer = RewardScorer.from_config(cfg.reward)
         self.pad_multiple = packing.thd_pad_multiple(cfg.parallel.tp, 1, cfg.parallel.sequence_parallel)
         self.engine = self._start_engine()
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
@@ -293,6 +288,14 @@ class Trainer:
             self._sync_weights()  # push weights to vLLM
 
         metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **prune_metrics}
+        rolled = collected.rolled
+        metrics.update(
+            reward_metrics_by_source(
+                [r for g in rolled for r in g.rewards],
+                [g.record for g in rolled for _ in g.rewards],
+                [e for g in rolled for e in g.reward_extras],
+            )
+        )
         metrics.update(_train_metrics(train, minibatches))
         metrics.update({f"time/{name}": timer.times.get(name, 0.0) for name in PHASES})
         metrics["time/step"] = time.perf_counter() - t_step
@@ -315,35 +318,32 @@ class Trainer:
         mine = items[self.engine_index * per : (self.engine_index + 1) * per]
         prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
         with timer("rollout"):
-            completions = self._generate(step, rnd, mine, prompt_ids)
+            outs = self._generate(step, rnd, mine, prompt_ids)
         part = EnginePart()
         if self.engine_leader and mine:
             with timer("reward"):
-                part = self._score(mine, prompt_ids, completions)
+                part = self._score(rnd, mine, prompt_ids, outs)
         parts = mdist.all_gather_objects(part)
         errors = [p.error for p in parts if p.error]
         if errors:
             raise RuntimeError(errors[0])
-        by_slot = {slot: (rec, w_q) for rec, slot, w_q in items}
         groups = []
         for p in parts:
             counts.generated_tokens += p.generated_tokens
             counts.reward_checks += p.checks
             counts.add_failures(p.failures, p.first_failures)
-            for slot, prompt_ids, comps, rewards in p.groups:
-                rec, w_q = by_slot[slot]
-                groups.append(Group(rec, rnd, slot, prompt_ids, comps, [float(x) for x in rewards], prompt_weight=w_q))
+            groups += p.groups
         groups.sort(key=lambda g: g.slot)
         if groups:
             self.history.update([g.record.id for g in groups], stack_rewards(groups))
         return groups
 
-    def _generate(self, step, rnd, mine, prompt_ids) -> list[list[list[int]]]:
-        """G completions (token ids) for each of this engine's prompts."""
+    def _generate(self, step, rnd, mine, prompt_ids) -> list:
+        """G completions (rollout.vllm_engine.Completion) for each of this engine's prompts."""
         rc = self.cfg.rollout
         if not mine:
             return []
-        outs = self.engine.generate(
+        return self.engine.generate(
             prompt_ids,
             n=rc.group_size,
             max_new_tokens=rc.max_new_tokens,
@@ -351,25 +351,43 @@ class Trainer:
             top_p=rc.top_p,
             seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
         )
-        return [[c.token_ids for c in group] for group in outs]
 
-    def _score(self, mine, prompt_ids, completions) -> EnginePart:
-        """The engine leader's rewards for its slice; a scorer error travels to every rank (or the
-        others would hang in the gather)."""
-        G = self.cfg.rollout.group_size
-        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for group in completions for c in group]
+    def _score(self, rnd, mine, prompt_ids, outs) -> EnginePart:
+        """The engine leader's groups for its slice, scored (and shaped: DAPO's soft overlong
+        penalty). A scorer error travels to every rank (or the others would hang in the gather)."""
+        G, rc, wc = self.cfg.rollout.group_size, self.cfg.rollout, self.cfg.reward
+        flat = [c for group in outs for c in group]
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         recs = [rec for rec, _, _ in mine for _ in range(G)]
         error = None
         try:
             rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank after the gather
             rewards, info, error = [0.0] * len(texts), {}, str(e)
+        extras = info.get("extras") or [{} for _ in texts]
+        if wc.overlong_buffer:
+            for i, c in enumerate(flat):
+                penalty = overlong_penalty(len(c.token_ids), rc.max_new_tokens, wc.overlong_buffer, wc.overlong_penalty)
+                rewards[i] += penalty
+                extras[i] = {**extras[i], "overlong_penalty": penalty}
+        groups = [
+            Group(
+                rec,
+                rnd,
+                slot,
+                p,
+                [c.token_ids for c in group],
+                [float(x) for x in rewards[q * G : (q + 1) * G]],
+                prompt_weight=w_q,
+                truncated=[c.finish_reason == "length" for c in group],
+                sampling_logprobs=[list(c.logprobs) for c in group],
+                reward_extras=extras[q * G : (q + 1) * G],
+            )
+            for q, ((rec, slot, w_q), p, group) in enumerate(zip(mine, prompt_ids, outs))
+        ]
         return EnginePart(
-            groups=[
-                (slot, p, comps, rewards[q * G : (q + 1) * G])
-                for q, ((_, slot, _), p, comps) in enumerate(zip(mine, prompt_ids, completions))
-            ],
-            generated_tokens=sum(len(c) for g in completions for c in g),
+            groups=groups,
+            generated_tokens=sum(len(c.token_ids) for c in flat),
             checks=len(texts),
             failures=info.get("failures_by_kind", {}),
             first_failures=info.get("first_failures", []),
@@ -434,24 +452,18 @@ class Trainer:
         self.engine.wake_up(["kv_cache"])
 
     def _write_rollouts(self, step: int, rolled: list[Group]) -> None:
+        """One row per generated completion: decoded text, reward, advantage, the weight it trained
+        with (0 when pruned or not selected), length, truncation."""
         path = os.path.join(self.run_dir, "rollouts", f"step_{step:06d}.jsonl")
         os.makedirs(os.path.dirname(path), exist_ok=True)
+
+        def decode(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+
         with open(path, "w") as f:
             for g in rolled:
-                f.write(
-                    json.dumps(
-                        {
-                            "id": g.record.id,
-                            "round": g.round,
-                            "slot": g.slot,
-                            "prompt_ids": g.prompt_ids,
-                            "completions": g.completions,
-                            "rewards": g.rewards,
-                            "prompt_weight": g.prompt_weight,
-                        }
-                    )
-                    + "\n"
-                )
+                for row in g.rollout_rows(decode):
+                    f.write(json.dumps({"step": step, **row}) + "\n")
 
     def evaluate(self) -> float:
         """Greedy pass@1 on the held-out prompts, split over the engines like a rollout."""

@@ -264,9 +264,10 @@ def test_rollouts_depend_on_the_seed_only(tmp_path):
     run(train_cmd(tmp_path, "s1", *same_prompts, "trainer.seed=1"))
 
     def completions(name):
-        return {
-            r["id"]: r["completions"] for r in map(json.loads, open(tmp_path / name / "rollouts" / "step_000001.jsonl"))
-        }
+        out = {}
+        for r in map(json.loads, open(tmp_path / name / "rollouts" / "step_000001.jsonl")):
+            out.setdefault(r["id"], []).append((r["index"], r["completion_ids"], r["completion"]))
+        return out
 
     assert completions("s0") == completions("s0-again")
     a, b = completions("s0"), completions("s1")

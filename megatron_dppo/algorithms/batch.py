@@ -238,9 +238,16 @@ def weigh_completions(
         w_o = w_o * drop_zero_variance_groups(adv)[:, None]
     for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
         g.advantages, g.completion_weights = a, w
+    seq_w = sequence_weights(groups)
+    trained = seq_w[seq_w > 0]
     return {
         "prune/completions_kept_frac": float((w_o > 0).float().mean()),
         "prune/completions_pruned_frac": float((~keep).float().mean()),
+        "adv/abs_mean": float(adv.abs().mean()),
+        "adv/max": float(adv.max()),
+        "adv/min": float(adv.min()),
+        "weight/mean": float(trained.mean()) if trained.numel() else 0.0,  # over trained completions
+        "weight/max": float(trained.max()) if trained.numel() else 0.0,
     }
 
 

@@ -33,6 +33,9 @@ class Group:
     minibatch: int = 0
     advantages: list[float] = field(default_factory=list)  # on the full group
     completion_weights: list[float] = field(default_factory=list)  # w_o; 0 = not trained
+    truncated: list[bool] = field(default_factory=list)  # stopped by max_new_tokens, not by eos/stop
+    sampling_logprobs: list[list[float]] = field(default_factory=list)  # vLLM's, per sampled token
+    reward_extras: list[dict] = field(default_factory=list)  # a reward's extra numbers, per completion
 
     @property
     def group_size(self) -> int:
@@ -40,6 +43,11 @@ class Group:
 
     def completion_lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
+
+    def correct(self) -> list[bool]:
+        """Each completion's verdict before reward shaping (DAPO's overlong penalty is not a verdict)."""
+        extras = self.reward_extras or [{}] * len(self.rewards)
+        return [r - e.get("overlong_penalty", 0.0) >= 1.0 - 1e-6 for r, e in zip(self.rewards, extras)]
 
     def informative(self) -> bool:
         """Not all rewards equal: the group has a non-zero advantage somewhere."""
@@ -57,6 +65,32 @@ class Group:
             )
             for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
             if w > 0
+        ]
+
+    def rollout_rows(self, decode) -> list[dict]:
+        """logging.rollouts rows, one per completion; decode(token ids) -> text. A completion that
+        was generated but not trained (pruned, uninformative, past the refill) has weight 0."""
+        weights = self.completion_weights or [0.0] * self.group_size
+        advantages = self.advantages or [None] * self.group_size
+        prompt = decode(self.prompt_ids)
+        return [
+            {
+                "id": self.record.id,
+                "data_source": getattr(self.record, "data_source", ""),
+                "round": self.round,
+                "slot": self.slot,
+                "index": i,
+                "prompt": prompt,
+                "completion": decode(c),
+                "completion_ids": list(c),
+                "reward": self.rewards[i],
+                "advantage": advantages[i],
+                "weight": self.train_weight * weights[i],
+                "prompt_weight": self.prompt_weight,
+                "length": len(c),
+                "truncated": self.truncated[i] if self.truncated else None,
+            }
+            for i, c in enumerate(self.completions)
         ]
 
 
@@ -87,17 +121,21 @@ def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCo
     completion pruning's own metrics come from algorithms/batch.weigh_completions."""
     rewards = [r for g in rolled for r in g.rewards]
     lengths = [n for g in rolled for n in g.completion_lengths()]
+    correct = [c for g in rolled for c in g.correct()]
+    truncated = [t for g in rolled for t in g.truncated]
     G = rolled[0].group_size if rolled else 0
     out = {
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
-        "reward/accuracy": sum(r >= 1.0 - 1e-6 for r in rewards) / len(rewards) if rewards else 0.0,
+        "reward/accuracy": sum(correct) / len(correct) if correct else 0.0,
         "reward/failures": sum(counts.reward_failures.values()),
         "prune/prompts_kept_frac": counts.prompts_rolled / max(counts.prompts_drawn, 1),
         "groups/zero_variance_frac": sum(not g.informative() for g in rolled) / len(rolled) if rolled else 0.0,
         "groups/trained_weight": sum(g.train_weight for g in trained),
         "tokens/generated": counts.generated_tokens,
         "completion/mean_length": statistics.fmean(lengths) if lengths else 0.0,
+        "completion/min_length": min(lengths, default=0),
         "completion/max_length": max(lengths, default=0),
+        "completion/truncated_frac": sum(truncated) / len(truncated) if truncated else 0.0,
         "rollout/prompts_drawn": counts.prompts_drawn,
         "rollout/groups": len(rolled),
     }
