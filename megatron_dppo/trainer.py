@@ -63,6 +63,14 @@ class StopRequested(Exception):
     """SIGTERM / SIGINT arrived: the loop saves a checkpoint and exits non-zero."""
 
 
+class StopNow(StopRequested):
+    """The signal came again: stop at once, without saving the step in progress."""
+
+
+class NonFiniteError(RuntimeError):
+    """A weight, loss or gradient became NaN or infinite: the run stops, naming the tensor."""
+
+
 @dataclass
 class EnginePart:
     """What one engine's leader sends to every rank after a rollout: its slice's scored groups and
@@ -101,6 +109,7 @@ class Trainer:
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
         self._load_weights(resume)
+        self._check_finite("the starting weights", grads=False)
         self._sync_weights()
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -284,6 +293,8 @@ class Trainer:
             for _ in range(tc.epochs_per_step):  # update
                 for mb in minibatches:
                     train.append(self.policy.train_step(mb.microbatches, mb.denominator))
+                    if not (math.isfinite(train[-1]["loss"]) and math.isfinite(train[-1]["grad_norm"])):
+                        self._check_finite(f"step {step}'s update", grads=True)
         with timer("sync"):
             self._sync_weights()  # push weights to vLLM
 
@@ -442,6 +453,17 @@ class Trainer:
             for mb, lp in zip(microbatches, out):
                 setattr(mb, attr, (lp.float().cpu() * mb.loss_mask).view_as(mb.loss_mask))
 
+    def _check_finite(self, what: str, grads: bool) -> None:
+        """Stop (on every rank) when any rank holds a non-finite weight, or gradient, naming it.
+        Called on the starting weights and whenever an update's loss or grad norm is not finite."""
+        for kind, of_grads in [("gradients", True), ("weights", False)][0 if grads else 1 :]:
+            names = sorted({n for part in mdist.all_gather_objects(self.policy.non_finite(of_grads)) for n in part})
+            if names:
+                where = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                raise NonFiniteError(f"{what}: non-finite (NaN or inf) {kind} in {where}")
+        if grads:
+            raise NonFiniteError(f"{what}: the loss or the gradient norm is not finite (weights and gradients are)")
+
     def _sync_weights(self) -> None:
         """Stream the policy's weights into vLLM. On GPU the engine wakes its weights first and
         its KV cache only after the load, so the peak stays near training's (no-ops on CPU)."""
@@ -509,6 +531,11 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
         state = load_checkpoint(path, self.policy)
+        if state["step"] >= self.cfg.trainer.max_steps:
+            raise ValueError(
+                f"--resume: {path} is at step {state['step']} and trainer.max_steps is "
+                f"{self.cfg.trainer.max_steps}: nothing left to run (raise trainer.max_steps to continue)"
+            )
         self.data.load_state_dict(state["data"])
         self.strategy.load_state_dict(state.get("strategy", {}))
         self.history = PromptHistory.load(state["history_path"])
@@ -596,7 +623,8 @@ def _stop_on_signals():
         now = time.monotonic()
         if flag.requested:
             if now - flag.at > _REPEAT_WINDOW_S:
-                raise KeyboardInterrupt
+                os.write(2, f"{rank_prefix()}{flag.name} again: stopping now, without saving this step\n".encode())
+                raise StopNow(flag.name)
             return
         flag.requested, flag.name, flag.at = True, signal.Signals(signum).name, now
         # os.write, not print: a handler that prints while the main code is printing raises

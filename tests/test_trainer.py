@@ -61,6 +61,13 @@ def run(cmd, timeout=600):
     return res
 
 
+def run_failing(cmd, timeout=600):
+    """A run that must fail with the CLI's one-line error (exit status 1)."""
+    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
 def metrics(tmp_path, name):
     with open(tmp_path / name / "metrics.jsonl") as f:
         return {r["step"]: r for r in map(json.loads, f)}
@@ -315,6 +322,26 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
     # A resume restores the RNG state after vLLM's start-up and the trainer's seeding, not before.
     check = [sys.executable, str(REPO / "tests" / "dist_train" / "resume_rng.py")] + train_cmd(tmp_path, "term")[5:]
     assert "rng restored" in run(check).stdout
+    # Resuming a run that is already past trainer.max_steps is an error, not a silent "0 steps".
+    res = run_failing(train_cmd(tmp_path, "term", f"trainer.max_steps={done}", resume=True))
+    assert f"is at step {done + 2} and trainer.max_steps is {done}" in res.stderr, res.stderr
+
+
+def test_a_nan_in_the_weights_stops_the_run_naming_the_tensor(tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan-model"
+    shutil.copytree(REPO / "examples" / "tiny" / "model", model)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    res = run_failing(train_cmd(tmp_path, "nan", "trainer.max_steps=2", f"model.hf_dir={model}"))
+    assert (
+        "the starting weights: non-finite (NaN or inf) weights in decoder.layers.1.mlp.linear_fc2.weight" in res.stderr
+    )
+    assert not (tmp_path / "nan" / "metrics.jsonl").exists() or not (tmp_path / "nan" / "metrics.jsonl").read_text()
 
 
 def test_tiny_run_accuracy_rises(tmp_path):

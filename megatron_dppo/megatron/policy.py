@@ -117,6 +117,10 @@ class MegatronPolicy:
         """The current weights under HF names, on every rank (small models, tests)."""
         return {k: v for bucket in self.hf_weight_buckets() for k, v in bucket}
 
+    def non_finite(self, grads: bool = False) -> list[str]:
+        """This rank's parameters (or gradients) with a NaN or infinity, by global megatron name."""
+        return weights.non_finite(self.model.module, self.layout, grads=grads)
+
     def hf_grads(self) -> dict:
         """Gradients after forward_backward (DP-reduced), under HF names, on every rank."""
         return weights.hf_grads(self.model, self.layout)

@@ -62,6 +62,19 @@ def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
                 params[name].copy_(tensor)
 
 
+def non_finite(module: torch.nn.Module, layout, grads: bool = False) -> list[str]:
+    """Global megatron names of this rank's parameters (or, with grads, their main_grad) holding
+    a NaN or an infinity."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    out = []
+    for name, p in module.named_parameters():
+        t = getattr(p, "main_grad", None) if grads else p
+        if t is not None and not bool(torch.isfinite(t).all()):
+            out.append(mapping.to_global_name(name, pp_rank, pp_size, layout.num_layers))
+    return out
+
+
 def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """dst := src, shard by shard (both built with the same TP/PP layout: no communication)."""
     a, b = dict(src.named_parameters()), dict(dst.named_parameters())
