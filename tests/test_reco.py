@@ -1,0 +1,204 @@
+"""ReCo's rules (SEED_METHODS.md 2 and 5): the response weight, the token scale (Gini impurity
+vocab-parallel over a real 2-process gloo group), the surrogate's trust region and KL, and the
+check that the sampling log-probs are the processed distribution. References: direct formulas,
+full-vocabulary softmax, PPO's own gradient (losses.policy_loss), and vLLM's sampler code.
+
+Run as a script under torchrun, this file is the 2-rank worker of the TP test."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods.reco import ReCoConfig
+
+VOCAB, PADDED = 50, 64  # real vocabulary, and Megatron's padded head (32 columns per rank at TP 2)
+
+
+def _logits(seed, n=37, v=PADDED, scale=3.0):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _gini_reference(logits, temperature):
+    p = torch.softmax(logits[:, :VOCAB].double() / temperature, dim=-1)
+    return 1 - (p * p).sum(dim=-1)
+
+
+def test_expected_weight_is_one_when_rare_and_one_over_expected_count_otherwise():
+    g = 8
+    s = torch.tensor([[-50.0, -math.log(g) - 1e-3, -math.log(g) + 0.5, math.log(3 / g), -0.0, -3.0, -1.0, -2.0]])
+    u = reco.expected_occurrence_weights(s)
+    want = 1 / torch.clamp(g * torch.exp(s.double()), min=1)  # 1 / max(1, G pi_b)
+    torch.testing.assert_close(u.double(), want, rtol=1e-6, atol=0)
+    assert u[0, 0] == 1 and u[0, 1] == 1  # G pi_b < 1: weight exactly 1
+    assert u[0, 3].item() == pytest.approx(1 / 3, rel=1e-6)  # expected 3 times: 1/3 per copy
+    assert reco.frequent_fraction(s) == pytest.approx(5 / 8)  # G pi_b > 1 at entries 2, 3, 4, 6, 7
+    with pytest.raises(ValueError, match="log-probabilities"):
+        reco.expected_occurrence_weights(torch.tensor([[0.5, -1.0]]))
+
+
+def test_expected_weight_gives_each_distinct_response_total_weight_min_one_expected_count():
+    """Monte Carlo: responses drawn i.i.d. from a small distribution; a response r's summed
+    weight over the group has mean G pi_r * min(1, 1 / (G pi_r)) = min(1, G pi_r)."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.04, 0.01])
+    g, groups = 8, 20000
+    draws = torch.multinomial(probs.expand(groups, -1), g, replacement=True, generator=gen)
+    u = reco.expected_occurrence_weights(torch.log(probs)[draws])
+    total = torch.zeros(groups, len(probs)).scatter_add(1, draws, u)
+    mean, se = total.mean(0), total.std(0) / math.sqrt(groups)
+    want = torch.clamp(g * probs, max=1)
+    assert ((mean - want).abs() <= 4 * se + 1e-6).all(), (mean, want, se)
+
+
+def test_count_mode_gives_one_over_n_for_n_fold_duplicates():
+    a, b, c = [5, 6, 7], [5, 6], [9]
+    ids = [[a, a, a, b, c, c], [a, b, c, [1], [2], [3]]]
+    u = reco.duplicate_count_weights(ids)
+    torch.testing.assert_close(u, torch.tensor([[1 / 3, 1 / 3, 1 / 3, 1, 1 / 2, 1 / 2], [1] * 6]))
+    r = reco.response_weights(ReCoConfig(response_weight="count", renorm=True), completion_ids=ids)
+    torch.testing.assert_close(r.sum(dim=1), torch.full((2,), 6.0))
+    assert (
+        reco.response_weights(ReCoConfig(response_weight="none"), num_prompts=2, group_size=3).tolist()
+        == [[1.0] * 3] * 2
+    )
+    with pytest.raises(ValueError, match="sampling log-probs"):
+        reco.response_weights(ReCoConfig())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_gini_matches_the_full_vocabulary_formula_chunked_and_padded(temperature):
+    logits = _logits(1)
+    logits[3, :VOCAB] = -30.0
+    logits[3, 7] = 30.0  # a saturated position: g = 0
+    g = reco.gini_impurity(logits, vocab_size=VOCAB, temperature=temperature, chunk_size=5)
+    torch.testing.assert_close(g.double(), _gini_reference(logits, temperature), rtol=0, atol=2e-6)
+    assert g[3] < 1e-6
+    old_logp = torch.log_softmax(logits[:, :VOCAB], -1)[:, 0]
+    p = torch.exp(old_logp)
+    torch.testing.assert_close(reco.bernoulli_impurity(old_logp), p * (1 - p))
+
+
+def test_token_scale_has_mean_one_over_the_step_whatever_the_microbatches():
+    logits = _logits(2, n=60)
+    micro = [logits[:13], logits[13:40], logits[40:]]
+    gs = [reco.gini_impurity(m, vocab_size=VOCAB) for m in micro]
+    step_mean = sum(float(g.sum()) for g in gs) / sum(g.numel() for g in gs)  # all-reduced over the step
+    c = torch.cat([reco.token_scale(g, step_mean) for g in gs])
+    assert float(c.double().mean()) == pytest.approx(1.0, abs=1e-6)
+    # Weighted by DPPO's w (Horvitz-Thompson mean): sum w c / sum w = 1.
+    w = torch.rand(60, generator=torch.Generator().manual_seed(3)) * 2
+    g_all = torch.cat(gs)
+    cw = reco.token_scale(g_all, float((w * g_all).sum() / w.sum()))
+    assert float((w * cw).sum() / w.sum()) == pytest.approx(1.0, abs=1e-6)
+    # The guard: every position saturated gives c = 0, not NaN.
+    assert torch.equal(reco.token_scale(torch.zeros(4), 0.0), torch.zeros(4))
+
+
+def test_surrogate_gradient_is_ppo_gradient_over_rho_inside_the_trust_region_and_zero_outside():
+    gen = torch.Generator().manual_seed(4)
+    n = 400
+    old = -torch.rand(n, generator=gen, dtype=torch.float64) * 4
+    logp = (old + 0.4 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    scale = torch.rand(n, generator=gen, dtype=torch.float64) * 2
+    loss, stats = reco.surrogate(logp, old, adv, scale, clip_low=0.2, clip_high=0.28)
+    (g_reco,) = torch.autograd.grad(loss.sum(), logp)
+    ppo, _ = losses.policy_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    (g_ppo,) = torch.autograd.grad(ppo.sum(), logp)
+    rho = torch.exp(logp.detach() - old)
+    zeroed = g_ppo == 0  # where PPO's clip removes the token
+    assert 0 < int(zeroed.sum()) < n
+    assert torch.equal(g_reco == 0, zeroed | (scale == 0))
+    torch.testing.assert_close(g_reco[~zeroed], (scale * g_ppo / rho)[~zeroed])  # -A c, PPO: -A rho
+    assert torch.equal(stats["clip_frac"].bool(), zeroed)
+    # The KL term is added unchanged.
+    ref = old - 0.1
+    with_kl, _ = reco.surrogate(logp, old, adv, scale, clip_low=0.2, clip_high=0.28, ref_logp=ref, kl_coef=0.05)
+    torch.testing.assert_close(with_kl - loss, 0.05 * losses.kl_penalty(logp, ref, "k3"))
+
+
+def test_var_ratio_is_one_at_the_old_policy_and_clipped_like_rho():
+    old = torch.log(torch.tensor([0.2, 0.5, 0.9, 0.3, 0.9], dtype=torch.float64))
+    torch.testing.assert_close(reco.var_ratio_scale(old, old), torch.ones(5, dtype=torch.float64))
+    logp = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.31, 0.95], dtype=torch.float64)).requires_grad_()
+    c = reco.var_ratio_scale(logp, old)
+    want = torch.tensor([0.25 / 0.16, 1, 0.25 / 0.09, 0.31 * 0.69 / 0.21, 0.95 * 0.05 / 0.09], dtype=torch.float64)
+    torch.testing.assert_close(c, want)
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0], dtype=torch.float64)
+    loss, _ = reco.surrogate(logp, old, adv, c, clip_low=0.2, clip_high=0.2, clip_scale=True)
+    (grad,) = torch.autograd.grad(loss.sum(), logp)
+    # c in place of rho inside the clip: token 2's c = 2.8 gives 1.2 A, token 4's c = 0.53 (A < 0) gives 0.8 A.
+    coef = torch.minimum(c * adv, c.clamp(0.8, 1.2) * adv)
+    assert coef[2] == pytest.approx(1.2) and coef[4] == pytest.approx(-0.8)
+    rho = torch.exp(logp.detach() - old)
+    inside = ~(((adv > 0) & (rho > 1.2)) | ((adv < 0) & (rho < 0.8)))
+    assert inside.tolist() == [False, True, True, True, True]  # token 0: rho = 2.5 > 1.2, A > 0
+    torch.testing.assert_close(grad[inside], -coef[inside])
+    assert grad[0] == 0
+
+
+def test_processed_logprob_reference_matches_vllms_sampler_and_the_check_catches_raw():
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    logits = _logits(5, n=6, v=VOCAB)
+    for temperature, top_p, top_k in [(0.7, 0.9, 0), (1.0, 1.0, 5), (0.6, 0.8, 12)]:
+        z = logits / temperature
+        k = torch.full((6,), top_k) if top_k else None
+        p = torch.full((6,), top_p) if top_p < 1 else None
+        want = torch.log_softmax(apply_top_k_top_p_pytorch(z.clone(), k, p), dim=-1)
+        got = reco.processed_logprobs(logits, temperature=temperature, top_p=top_p, top_k=top_k)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[finite], want[finite])
+    kw = dict(temperature=0.7, top_p=0.95)
+    processed = reco.processed_logprobs(logits, **kw)
+    tokens = processed.argmax(-1)  # sampled tokens are always inside the top-p set
+    reco.check_processed_logprobs(processed[torch.arange(6), tokens], logits, tokens, **kw)
+    raw = torch.log_softmax(logits, -1)[torch.arange(6), tokens]
+    with pytest.raises(ValueError, match="RAW.*processed_logprobs"):
+        reco.check_processed_logprobs(raw, logits, tokens, **kw)
+    reco.check_logprobs_mode("raw_logprobs", temperature=1.0, top_p=1.0)
+    reco.check_logprobs_mode("processed_logprobs", temperature=0.7, top_p=0.9)
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        reco.check_logprobs_mode("raw_logprobs", temperature=0.7, top_p=1.0)
+
+
+def test_config_validate_names_the_key():
+    ReCoConfig().validate("algorithm.reco")
+    with pytest.raises(ValueError, match=r"config key 'algorithm\.reco\.token_scale': expected one of"):
+        ReCoConfig(token_scale="entropy").validate("algorithm.reco")
+
+
+def test_gini_is_the_same_sharded_over_two_tp_ranks(torchrun):
+    out = torchrun(__file__, 2, timeout=120)
+    assert out.count("gini tp ok") == 2, out
+
+
+def _tp_worker():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = PADDED // world
+    for temperature, chunk in [(1.0, 1024), (0.6, 4)]:
+        logits = _logits(7)
+        got = reco.gini_impurity(
+            logits[:, rank * part : (rank + 1) * part],
+            vocab_size=VOCAB,
+            temperature=temperature,
+            group=dist.group.WORLD,
+            chunk_size=chunk,
+        )
+        err = float((got.double() - _gini_reference(logits, temperature)).abs().max())
+        assert err < 2e-6, f"rank {rank}: TP gini differs by {err}"
+    print(f"[rank {rank}] gini tp ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(_tp_worker() if "LOCAL_RANK" in os.environ else 0)
