@@ -19,7 +19,8 @@ larger where alternatives remain plausible. Every formula below is our reconstru
    var_ratio: c_t = sg[pi_theta(a)(1 - pi_theta(a)) / (pi_old(a)(1 - pi_old(a)))] used in place of
               rho inside the usual clip (`var_ratio_scale`, `surrogate(clip_scale=True)`).
 3. Per-token loss (`surrogate`): l_t = -A_t c_t log pi_theta(a_t), zeroed where PPO's clip would
-   zero the token (trust region, our choice); the KL term is unchanged.
+   zero the token (trust region, our choice); the KL term is unchanged (losses.kl_penalty, added
+   by the caller).
 
 DPPO composition: u and c are fixed before any update and do not depend on the pruning masks,
 except through the step mean of g when it is estimated from the trained tokens only (see
@@ -34,7 +35,6 @@ from collections.abc import Sequence
 import torch
 
 from megatron_dppo.algorithms._checks import check_group_tensor
-from megatron_dppo.algorithms.losses import kl_penalty
 from megatron_dppo.algorithms.methods import _vocab
 from megatron_dppo.algorithms.methods.configs import ReCoConfig
 
@@ -181,9 +181,6 @@ def surrogate(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_scale: bool = False,
-    ref_logp: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
 ):
     """ReCo's per-token loss, all [T] over loss tokens (losses.py's flat layout) -> (loss [T], stats).
 
@@ -192,7 +189,8 @@ def surrogate(
     rho < 1 - clip_low), rho = pi_theta / pi_old. clip_scale=True (token_scale=var_ratio): the
     coefficient is min(c A, clip(c, 1 - clip_low, 1 + clip_high) A), c in place of rho inside the
     usual clip [guess]. At theta = pi_old (rho = 1, c = 1 for var_ratio) the gradient is GRPO's
-    times c. kl_coef * KL(pi_theta || pi_ref) is added unchanged (losses.kl_penalty).
+    times c. The KL term is unchanged: the caller adds kl_coef * losses.kl_penalty(logp, ref_logp)
+    as policy_loss does.
     """
     if not (logp.shape == old_logp.shape == advantages.shape == scale.shape) or logp.dim() != 1:
         raise ValueError(
@@ -209,12 +207,6 @@ def surrogate(
         coef = coef.masked_fill(outside, 0.0)
     loss = -coef * logp
     stats = {"clip_frac": outside.float(), "ratio": ratio, "scale": c}
-    if kl_coef:
-        if ref_logp is None:
-            raise ValueError("kl_coef > 0 needs ref_logp")
-        kl = kl_penalty(logp, ref_logp, kl_estimator)
-        loss = loss + kl_coef * kl
-        stats["kl"] = kl.detach()
     return loss, stats
 
 
