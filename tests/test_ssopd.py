@@ -97,7 +97,7 @@ def _compare(kind, topk, temperature, zt, zs_full, targets, *, cols=slice(None),
     (0.3 * got.sum()).backward()  # each rank gets its own columns' gradient
     padding = zs.grad[:, max(VOCAB - (cols.start or 0), 0) :]  # this rank's columns at or past VOCAB
     assert padding.numel() == 0 or padding.abs().max() == 0  # take no gradient
-    return float((got - want.detach()).abs().max()), float((zs.grad - want_grad[:, cols]).abs().max())
+    return float((got.detach() - want.detach()).abs().max()), float((zs.grad - want_grad[:, cols]).abs().max())
 
 
 @pytest.mark.parametrize("kind,topk,temperature", CASES)

@@ -6,14 +6,17 @@ Only a prefix of each is trained [paper; how long is unknown, our choice below].
 those of the FULL group (algorithms/advantages.group_advantages on all G) [paper]. Non-mixed
 groups select nothing. Every other completion gets weight 0: no log-prob pass, no backward.
 
-How the lead plugs it in (the step's planning, before `policy.logprobs`):
-    plan = bppo.plan(rewards, lengths, cfg, loss_agg=..., prompt_weight=w_q)     # once per step
-    D = all_reduce_sum_over_dp(plan.denominator_terms)                       # additive over groups
-    per sequence i: seq_weight = plan.seq_weight[q, i] (0: not trained), trained tokens t < plan.prefix_len[q, i]
-    coef = losses.token_coefficients(seq_index, seq_weight, seq_length=prefix_len, loss_agg, D)
-Passing prefix_len as losses.token_coefficients' seq_length gives seq-mean-token-mean its 1/P_i.
-For GSPO the sequence ratio must be exp(mean over PREFIX tokens of log rho) (our choice): pass
-policy_loss only the prefix tokens (its segment mean then runs over them).
+How it plugs into the step's planning (algorithms/batch.py), before the log-prob pass, per
+optimizer step (mini-batch) over its groups:
+    plan = bppo.plan(verdicts, lengths, cfg, loss_agg=method.loss_agg, prompt_weight=train_weights)
+    D = plan.denominator_terms   (a sum over groups: all-reduce it over DP only where each rank
+                                  planned a share of the groups; compute it before the first micro-batch)
+    completion i of group q: weight plan.seq_weight[q, i] (0 = not trained), trained tokens t < plan.prefix_len[q, i]
+    coef = losses.token_coefficients(seq_index, seq_weight, prefix_len, loss_agg, D)
+verdicts: [P, G] 1.0 / 0.0 from Group.correct() (shaped rewards, e.g. DAPO's overlong penalty,
+could cross the 0.5 threshold). Passing prefix_len as token_coefficients' seq_length gives
+seq-mean-token-mean its 1/P_i. With GSPO the sequence ratio is exp(mean over PREFIX tokens of
+log rho) (our choice): give policy_loss only the prefix tokens (its segment mean then runs over them).
 
 Biased by design (length-dependent, deterministic selection, suffixes deleted): verify-unbiased
 lists it as biased like CPPO. Completion pruning is REPLACED by the selection: r_o > 0 with BPPO
