@@ -250,6 +250,10 @@ class Sample:
     seq_id: int = 0  # its row in the rollout batch
     old_logp: torch.Tensor | None = None  # [len - prompt_len], one per completion token
     ref_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None  # the sampling engine's log-probs of the completion
+    # Which completion tokens carry loss (1) and which do not (0): BPPO's prefix, DAPO's overlong
+    # filter. None: all of them. A sequence's "length" in the aggregations is its loss tokens.
+    loss_mask: Sequence[float] | None = None
 
 
 @dataclass
@@ -261,8 +265,9 @@ class ThdBatch:
     padding comes after the real tokens, so no extra mask is needed).
 
     Per position t: labels[t] is the next token of the same sequence (0 where there is none);
-    loss_mask[t] = 1 exactly when labels[t] is a completion token; advantages, old_logp and
-    ref_logp are aligned to those label positions (0 elsewhere). position_ids restart at 0 for
+    loss_mask[t] = 1 exactly when labels[t] is a completion token that carries loss (the
+    sample's loss_mask; all completion tokens by default); advantages, old_logp, ref_logp and
+    rollout_logp are aligned to the completion's label positions (0 elsewhere). position_ids restart at 0 for
     each sequence and simply continue counting through its padding (keeps RoPE in range and
     the padded segment looks like one longer sequence to TE). seq_index is -1 on padding.
     """
@@ -274,7 +279,7 @@ class ThdBatch:
     seq_index: torch.Tensor  # int64, 0..S-1, -1 on padding
     advantages: torch.Tensor  # float32
     seq_weight: torch.Tensor  # [S] float32
-    seq_len: torch.Tensor  # [S] int64, completion tokens of each sequence
+    seq_len: torch.Tensor  # [S] int64, loss tokens of each sequence (its completion, unless masked)
     seq_ids: torch.Tensor  # [S] int64, rows in the rollout batch
     cu_seqlens: torch.Tensor | None = None  # [S+1] int32, over real lengths
     cu_seqlens_padded: torch.Tensor | None = None  # [S+1] int32, over padded lengths
@@ -282,6 +287,7 @@ class ThdBatch:
     # layout); padded baseline: the row length L
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
+    rollout_logp: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -310,7 +316,7 @@ def _as_sample(s, k: int) -> Sample:
     n = len(s.tokens)
     if not 1 <= s.prompt_len <= n:
         raise ValueError(f"sample {k}: prompt_len must be in [1, len(tokens)={n}], got {s.prompt_len}")
-    for name in ("old_logp", "ref_logp"):
+    for name in _PER_COMPLETION_TOKEN + ("loss_mask",):
         v = getattr(s, name)
         if v is not None and len(v) != n - s.prompt_len:
             raise ValueError(
@@ -320,10 +326,13 @@ def _as_sample(s, k: int) -> Sample:
     return s
 
 
+_PER_COMPLETION_TOKEN = ("old_logp", "ref_logp", "rollout_logp")  # optional, aligned like advantages
+
+
 def _build(samples, rows: int, row_len: int, pad_id: int, segment):
     """Allocate [rows, row_len] buffers and fill each sample into the 1-D view segment(buf, i)."""
     opt = {}
-    for name in ("old_logp", "ref_logp"):
+    for name in _PER_COMPLETION_TOKEN:
         have = [getattr(s, name) is not None for s in samples]
         if any(have) and not all(have):
             raise ValueError(f"{name} must be given for all samples or for none")
@@ -345,7 +354,7 @@ def _build(samples, rows: int, row_len: int, pad_id: int, segment):
         v["labels"][: n - 1] = ids[1:]
         v["seq_index"][:n] = i
         # positions p0-1 .. n-2 predict the completion tokens p0 .. n-1
-        v["loss_mask"][p0 - 1 : n - 1] = 1.0
+        v["loss_mask"][p0 - 1 : n - 1] = 1.0 if s.loss_mask is None else torch.as_tensor(s.loss_mask).float()
         v["advantages"][p0 - 1 : n - 1] = float(s.advantage)
         for name, t in opt.items():
             if t is not None:
@@ -354,9 +363,14 @@ def _build(samples, rows: int, row_len: int, pad_id: int, segment):
         **b,
         **opt,
         seq_weight=torch.tensor([float(s.weight) for s in samples], dtype=torch.float32),
-        seq_len=torch.tensor([len(s.tokens) - s.prompt_len for s in samples], dtype=torch.long),
+        seq_len=torch.tensor([_loss_tokens(s) for s in samples], dtype=torch.long),
         seq_ids=torch.tensor([int(s.seq_id) for s in samples], dtype=torch.long),
     )
+
+
+def _loss_tokens(s: Sample) -> int:
+    n = len(s.tokens) - s.prompt_len
+    return n if s.loss_mask is None else int(sum(1 for m in s.loss_mask if m > 0))
 
 
 def build_thd_batch(samples, pad_multiple: int = 1, pad_id: int = 0) -> ThdBatch:

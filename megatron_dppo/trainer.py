@@ -657,6 +657,7 @@ def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dic
         vals = [m[key] for m in train]
         out[f"train/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
     out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
+    out["train/logprob_gap_vllm"] = train[0]["logprob_gap_vllm"]  # at the first update: the rollout policy
     out["pack/density"] = sum(mb.density for mb in minibatches) / len(minibatches)
     out["tokens/trained"] = sum(mb.tokens for mb in minibatches)
     out["tokens/trained_completion"] = sum(mb.completion_tokens for mb in minibatches)

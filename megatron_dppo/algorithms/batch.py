@@ -290,7 +290,7 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
     refill: the trained groups' weights (their sum is B when refill succeeds).
     kept:   the kept completions (CPPO normalises over what it kept)."""
     G, agg, lmax = method.group_size, method.loss_agg, method.max_new_tokens
-    lengths = torch.tensor([g.completion_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
+    lengths = torch.tensor([g.loss_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
     weights = torch.tensor([g.train_weight for g in groups], dtype=torch.float64)
     if method.denominator == "kept":
         seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64) * weights[:, None]

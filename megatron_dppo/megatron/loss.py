@@ -18,7 +18,17 @@ from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs
 from megatron_dppo.megatron.model import current_device
 
 # What each micro-batch reports, summed over its loss tokens (ratio_dev_max is a max instead).
-SUMMED = ("loss", "tokens", "clip_frac_sum", "kl_sum", "ratio_dev_sum", "approx_kl_sum", "entropy_sum")
+SUMMED = (
+    "loss",
+    "tokens",
+    "clip_frac_sum",
+    "kl_sum",
+    "ratio_dev_sum",
+    "approx_kl_sum",
+    "entropy_sum",
+    "rollout_gap_sum",
+    "rollout_gap_tokens",
+)
 
 
 @dataclass
@@ -33,6 +43,9 @@ class TrainReport:
     ratio_dev_max: float
     approx_kl: float
     entropy: float  # the policy's mean next-token entropy over the trained tokens
+    # mean |log pi_theta - log pi_vllm| of the sampled tokens (NaN without the engine's log-probs):
+    # at the first update of a step pi_theta is the rollout policy, so this is the engines' mismatch
+    logprob_gap_vllm: float
 
     @classmethod
     def from_sums(cls, sums: dict, ratio_dev_max: float) -> TrainReport:
@@ -46,6 +59,9 @@ class TrainReport:
             ratio_dev_max=ratio_dev_max,
             approx_kl=sums["approx_kl_sum"] / n,
             entropy=sums["entropy_sum"] / n,
+            logprob_gap_vllm=sums["rollout_gap_sum"] / sums["rollout_gap_tokens"]
+            if sums["rollout_gap_tokens"]
+            else float("nan"),
         )
 
     def as_dict(self) -> dict:
@@ -90,6 +106,13 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
     report = _report(loss, n_tokens, logp[mask], old_logp, stats)
+    gap = (logp[mask].detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
+    report["rollout_gap_sum"] = (
+        gap.double().sum() if gap is not None else torch.zeros((), dtype=torch.float64, device=dev)
+    )
+    report["rollout_gap_tokens"] = (
+        n_tokens.double() if gap is not None else torch.zeros((), dtype=torch.float64, device=dev)
+    )
     report["entropy_sum"] = entropy_sum(
         logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
     )

@@ -36,6 +36,9 @@ class Group:
     truncated: list[bool] = field(default_factory=list)  # stopped by max_new_tokens, not by eos/stop
     sampling_logprobs: list[list[float]] = field(default_factory=list)  # vLLM's, per sampled token
     reward_extras: list[dict] = field(default_factory=list)  # a reward's extra numbers, per completion
+    # How many leading completion tokens carry loss, per completion (BPPO's prefix; 0 under DAPO's
+    # overlong filter); empty: all of them. Set by the step's planning (algorithms/batch.py).
+    trained_tokens: list[int] = field(default_factory=list)
 
     @property
     def group_size(self) -> int:
@@ -43,6 +46,10 @@ class Group:
 
     def completion_lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
+
+    def loss_lengths(self) -> list[int]:
+        """Completion tokens that carry loss: what token-mean normalisers count."""
+        return list(self.trained_tokens) if self.trained_tokens else self.completion_lengths()
 
     def correct(self) -> list[bool]:
         """Each completion's verdict before reward shaping (DAPO's overlong penalty is not a verdict)."""
@@ -62,10 +69,18 @@ class Group:
                 advantage=a,
                 weight=self.train_weight * w,
                 seq_id=first_seq_id + i,
+                rollout_logp=torch.tensor(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
+                loss_mask=self._loss_mask(i),
             )
             for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
             if w > 0
         ]
+
+    def _loss_mask(self, i: int) -> list[float] | None:
+        if not self.trained_tokens or self.trained_tokens[i] >= len(self.completions[i]):
+            return None
+        n = self.trained_tokens[i]
+        return [1.0] * n + [0.0] * (len(self.completions[i]) - n)
 
     def rollout_rows(self, decode) -> list[dict]:
         """logging.rollouts rows, one per completion; decode(token ids) -> text. A completion that
