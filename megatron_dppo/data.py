@@ -16,7 +16,7 @@ Any other layout: `data.prompt_key` / `data.answer_key` name the fields, as dott
 nested fields ("reward_model.ground_truth"); a named field is read as it is (no '####' or
 \\boxed{} extraction). An answer is a string or a number (numbers become their text).
 `data_source` and `extra_info` (verl's columns; any layout may have them) are kept on the record
-and reach the reward functions; the other fields stay in PromptRecord.extra.
+and reach the reward functions; the other (non-null) fields stay in PromptRecord.extra.
 
 Prompt ids are stable across runs, which prompt history (pruning) depends on: the record's `id`
 if it has one, else "<data_source>/<extra_info.index>" when the record carries an index (verl),
@@ -94,9 +94,10 @@ def dotted_get(row: dict, key: str, config_key: str):
     value, seen = row, []
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            where = f"in {'.'.join(seen)!r}" if seen else "in the row"
-            have = sorted(value) if isinstance(value, dict) else f"a {type(value).__name__}, not a mapping"
-            raise ValueError(f"{config_key} {key!r} is absent: no {part!r} {where} (it has {have})")
+            if not seen:  # (the loader names the row's fields)
+                raise ValueError(f"{config_key} {key!r} is absent: no {part!r} in the row")
+            have = f"it has {sorted(value)}" if isinstance(value, dict) else f"a {type(value).__name__}, not a mapping"
+            raise ValueError(f"{config_key} {key!r} is absent: no {part!r} in {'.'.join(seen)!r} ({have})")
         value, seen = value[part], seen + [part]
     return value
 
@@ -163,6 +164,8 @@ def parse_record(raw: dict, prompt_key: str = "", answer_key: str = "") -> Promp
     prompt_key / answer_key (dotted paths) override the layout's fields."""
     if not isinstance(raw, dict):
         raise ValueError(f"record must be a JSON object, got {type(raw).__name__}")
+    # A null field is one this row lacks (a Parquet or Arrow table has every column in every row).
+    raw = {k: v for k, v in raw.items() if v is not None}
     layout = _layout(raw)
     pfield = prompt_key or _prompt_field(raw, layout)
     value = dotted_get(raw, pfield, "data.prompt_key") if prompt_key else raw[pfield]
@@ -215,7 +218,11 @@ def load_records(paths, prompt_key: str = "", answer_key: str = "") -> list[Prom
             try:
                 rec = parse_record(raw, prompt_key, answer_key)
             except ValueError as e:
-                fields = f" (the row has fields {sorted(raw)})" if isinstance(raw, dict) else ""
+                fields = (
+                    f" (the row has fields {sorted(k for k, v in raw.items() if v is not None)})"
+                    if isinstance(raw, dict)
+                    else ""
+                )
                 raise ValueError(f"{loc}: {e}{fields}") from None
             rec.source = loc
             if explicit_id(raw):
