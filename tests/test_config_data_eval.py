@@ -2,21 +2,9 @@
 
 import pytest
 import yaml
+from test_config import FACTS, TINY  # the tiny config and the facts resolve() needs
 
 from megatron_dppo.config import load_config, resolve, save_config
-
-TINY = "examples/tiny/addition.yaml"
-FACTS = dict(
-    world_size=1,
-    local_world_size=1,
-    num_heads=4,
-    num_kv_heads=2,
-    num_layers=3,
-    ffn_hidden_size=512,
-    num_train_records=1024,
-    cuda=False,
-    threads=2,
-)
 
 
 def test_data_train_is_a_path_a_list_or_comma_separated(tmp_path):
