@@ -100,12 +100,7 @@ def run_evaluate(cfg, checkpoint: str | None = None, out_dir: str | None = None,
         model_dir = temp_dir
     scorer = engine = None
     try:
-        scorer = RewardScorer(
-            cfg.reward.kind,
-            timeout_s=cfg.reward.timeout_s,
-            num_workers=cfg.reward.num_workers,
-            max_error_frac=cfg.reward.max_error_frac,
-        )
+        scorer = RewardScorer.from_config(cfg.reward)
         engine = RolloutEngine(
             model_dir,
             dtype=rc.dtype or cfg.model.dtype,

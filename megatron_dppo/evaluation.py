@@ -14,7 +14,9 @@ Per prompt with c correct of n:
           tie at random); an answer's correctness is the mean over its completions (they agree
           when the verifier reads only the final answer). No answer at all: 0.
 Each metric is the mean over prompts, logged as val/<set>/<data_source>/<metric> for every
-data_source the set has (records without one count in "all" only) and val/<set>/all/<metric>.
+data_source the set has and val/<set>/all/<metric>. As in the training reward metrics
+(rewards/metrics.py), records without a data_source are "unknown" in a set where others have one,
+and a set where none has one gets only "all".
 `eval/accuracy` (the progress bar, tools/compare_methods.py) is avg@n of the first set's "all":
 with the default n=1, temperature 0 that is the greedy pass@1 it always was.
 
@@ -34,7 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_dppo.data import PromptRecord, PromptRenderer, check_prompt_lengths, load_records
-from megatron_dppo.rewards import gsm8k_final, last_boxed
+from megatron_dppo.rewards import answer_after_thinking, gsm8k_final, last_boxed
+from megatron_dppo.rewards.metrics import NO_SOURCE
 from megatron_dppo.tasks import write_jsonl
 
 CORRECT = 1.0 - 1e-6  # reward >= this counts as correct
@@ -100,12 +103,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def extract_answer(text: str) -> str:
-    """The final answer a completion gives, for majority voting: after the last </think> (a
-    thinking model's answer follows its thinking), the last \\boxed{...}, else the text after the
-    last "####", else the whole text; surrounding whitespace stripped. String equality decides
-    which answers agree (no symbolic normalisation: "1/2" and "0.5" are two answers)."""
-    if "</think>" in text:
-        text = text.rsplit("</think>", 1)[1]
+    """The final answer a completion gives, for majority voting: the text after the last </think>
+    (a thinking model answers after its thinking; "" when the thinking never closed), then its last
+    \\boxed{...}, else the text after its last "####", else all of it; whitespace stripped. String
+    equality decides which answers agree (no symbolic normalisation: "1/2" and "0.5" are two)."""
+    text = answer_after_thinking(text)
+    if text is None:  # still thinking when it stopped: no answer to vote with
+        return ""
     found = last_boxed(text)
     if found is None:
         found = gsm8k_final(text)
@@ -144,9 +148,11 @@ def prompt_scores(rows: list[dict], pass_k: Sequence[int]) -> list[tuple[str, st
 def metrics_from_rows(rows: list[dict], pass_k: Sequence[int], default_set: str | None = None) -> dict:
     """{val/<set>/<source>/<metric>: mean over prompts} (and val/<set>/all/...), plus
     eval/accuracy = avg@n of default_set's "all" when given."""
+    scores = prompt_scores(rows, pass_k)
+    with_sources = {set_name for set_name, source, _ in scores if source}
     groups: dict[str, list[dict]] = {}
-    for set_name, source, values in prompt_scores(rows, pass_k):
-        for group in {ALL, source} - {""}:
+    for set_name, source, values in scores:
+        for group in [ALL] + ([source or NO_SOURCE] if set_name in with_sources else []):
             groups.setdefault(f"val/{set_name}/{group}", []).append(values)
     metrics = {}
     for prefix, per_prompt in groups.items():

@@ -59,7 +59,7 @@ def test_sampling_keys():
         (["eval.sets={a/b: x.jsonl}"], "'eval.sets': expected a mapping of set names"),
         (["eval.sets={all: x.jsonl}"], "'eval.sets'"),
         (["eval.sets={eval: x.jsonl}"], "'eval.sets': expected no set named 'eval' when data.eval is given"),
-        (["eval.sets=x.jsonl"], "'eval.sets': expected a mapping"),
+        (["eval.sets=x.jsonl"], "'eval.sets': expected dict, got 'x.jsonl'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

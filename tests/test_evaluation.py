@@ -69,6 +69,7 @@ def test_extract_answer_reads_the_final_answer():
     assert extract_answer("work\n#### 42") == "42"
     assert extract_answer("<think>maybe \\boxed{3}</think> it is \\boxed{4}") == "4"
     assert extract_answer("<think>\\boxed{3}</think>5") == "5"  # after the thinking block only
+    assert extract_answer("<think>\\boxed{3} and then") == ""  # never closed: no answer
 
 
 @dataclass
@@ -148,8 +149,9 @@ def _recompute(rows, pass_k):
         )
         values = {f"avg@{n}": sum(correct) / n, f"maj@{n}": maj}
         values.update({f"pass@{k}": float(_enumerated_pass_at_k(correct, k)) for k in pass_k})
-        for group in ["all"] + ([samples[0]["data_source"]] if samples[0]["data_source"] else []):
-            per_group.setdefault(f"val/{set_name}/{group}", []).append(values)
+        per_group.setdefault(f"val/{set_name}/all", []).append(values)
+        if any(r["data_source"] for r in rows if r["set"] == set_name):  # unnamed ones are "unknown" there
+            per_group.setdefault(f"val/{set_name}/{samples[0]['data_source'] or 'unknown'}", []).append(values)
     return {f"{g}/{m}": sum(v[m] for v in vals) / len(vals) for g, vals in per_group.items() for m in vals[0]}
 
 
@@ -315,3 +317,14 @@ def test_metrics_from_rows_by_hand():
     assert m["val/s/x/avg@2"] == m["val/s/all/avg@2"] == 0.25 == m["eval/accuracy"]
     assert m["val/s/x/pass@2"] == 0.5 and m["val/s/x/pass@1"] == 0.25
     assert m["val/s/x/maj@2"] == 0.25  # (0.5 for the tie + 0) / 2
+    # A record without a data_source, in a set where others have one, is "unknown" (as in the
+    # training reward metrics); a set where none has one gets "all" only.
+    rows.append(dict(set="s", index=2, data_source="", extracted="4", reward=1.0, correct=True))
+    rows.append(dict(set="t", index=0, data_source="", extracted="4", reward=1.0, correct=True))
+    m = metrics_from_rows(
+        rows[:4] + [dict(rows[4], index=2), dict(rows[4], index=2, extracted="5", correct=False)] + [rows[5]] * 2, [1]
+    )
+    assert (
+        m["val/s/unknown/avg@2"] == 0.5 and m["val/s/x/avg@2"] == 0.25 and m["val/s/all/avg@2"] == pytest.approx(1 / 3)
+    )
+    assert m["val/t/all/avg@2"] == 1.0 and not [k for k in m if k.startswith("val/t/") and "/all/" not in k]
