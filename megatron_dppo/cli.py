@@ -78,6 +78,22 @@ def _train(args) -> int:
     return 0
 
 
+def _evaluate(args) -> int:
+    from megatron_dppo.config import load_config, validate
+    from megatron_dppo.quiet import quiet_libraries
+
+    cfg = load_config(args.config, args.overrides, check=False)
+    quiet_libraries(verbose=cfg.logging.verbose)
+    if not cfg.data.train:  # validate() asks for training data, which evaluate never reads
+        cfg.data.train = "(not read by evaluate)"
+    validate(cfg)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from megatron_dppo.evaluate_job import run_evaluate
+
+    run_evaluate(cfg, checkpoint=args.checkpoint, out_dir=args.out_dir)
+    return 0
+
+
 def _run_reporting_errors(func, args) -> int:
     """Run a subcommand; an error is one line on stderr (naming what to fix) and exit status 1.
     --debug shows the traceback instead."""
@@ -111,6 +127,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.max_steps=5 pruning.r_q=0.5")
     t.set_defaults(func=_train)
+
+    e = sub.add_parser(
+        "evaluate",
+        help="score a model on the validation sets (eval.sets, data.eval) without training: avg@n, pass@k, maj@n",
+    )
+    e.add_argument("--config", required=True, help="YAML config (the training config works as it is)")
+    e.add_argument(
+        "--checkpoint",
+        help="a Megatron checkpoint (a run's step_* dir, its checkpoints/ root, or a converted one) instead of "
+        "model.hf_dir",
+    )
+    e.add_argument("--out-dir", help="where answers and metrics go (default <output_dir>/<run_name>-evaluate)")
+    e.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
+    e.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.n=8 eval.temperature=1.0")
+    e.set_defaults(func=_evaluate)
 
     sub.add_parser(
         "plan",

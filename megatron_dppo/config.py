@@ -55,12 +55,19 @@ class ParallelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = ""  # JSONL or Parquet
-    eval: str = ""  # optional held-out prompts (greedy pass@1)
-    train_size: int = 0  # use the first N training prompts; resolved: 0 = all of them
+    # Prompt files: .jsonl, .parquet, or a datasets save_to_disk dir (data.py's layouts). Several:
+    # a YAML list or one comma-separated string; records are concatenated and sampled together.
+    train: str | list[str] = ""
+    eval: str = ""  # optional held-out prompts: validation set "eval" (see the eval section)
+    train_size: int = 0  # use the first N training prompts (of the concatenation); resolved: 0 = all of them
     prompt_mode: PromptMode = "raw"  # raw text, or the tokenizer's chat template
     system_prompt: str = ""  # optional, chat mode
     skip_long_prompts: bool = False  # prompts that cannot fit rollout.max_model_len: error (False) or skip and count
+    prompt_key: str = ""  # optional: the prompt's field, a dotted path ("question.text"); default: by layout
+    answer_key: str = ""  # optional: the answer's field, e.g. "reward_model.ground_truth"; default: by layout
+    # Chat mode: variables of the chat template in training, validation and `evaluate` alike,
+    # e.g. {enable_thinking: false} for Qwen3. Given again (an override), keys are merged.
+    chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,6 +76,10 @@ class RolloutConfig:
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # sample from the k most likely tokens; 0 = all of them (vLLM's "off")
+    # Stop strings: generation ends once one is produced; the completion's token ids keep the
+    # tokens that produced it (what was sampled is what trains; vllm_engine.generate says more).
+    stop: list[str] = field(default_factory=list)
     max_model_len: int = 1024
     kv_cache_gb: float = 0.25  # CPU KV cache (vLLM reserves ~90% of RAM otherwise)
     gpu_memory_utilization: float = 0.5
@@ -117,6 +128,19 @@ class RewardConfig:
     # linear down to -overlong_penalty at rollout.max_new_tokens (rewards/shaping.py); 0 = off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+
+
+@dataclass
+class EvalConfig:
+    """Validation (every trainer.eval_every steps, on the first trainer.eval_size prompts of each
+    set) and `megatron-dppo evaluate`: avg@n, pass@k and maj@n per set and data_source."""
+
+    # name -> path, in any of data.train's formats and layouts; data.eval joins as the set "eval".
+    sets: dict[str, str] = field(default_factory=dict)
+    n: int = 1  # samples per prompt
+    temperature: float = 0.0  # 0 = greedy (then n must be 1)
+    top_p: float = 1.0
+    pass_k: list[int] = field(default_factory=lambda: [1])  # the k of pass@k, each in [1, n]
 
 
 @dataclass
@@ -174,13 +198,14 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     pruning: PruningConfig = field(default_factory=PruningConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 # Optional paths: an empty string means "not given"; the saved config leaves them out.
-OPTIONAL_KEYS = ("model.init_checkpoint", "data.eval", "data.system_prompt")
+OPTIONAL_KEYS = ("model.init_checkpoint", "data.eval", "data.system_prompt", "data.prompt_key", "data.answer_key")
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -188,6 +213,13 @@ def _coerce(key: str, value, typ):
     """Check value against the dataclass field type; ints are accepted for floats, and so are
     strings like "1e-5" (YAML 1.1 reads a float without a dot as a string)."""
     origin = typing.get_origin(typ)
+    if typ is typing.Any:
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(typ)
+        if not isinstance(value, list):
+            raise ValueError(f"config key {key!r}: expected a list, got {value!r} ({type(value).__name__})")
+        return [_coerce(f"{key}[{i}]", v, item_type) for i, v in enumerate(value)]
     if origin is typing.Literal:
         choices = typing.get_args(typ)
         if value in choices:
@@ -245,8 +277,13 @@ def validate(cfg: Config) -> Config:
     c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim
     checks = [
         ("model.hf_dir", bool(c.model.hf_dir), "a path to a HF model directory"),
-        ("data.train", bool(c.data.train), "a path to a JSONL or Parquet prompt file"),
+        ("data.train", bool(c.data.train), "a path (or a list of paths) to .jsonl / .parquet files or datasets dirs"),
         ("data.train_size", c.data.train_size >= 0, "an integer >= 0 (0 = all)"),
+        (
+            "data.chat_template_kwargs",
+            not c.data.chat_template_kwargs or c.data.prompt_mode == "chat",
+            "no entries unless data.prompt_mode=chat (raw mode applies no template)",
+        ),
         ("pruning.strategy", c.pruning.strategy in STRATEGIES, f"one of {sorted(STRATEGIES)}"),
         ("pruning.r_q", 0 <= c.pruning.r_q < 1, "a number in [0, 1)"),
         ("pruning.r_o", 0 <= c.pruning.r_o < 1, "a number in [0, 1)"),
@@ -260,6 +297,8 @@ def validate(cfg: Config) -> Config:
         ),
         ("rollout.temperature", r.temperature > 0, "a number > 0 (RL samples)"),
         ("rollout.top_p", 0 < r.top_p <= 1, "a number in (0, 1]"),
+        ("rollout.top_k", r.top_k >= 0, "an integer >= 0 (0 = all tokens)"),
+        ("rollout.stop", all(r.stop), "a list of non-empty strings"),
         ("rollout.kv_cache_gb", r.kv_cache_gb > 0, "a number > 0"),
         ("rollout.gpu_memory_utilization", 0 < r.gpu_memory_utilization <= 1, "a number in (0, 1]"),
         ("rollout.sleep_level", r.sleep_level in (1, 2), "1 or 2"),
@@ -277,6 +316,7 @@ def validate(cfg: Config) -> Config:
             "the last overlong_buffer tokens of the generation budget",
         ),
         ("reward.overlong_penalty", c.reward.overlong_penalty >= 0, "a number >= 0"),
+        *_eval_checks(c),
         ("optim.lr", o.lr > 0, "a number > 0"),
         ("optim.min_lr", 0 <= o.min_lr <= o.lr, f"a number in [0, optim.lr={o.lr}]"),
         ("optim.weight_decay", o.weight_decay >= 0, "a number >= 0"),
@@ -330,6 +370,35 @@ def _check_reward_specs(rc: RewardConfig) -> None:
     rc.kind = absolute_spec(rc.kind, "reward.kind")
     rc.by_source = {src: absolute_spec(spec, f"reward.by_source.{src}") for src, spec in rc.by_source.items()}
     batched_specs([rc.kind, *rc.by_source.values()], rc.batched)
+
+
+def _eval_checks(c: Config) -> list[tuple[str, bool, str]]:
+    """validate()'s lines for the eval section (a set name becomes part of metric names)."""
+    e = c.eval
+    return [
+        ("eval.n", e.n >= 1, "an integer >= 1"),
+        (
+            "eval.temperature",
+            e.temperature > 0 or (e.temperature == 0 and e.n == 1),
+            f"a number > 0, or 0 (greedy) with eval.n=1 (eval.n is {e.n})",
+        ),
+        ("eval.top_p", 0 < e.top_p <= 1, "a number in (0, 1]"),
+        (
+            "eval.pass_k",
+            bool(e.pass_k) and all(1 <= k <= e.n for k in e.pass_k),
+            f"a non-empty list of integers in [1, eval.n={e.n}]",
+        ),
+        (
+            "eval.sets",
+            all(name and "/" not in name and name != "all" and path for name, path in e.sets.items()),
+            "a mapping of set names (no '/', not 'all') to non-empty paths",
+        ),
+        (
+            "eval.sets",
+            not (c.data.eval and "eval" in e.sets),
+            f"no set named 'eval' when data.eval is given (data.eval={c.data.eval!r} is the set 'eval')",
+        ),
+    ]
 
 
 def check_layout(

@@ -1,35 +1,55 @@
-"""Prompt datasets (JSONL / Parquet), prompt rendering, and a resumable seeded sampler.
+"""Prompt datasets (JSONL / Parquet / `datasets` dirs), prompt rendering, and a resumable seeded sampler.
+
+Files (data_files.py): .jsonl, .parquet, or a directory written by datasets' `save_to_disk`.
+`data.train` may name several (a YAML list, or one comma-separated string): their records are
+concatenated in the order given and the seeded sampler shuffles over all of them, so each file is
+drawn in proportion to its size (data.train_size takes the first N of the concatenation).
 
 Record layouts accepted (detected per record, first match wins):
-  native   {id?, prompt | messages, answer, ...}      messages = [{"role", "content"}, ...]
+  verl     {data_source, prompt: [{role, content}], ability, reward_model: {style, ground_truth},
+            extra_info: {index, ...}}                      -> answer = reward_model.ground_truth
+  native   {id?, prompt | messages, answer, ...}      prompt = text, or a list of {role, content}
   GSM8K    {question, answer: "...reasoning... #### 42"}  -> answer "42" (commas dropped)
   MATH     {problem, solution: "... \\boxed{...} ..."}     -> answer = content of the last \\boxed{}
                                                           (or the record's 'answer' field, if set)
-Other fields are kept in PromptRecord.extra (a user reward function sees them).
+Any other layout: `data.prompt_key` / `data.answer_key` name the fields, as dotted paths into
+nested fields ("reward_model.ground_truth"); a named field is read as it is (no '####' or
+\\boxed{} extraction). An answer is a string or a number (numbers become their text).
+`data_source` and `extra_info` (verl's columns; any layout may have them) are kept on the record
+and reach the reward functions; the other (non-null) fields stay in PromptRecord.extra.
 
 Prompt ids are stable across runs, which prompt history (pruning) depends on: the record's `id`
-if it has one, else "p-" + a hash of the prompt text (or of the messages).
+if it has one, else "<data_source>/<extra_info.index>" when the record carries an index (verl),
+else "p-" + a hash of the prompt text (or of the messages). Explicit ids (the first two kinds)
+must be unique over all the files of a run.
 
 Rendering (PromptRenderer): "raw" feeds the prompt text as is (the tokenizer adds its special
 tokens, e.g. the tiny tokenizer's <bos>); "chat" applies the tokenizer's chat template with a
-generation prompt. The tiny model (examples/tiny/model) was trained on raw text, and its chat
-template only prepends <bos> to the concatenated contents, so both modes give the same ids there.
+generation prompt, and `data.chat_template_kwargs` (e.g. {enable_thinking: false}). A record whose
+prompt is a list of messages needs "chat": raw mode refuses it, naming the record, rather than
+inventing a text format (joined contents, guessed separators) the model was never trained on.
+The tiny model (examples/tiny/model) was trained on raw text, and its chat template only
+prepends <bos> to the concatenated contents, so both modes give the same ids there (with
+enable_thinking=false it appends an empty thinking block "()", as Qwen3's template appends
+"<think>\\n\\n</think>\\n\\n").
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
+import numbers
 import random
 import re
 from dataclasses import asdict, dataclass, field
 
+from megatron_dppo.data_files import data_paths, read_rows
 from megatron_dppo.rewards import gsm8k_final, last_boxed
 
 _LAYOUTS = (
-    "expected {id?, prompt or messages, answer}, or GSM8K {question, answer with '#### N'}, "
-    "or MATH {problem, solution with \\boxed{...}}"
+    "expected verl {prompt, reward_model: {ground_truth}}, {id?, prompt or messages, answer}, GSM8K "
+    "{question, answer with '#### N'}, or MATH {problem, solution with \\boxed{...}}; "
+    "data.prompt_key / data.answer_key name the fields of any other layout"
 )
 
 
@@ -39,9 +59,11 @@ class PromptRecord:
     prompt: str | None  # exactly one of prompt / messages is set
     messages: list[dict] | None
     answer: str
-    extra: dict = field(default_factory=dict)
-    # Where it came from, for error messages: "line 12" (JSONL) or "row 3" (Parquet); not part of
-    # the record's identity (the same prompt from either file format is the same record).
+    extra: dict = field(default_factory=dict)  # the row's other fields
+    data_source: str = ""  # verl's data_source ("" when the row has none): reward routing, per-source metrics
+    extra_info: dict = field(default_factory=dict)  # verl's extra_info (index, split, ...), as in the row
+    # Where it came from, for error messages: "<file>:line 12" (JSONL) or "<file>:row 3" (Parquet,
+    # datasets dirs); not part of the record's identity.
     source: str = field(default="", compare=False)
 
     def to_dict(self) -> dict:
@@ -54,7 +76,7 @@ def prompt_id(prompt: str | None, messages: list[dict] | None = None) -> str:
     return "p-" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
-def _check_messages(messages) -> list[dict]:
+def _check_messages(messages, key: str) -> list[dict]:
     if (
         not isinstance(messages, list)
         or not messages
@@ -63,106 +85,153 @@ def _check_messages(messages) -> list[dict]:
             for m in messages
         )
     ):
-        raise ValueError("'messages' must be a non-empty list of {role: str, content: str}")
+        raise ValueError(f"{key!r} must be a non-empty list of {{role: str, content: str}}")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def parse_record(raw: dict) -> PromptRecord:
-    """One raw record -> PromptRecord; ValueError saying what is missing or wrong."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"record must be a JSON object, got {type(raw).__name__}")
-    raw = dict(raw)
-    rid = raw.pop("id", None)
-    if "prompt" in raw or "messages" in raw:  # native
-        prompt, messages = raw.pop("prompt", None), raw.pop("messages", None)
-        if (prompt is None) == (messages is None):
+def dotted_get(row: dict, key: str, config_key: str):
+    """row["a"]["b"] for key "a.b"; ValueError naming config_key and the missing part."""
+    value, seen = row, []
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            if not seen:  # (the loader names the row's fields)
+                raise ValueError(f"{config_key} {key!r} is absent: no {part!r} in the row")
+            have = f"it has {sorted(value)}" if isinstance(value, dict) else f"a {type(value).__name__}, not a mapping"
+            raise ValueError(f"{config_key} {key!r} is absent: no {part!r} in {'.'.join(seen)!r} ({have})")
+        value, seen = value[part], seen + [part]
+    return value
+
+
+def _answer_text(value, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{key!r} must be a string or a number, got {type(value).__name__} {str(value)[:60]!r}")
+
+
+def _layout(raw: dict) -> str | None:
+    if isinstance(raw.get("reward_model"), dict):
+        return "verl"
+    if "prompt" in raw or "messages" in raw:
+        return "native"
+    if "question" in raw:
+        return "gsm8k"
+    if "problem" in raw:
+        return "math"
+    return None
+
+
+def _prompt_field(raw: dict, layout: str | None) -> str:
+    if layout in ("verl", "native"):
+        if ("prompt" in raw) == ("messages" in raw):
             raise ValueError("record must have exactly one of 'prompt' or 'messages'")
-        if messages is not None:
-            messages = _check_messages(messages)
-        if raw.get("answer") is None:
-            raise ValueError(f"missing field 'answer' ({_LAYOUTS})")
-        answer = str(raw.pop("answer"))
-    elif "question" in raw:  # GSM8K
-        prompt, messages = raw.pop("question"), None
+        return "prompt" if "prompt" in raw else "messages"
+    if layout == "gsm8k":
+        return "question"
+    if layout == "math":
+        return "problem"
+    raise ValueError(f"missing field 'prompt' ({_LAYOUTS})")
+
+
+def _layout_answer(raw: dict, layout: str | None) -> tuple[str, str | None]:
+    """(answer, the top-level field it came from, or None) by the row's layout."""
+    if layout == "verl":
+        if "ground_truth" not in raw["reward_model"]:
+            raise ValueError("verl record's 'reward_model' has no 'ground_truth'")
+        return _answer_text(raw["reward_model"]["ground_truth"], "reward_model.ground_truth"), None
+    if layout == "gsm8k":
         if raw.get("answer") is None:
             raise ValueError("GSM8K record is missing field 'answer'")
-        full = str(raw.pop("answer"))
-        final = gsm8k_final(full)
+        final = gsm8k_final(_answer_text(raw["answer"], "answer"))
         if final is None:
             raise ValueError("GSM8K 'answer' has no '#### N' final answer")
-        answer = re.sub(r"(?<=\d),(?=\d{3})", "", final)  # "1,000" -> "1000"
-        raw["solution"] = full
-    elif "problem" in raw:  # MATH
-        prompt, messages = raw.pop("problem"), None
-        given = raw.pop("answer", None)
-        if given is not None:  # some MATH variants (MATH-500) carry the answer
-            answer = str(given)
-        elif raw.get("solution") is None:
+        return re.sub(r"(?<=\d),(?=\d{3})", "", final), "answer"  # "1,000" -> "1000"
+    if layout == "math" and raw.get("answer") is None:  # some MATH variants (MATH-500) carry the answer
+        if raw.get("solution") is None:
             raise ValueError("MATH record is missing field 'solution' (or 'answer')")
-        else:
-            answer = last_boxed(str(raw["solution"]))
-            if answer is None:
-                raise ValueError("MATH 'solution' has no \\boxed{...} answer")
-    else:
-        raise ValueError(f"missing field 'prompt' ({_LAYOUTS}); got fields {sorted(raw)}")
+        answer = last_boxed(_answer_text(raw["solution"], "solution"))
+        if answer is None:
+            raise ValueError("MATH 'solution' has no \\boxed{...} answer")
+        return answer, None
+    if raw.get("answer") is None:
+        raise ValueError(f"missing field 'answer' ({_LAYOUTS})")
+    return _answer_text(raw["answer"], "answer"), "answer"
+
+
+def parse_record(raw: dict, prompt_key: str = "", answer_key: str = "") -> PromptRecord:
+    """One raw record -> PromptRecord; ValueError saying what is missing or wrong.
+    prompt_key / answer_key (dotted paths) override the layout's fields."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"record must be a JSON object, got {type(raw).__name__}")
+    # A null field is one this row lacks (a Parquet or Arrow table has every column in every row).
+    raw = {k: v for k, v in raw.items() if v is not None}
+    layout = _layout(raw)
+    pfield = prompt_key or _prompt_field(raw, layout)
+    value = dotted_get(raw, pfield, "data.prompt_key") if prompt_key else raw[pfield]
+    is_chat = isinstance(value, list) or pfield == "messages"
+    prompt, messages = (None, _check_messages(value, pfield)) if is_chat else (value, None)
     if prompt is not None and (not isinstance(prompt, str) or not prompt):
-        raise ValueError("prompt text must be a non-empty string")
-    rid = prompt_id(prompt, messages) if rid is None or rid == "" else str(rid)
-    return PromptRecord(rid, prompt, messages, answer, raw)
-
-
-def _raw_records(path: str):
-    """Yield (location, raw record or JSON error) in file order; location is 'line N' / 'row N'."""
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in (".jsonl", ".parquet"):
-        raise ValueError(f"{path}: unsupported prompt file type {ext!r} (use .jsonl or .parquet)")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: prompt file not found")
-    if ext == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        try:
-            rows = pq.read_table(path).to_pylist()
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{path}: cannot read as Parquet: {e}") from None
-        for i, row in enumerate(rows, 1):
-            yield f"row {i}", row
+        raise ValueError(f"{pfield!r} must be a non-empty string or a list of {{role, content}} messages")
+    if answer_key:
+        answer, afield = _answer_text(dotted_get(raw, answer_key, "data.answer_key"), answer_key), answer_key
     else:
-        with open(path, "rb") as f:
-            for i, raw_line in enumerate(f, 1):
-                try:
-                    line = raw_line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}:line {i}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-                if not line.strip():
-                    continue  # blank lines (a trailing newline) are not records
-                try:
-                    yield f"line {i}", json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"line {i}", e
+        answer, afield = _layout_answer(raw, layout)
+    source_name = raw.get("data_source")
+    data_source = "" if source_name is None else str(source_name)
+    extra_info = raw.get("extra_info")
+    if extra_info is None:
+        extra_info = {}
+    elif not isinstance(extra_info, dict):
+        raise ValueError(f"'extra_info' must be a mapping, got {type(extra_info).__name__}")
+    rid = raw.get("id")
+    if rid is None or rid == "":
+        index = extra_info.get("index")
+        rid = prompt_id(prompt, messages) if index is None else f"{data_source or 'index'}/{index}"
+    taken = {"id", "data_source", "extra_info", pfield, afield}
+    extra = {k: v for k, v in raw.items() if k not in taken}
+    if layout == "gsm8k" and not answer_key:
+        extra["solution"] = raw["answer"]  # the worked answer, for a reward that reads it
+    return PromptRecord(str(rid), prompt, messages, answer, extra, data_source, extra_info)
 
 
-def load_records(path: str) -> list[PromptRecord]:
-    """All records of a .jsonl or .parquet file, each knowing its line (or row). A malformed
-    record is a ValueError naming the file and line (or row); two records with the same explicit
-    id are too (history would mix them)."""
+def explicit_id(raw) -> bool:
+    """Does the row name its own id (an `id`, or verl's extra_info.index)? Those must be unique."""
+    if not isinstance(raw, dict):
+        return False
+    info = raw.get("extra_info")
+    return raw.get("id") not in (None, "") or (isinstance(info, dict) and info.get("index") is not None)
+
+
+def load_records(paths, prompt_key: str = "", answer_key: str = "") -> list[PromptRecord]:
+    """All records of one or several files (a path, a list of paths, or comma-separated paths; see
+    data_files.py), concatenated in order, each knowing its file and line (or row). A malformed
+    record is a one-line ValueError naming the file, the line (or row) and the row's fields; two
+    records with the same explicit id are too (history would mix them), across files as well."""
     records, where_by_id = [], {}
-    for where, raw in _raw_records(path):
-        if isinstance(raw, Exception):
-            raise ValueError(f"{path}:{where}: invalid JSON: {raw}") from None
-        try:
-            rec = parse_record(raw)
-        except ValueError as e:
-            raise ValueError(f"{path}:{where}: {e}") from None
-        rec.source = where
-        if isinstance(raw, dict) and raw.get("id") not in (None, ""):
-            if rec.id in where_by_id:
-                raise ValueError(f"{path}:{where}: duplicate id {rec.id!r} (first at {where_by_id[rec.id]})")
-            where_by_id[rec.id] = where
-        records.append(rec)
-    if not records:
-        raise ValueError(f"{path}: no records")
+    for path in data_paths(paths):
+        start = len(records)
+        for where, raw in read_rows(path):
+            loc = f"{path}:{where}"
+            if isinstance(raw, Exception):
+                raise ValueError(f"{loc}: invalid JSON: {raw}") from None
+            try:
+                rec = parse_record(raw, prompt_key, answer_key)
+            except ValueError as e:
+                fields = (
+                    f" (the row has fields {sorted(k for k, v in raw.items() if v is not None)})"
+                    if isinstance(raw, dict)
+                    else ""
+                )
+                raise ValueError(f"{loc}: {e}{fields}") from None
+            rec.source = loc
+            if explicit_id(raw):
+                if rec.id in where_by_id:
+                    raise ValueError(f"{loc}: duplicate id {rec.id!r} (first at {where_by_id[rec.id]})")
+                where_by_id[rec.id] = loc
+            records.append(rec)
+        if len(records) == start:
+            raise ValueError(f"{path}: no records")
     return records
 
 
@@ -170,16 +239,18 @@ def check_prompt_lengths(
     records: list[PromptRecord],
     renderer: PromptRenderer,
     max_prompt_tokens: int,
-    path: str,
+    path,
     skip: bool = False,
     limit_desc: str = "",
 ) -> tuple[list[PromptRecord], int]:
     """Find prompts longer than max_prompt_tokens when the data loads, not at the step that
     draws them (where the engine would fail without naming the record). -> (records, skipped).
 
-    skip=False: the first one is a ValueError "<path>:line N (id X): prompt is T tokens, over the
+    skip=False: the first one is a ValueError "<file>:line N (id X): prompt is T tokens, over the
     limit L (<limit_desc>)". skip=True: they are dropped and counted. limit_desc says where the
-    limit comes from, e.g. "rollout.max_model_len 32 - rollout.max_new_tokens 6".
+    limit comes from, e.g. "rollout.max_model_len 32 - rollout.max_new_tokens 6". A record the
+    renderer cannot render (messages in raw mode) is a ValueError naming it too. `path` (the
+    data files) names the data in the errors about all of them.
     """
     if max_prompt_tokens < 1:
         raise ValueError(
@@ -187,7 +258,7 @@ def check_prompt_lengths(
         )
     kept, skipped = [], 0
     for rec in records:
-        n = len(renderer.token_ids(rec))
+        n = len(render_checked(renderer, rec))
         if n <= max_prompt_tokens:
             kept.append(rec)
         elif skip:
@@ -195,15 +266,26 @@ def check_prompt_lengths(
         else:
             why = f" ({limit_desc})" if limit_desc else ""
             raise ValueError(
-                f"{path}:{rec.source or '?'} (id {rec.id}): prompt is {n} tokens, over the limit "
-                f"{max_prompt_tokens}{why}"
+                f"{rec.source or path} (id {rec.id}): prompt is {n} tokens, over the limit {max_prompt_tokens}{why}"
             )
     if not kept:
         raise ValueError(
-            f"{path}: every prompt is over the limit of {max_prompt_tokens} tokens"
+            f"{_describe(path)}: every prompt is over the limit of {max_prompt_tokens} tokens"
             + (f" ({limit_desc})" if limit_desc else "")
         )
     return kept, skipped
+
+
+def render_checked(renderer: PromptRenderer, rec: PromptRecord) -> list[int]:
+    """The record's prompt ids; a record the renderer refuses is a ValueError naming its file and line."""
+    try:
+        return renderer.token_ids(rec)
+    except ValueError as e:
+        raise ValueError(f"{rec.source or '?'} (id {rec.id}): {e}") from None
+
+
+def _describe(paths) -> str:
+    return ",".join(data_paths(paths)) if paths else "?"
 
 
 class PromptRenderer:
@@ -212,29 +294,52 @@ class PromptRenderer:
     mode "raw": record.prompt as is, tokenized with the tokenizer's special tokens (a messages
     record is an error: it needs a chat template). mode "chat": apply_chat_template(messages, or
     [{"role": "user", "content": prompt}], with an optional system prompt first,
-    add_generation_prompt=True), tokenized without adding special tokens again.
+    add_generation_prompt=True, **chat_template_kwargs), tokenized without adding special tokens
+    again. chat_template_kwargs (data.chat_template_kwargs, e.g. {"enable_thinking": False}) are
+    variables of the template; raw mode applies no template, so it refuses them.
     """
 
-    def __init__(self, tokenizer, mode: str = "raw", system_prompt: str | None = None):
+    def __init__(
+        self, tokenizer, mode: str = "raw", system_prompt: str | None = None, chat_template_kwargs: dict | None = None
+    ):
         if mode not in ("raw", "chat"):
             raise ValueError(f"prompt mode must be 'raw' or 'chat', got {mode!r}")
         if mode == "chat" and not getattr(tokenizer, "chat_template", None):
             raise ValueError("prompt mode 'chat' needs a tokenizer with a chat template")
+        if chat_template_kwargs and mode != "chat":
+            raise ValueError(
+                f"data.chat_template_kwargs {chat_template_kwargs} need data.prompt_mode=chat "
+                "(raw mode applies no template)"
+            )
         self.tokenizer, self.mode, self.system_prompt = tokenizer, mode, system_prompt
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
     def text(self, rec: PromptRecord) -> str:
         if self.mode == "raw":
             if rec.prompt is None:
-                raise ValueError(f"record {rec.id!r} has messages; use prompt mode 'chat'")
+                raise ValueError(
+                    "the prompt is a list of chat messages, which data.prompt_mode=raw cannot render as text: "
+                    "set data.prompt_mode=chat (the tokenizer's chat template)"
+                )
             return rec.prompt
         messages = rec.messages or [{"role": "user", "content": rec.prompt}]
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
+        )
 
     def token_ids(self, rec: PromptRecord) -> list[int]:
         # Chat templates write their own special tokens (bos etc.); adding them again would double them.
         return list(self.tokenizer(self.text(rec), add_special_tokens=self.mode == "raw")["input_ids"])
+
+    def decode(self, token_ids) -> str:
+        """Generated ids -> text, as the reward functions see it (special tokens such as eos dropped)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def decode_all(self, token_id_lists) -> list[str]:
+        """decode() of many completions in one tokenizer call (logging.rollouts, validation dumps)."""
+        return self.tokenizer.batch_decode([list(t) for t in token_id_lists], skip_special_tokens=True)
 
 
 class PromptSampler:
@@ -301,7 +406,8 @@ class PromptSampler:
 
 
 class PromptDataset:
-    """Records of one file plus a sampler over them: `next_batch(n=None)` -> list[PromptRecord].
+    """Records of one or several files (load_records) plus a sampler over them:
+    `next_batch(n=None)` -> list[PromptRecord].
 
     With a renderer and max_prompt_tokens, prompts over the limit are found here, at load
     (check_prompt_lengths): an error naming the first, or, with skip_long_prompts, dropped and
@@ -319,9 +425,11 @@ class PromptDataset:
         max_prompt_tokens: int = 0,
         skip_long_prompts: bool = False,
         limit_desc: str = "",
+        prompt_key: str = "",
+        answer_key: str = "",
     ):
         self.path = path
-        self.records = load_records(path)
+        self.records = load_records(path, prompt_key, answer_key)
         if limit:  # the first `limit` records: a smaller set is revisited more often (prompt history)
             self.records = self.records[:limit]
         self.skipped_long = 0
@@ -332,7 +440,7 @@ class PromptDataset:
         if len(self.records) < batch_size:
             skipped = f" ({self.skipped_long} skipped as too long)" if self.skipped_long else ""
             raise ValueError(
-                f"{path}: {len(self.records)} prompts{skipped}, fewer than one batch of {batch_size} "
+                f"{_describe(path)}: {len(self.records)} prompts{skipped}, fewer than one batch of {batch_size} "
                 "(trainer.prompts_per_step)"
             )
         self.sampler = PromptSampler(len(self.records), batch_size, seed, shuffle)

@@ -196,3 +196,53 @@ def write_task_data(task: str, out_dir: str, n_train: int = 20000, n_test: int =
         paths[name] = os.path.join(out_dir, f"{name}.jsonl")
         write_jsonl(records, paths[name])
     return paths
+
+
+LAYOUTS = ("native", "verl", "gsm8k", "math")
+
+
+def as_layout(records: list[dict], layout: str, data_source: str = "", split: str = "train") -> list[dict]:
+    """The bundled task's records ({id, prompt, answer, solution?}) in another community layout,
+    for tests and examples (data.py reads them all back to the same prompts and answers):
+      native  as they are (plus data_source when given)
+      verl    {data_source, prompt: [{role: user, content}], ability, reward_model: {style: rule,
+              ground_truth}, extra_info: {index, split}}: verl's own preprocessing output
+      gsm8k   {question, answer: "<solution>\\n#### <answer>"}
+      math    {problem, solution: "<solution> \\boxed{<answer>}"}
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; layouts: {LAYOUTS}")
+    out = []
+    for i, r in enumerate(records):
+        work = r.get("solution", "")
+        if layout == "native":
+            out.append(dict(r, data_source=data_source) if data_source else dict(r))
+        elif layout == "verl":
+            out.append(
+                {
+                    "data_source": data_source,
+                    "prompt": [{"role": "user", "content": r["prompt"]}],
+                    "ability": "arithmetic",
+                    "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+                    "extra_info": {"index": i, "split": split},
+                }
+            )
+        elif layout == "gsm8k":
+            out.append({"question": r["prompt"], "answer": f"{work}\n#### {r['answer']}"})
+        else:
+            out.append({"problem": r["prompt"], "solution": f"{work} \\boxed{{{r['answer']}}}"})
+    return out
+
+
+def write_parquet(records: list[dict], path: str) -> None:
+    """Write records as a Parquet table (verl's file format), atomically. Its columns are every
+    field any record has (a record without one gets null there: pyarrow's from_pylist alone would
+    keep only the first record's fields)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in records]), tmp)
+    os.replace(tmp, path)

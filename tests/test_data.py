@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -223,11 +224,12 @@ def test_records_remember_their_line_or_row(tmp_path):
     recs = load_records(
         _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a", "answer": "1"}, "", {"prompt": "b", "answer": "2"}])
     )
-    assert [r.source for r in recs] == ["line 1", "line 3"]
+    assert [r.source for r in recs] == [f"{tmp_path / 'p.jsonl'}:line 1", f"{tmp_path / 'p.jsonl'}:line 3"]
     pq.write_table(
         pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]), tmp_path / "p.parquet"
     )
-    assert [r.source for r in load_records(str(tmp_path / "p.parquet"))] == ["row 1", "row 2"]
+    parquet = tmp_path / "p.parquet"
+    assert [r.source for r in load_records(str(parquet))] == [f"{parquet}:row 1", f"{parquet}:row 2"]
 
 
 def test_long_prompts_are_found_at_load_naming_file_line_and_id(tmp_path, tiny_renderer):
@@ -310,3 +312,203 @@ def test_unreadable_files_are_named(tmp_path, name, content, needle):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: prompt file not found"):
         load_records(str(tmp_path / "nope.jsonl"))
+
+
+# ---- community layouts, file formats, several files (issue 19 item 1, issue 24's data cases) ----
+from megatron_dppo.tasks import as_layout, write_jsonl, write_parquet  # noqa: E402
+
+
+def _tasks(n=6):
+    """Both bundled tasks' native records (the reference every other layout must read back to)."""
+    return make_splits("add3", seed=1, train=n)["train"], make_splits("mulsteps", seed=1, train=n)["train"]
+
+
+def _save_dataset(rows, path, num_shards=1, splits=None):
+    """A real `datasets` save_to_disk dir (a Dataset, or a DatasetDict of `splits`)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    columns = list(dict.fromkeys(k for r in rows for k in r))  # from_list keeps only the first row's keys
+    rows = [{k: r.get(k) for k in columns} for r in rows]
+    if splits is None:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path), num_shards=num_shards)
+    else:
+        datasets.DatasetDict({s: datasets.Dataset.from_list(rows) for s in splits}).save_to_disk(str(path))
+    return str(path)
+
+
+def test_verl_parquet_of_both_tasks_reads_back_the_native_records(tmp_path):
+    add, mul = _tasks()
+    rows = as_layout(add, "verl", "add3") + as_layout(mul, "verl", "mulsteps")
+    write_parquet(rows, str(tmp_path / "verl.parquet"))
+    recs = load_records(str(tmp_path / "verl.parquet"))
+    native = add + mul
+    assert [r.messages for r in recs] == [[{"role": "user", "content": r["prompt"]}] for r in native]
+    assert [r.answer for r in recs] == [r["answer"] for r in native] and all(r.prompt is None for r in recs)
+    assert [r.data_source for r in recs] == ["add3"] * 6 + ["mulsteps"] * 6
+    # Stable ids from the record's own index and source; extra_info and the other columns are kept.
+    assert [r.id for r in recs] == [f"add3/{i}" for i in range(6)] + [f"mulsteps/{i}" for i in range(6)]
+    assert recs[7].extra_info == {"index": 1, "split": "train"}
+    assert recs[0].extra == {
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": add[0]["answer"]},
+    }
+
+
+@pytest.mark.parametrize("layout", ["native", "verl", "gsm8k", "math"])
+def test_every_layout_reads_the_same_from_jsonl_parquet_and_datasets_dirs(tmp_path, layout):
+    add, mul = _tasks()
+    native = add + mul
+    rows = as_layout(native, layout, "mix")
+    paths = [_write_jsonl(tmp_path / "d.jsonl", rows), str(tmp_path / "d.parquet")]
+    write_parquet(rows, paths[1])
+    paths.append(_save_dataset(rows, tmp_path / "ds", num_shards=3))  # shards are read in order
+    paths.append(_save_dataset(rows, tmp_path / "dd", splits=["train"]))  # a one-split DatasetDict
+    got = [load_records(p) for p in paths]
+    for recs in got:
+        assert recs == got[0], layout  # the record, not where it came from (source is not compared)
+        assert [r.answer for r in recs] == [r["answer"] for r in native]
+        assert [r.prompt or r.messages[0]["content"] for r in recs] == [r["prompt"] for r in native]
+    assert got[2][4].source == f"{paths[2]}:row 5"
+
+
+def test_datasets_dirs_that_cannot_be_read_are_named(tmp_path):
+    add, _ = _tasks()
+    two = _save_dataset(add, tmp_path / "two", splits=["train", "test"])
+    with pytest.raises(ValueError, match=r"two: a datasets DatasetDict with splits \['train', 'test'\]: point at one"):
+        load_records(two)
+    assert [r.answer for r in load_records(str(tmp_path / "two" / "test"))] == [r["answer"] for r in add]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"plain: a directory, but not a dataset saved with datasets' save_to_disk"):
+        load_records(str(tmp_path / "plain"))
+    one = _save_dataset(add, tmp_path / "one")
+    shard = next((tmp_path / "one").glob("data-*.arrow"))
+    shard.write_bytes(shard.read_bytes()[:40])
+    with pytest.raises(ValueError, match=r"data-00000-of-00001\.arrow: cannot read as an Arrow stream"):
+        load_records(one)
+
+
+def test_prompt_and_answer_keys_read_any_layout(tmp_path):
+    rows = [{"q": {"text": f"{i}+1="}, "gt": {"value": i + 1}, "data_source": "custom", "level": i} for i in range(3)]
+    path = _write_jsonl(tmp_path / "c.jsonl", rows)
+    recs = load_records(path, prompt_key="q.text", answer_key="gt.value")
+    assert [(r.prompt, r.answer, r.data_source) for r in recs] == [(f"{i}+1=", str(i + 1), "custom") for i in range(3)]
+    assert recs[0].extra == {"q": {"text": "0+1="}, "gt": {"value": 1}, "level": 0}  # nested fields stay
+    # A key overrides one field of a detected layout: verl's prompt from another column.
+    verl = as_layout(_tasks()[0], "verl", "add3")
+    for r in verl:
+        r["raw_text"] = r["prompt"][0]["content"]
+    write_parquet(verl, str(tmp_path / "v.parquet"))
+    recs = load_records(str(tmp_path / "v.parquet"), prompt_key="raw_text")
+    assert recs[0].prompt == verl[0]["raw_text"] and recs[0].answer == verl[0]["reward_model"]["ground_truth"]
+
+
+@pytest.mark.parametrize(
+    "row, keys, needle",
+    [
+        # missing prompt: the fields the row has are named
+        ({"text": "1+1=", "answer": "2"}, {}, r"missing field 'prompt' .* \(the row has fields \['answer', 'text'\]\)"),
+        # a ground truth of the wrong type
+        (
+            {"data_source": "s", "prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": [1]}},
+            {},
+            r"'reward_model\.ground_truth' must be a string or a number, got list",
+        ),
+        ({"prompt": "1+1=", "answer": {"v": 2}}, {}, r"'answer' must be a string or a number, got dict"),
+        # a dotted key that is absent, at the first level and deeper
+        (
+            {"prompt": "1+1=", "reward_model": {"style": "rule"}},
+            {"answer_key": "reward_model.ground_truth"},
+            r"data\.answer_key 'reward_model\.ground_truth' is absent: no 'ground_truth' in 'reward_model' "
+            r"\(it has \['style'\]\)",
+        ),
+        (
+            {"prompt": "1+1=", "answer": "2"},
+            {"prompt_key": "question.text"},
+            r"data\.prompt_key 'question\.text' is absent",
+        ),
+        ({"messages": "hi", "answer": "2"}, {}, r"'messages' must be a non-empty list"),
+        ({"prompt": "1+1=", "answer": "2", "extra_info": [1]}, {}, r"'extra_info' must be a mapping"),
+    ],
+)
+def test_bad_rows_are_one_line_errors_naming_file_row_and_key(tmp_path, row, keys, needle):
+    good = {"prompt": "0+0=", "answer": "0"}
+    write_parquet([row], str(tmp_path / "bad.parquet"))  # (a Parquet column has one type in all rows)
+    lines = [row] if keys else [good, good, row]  # (good rows lack the keys' fields)
+    for path in (_write_jsonl(tmp_path / "bad.jsonl", lines), str(tmp_path / "bad.parquet")):
+        with pytest.raises(ValueError) as e:
+            load_records(path, **keys)
+        msg = str(e.value)
+        where = f"line {len(lines)}" if path.endswith(".jsonl") else "row 1"
+        assert msg.startswith(f"{path}:{where}: ") and "\n" not in msg, msg
+        assert re.search(needle, msg), msg
+
+
+def test_a_verl_row_with_an_answer_column_is_read_as_verl(tmp_path):
+    """Issue 24: a verl row that also has an `answer` column gave "prompt text must be a non-empty
+    string". The ground truth is reward_model's; the answer column stays in extra."""
+    row = as_layout(_tasks()[0][:1], "verl", "add3")[0]
+    row["answer"] = "the worked answer"
+    (rec,) = load_records(_write_jsonl(tmp_path / "v.jsonl", [row]))
+    assert rec.answer == row["reward_model"]["ground_truth"] and rec.extra["answer"] == "the worked answer"
+
+
+def test_a_messages_record_in_raw_mode_names_file_line_and_key(tmp_path, tiny_renderer):
+    path = _write_jsonl(
+        tmp_path / "m.jsonl",
+        [{"prompt": "1+2=", "answer": "3"}, {"messages": [{"role": "user", "content": "1+2="}], "answer": "3"}],
+    )
+    recs = load_records(path)
+    with pytest.raises(ValueError) as e:
+        check_prompt_lengths(recs, tiny_renderer, 20, path)
+    assert str(e.value) == (
+        f"{path}:line 2 (id {recs[1].id}): the prompt is a list of chat messages, which data.prompt_mode=raw cannot "
+        "render as text: set data.prompt_mode=chat (the tokenizer's chat template)"
+    )
+
+
+def test_several_training_files_are_concatenated_and_sampled_together(tmp_path):
+    add, mul = _tasks(10)
+    a = _write_jsonl(tmp_path / "add.jsonl", add)
+    m = str(tmp_path / "mul.parquet")
+    write_parquet(as_layout(mul, "verl", "mulsteps"), m)
+    as_list = load_records([a, m])
+    assert load_records(f"{a}, {m}") == as_list  # the comma-separated form
+    assert [r.id for r in as_list] == [r["id"] for r in add] + [f"mulsteps/{i}" for i in range(10)]
+    ds = PromptDataset([a, m], batch_size=5, seed=4)
+    epoch = [r.id for _ in range(4) for r in ds.next_batch()]  # 4 draws of 5 = one epoch of 20
+    assert sorted(epoch) == sorted(r.id for r in as_list)  # each file in proportion to its size
+    # Explicit ids must be unique over all files (prompt history would mix them).
+    write_jsonl(add[:2], str(tmp_path / "again.jsonl"))
+    with pytest.raises(ValueError, match=rf"again\.jsonl:line 1: duplicate id 'add3-000000' \(first at {a}:line 1\)"):
+        load_records([a, str(tmp_path / "again.jsonl")])
+    with pytest.raises(ValueError, match="no prompt file"):
+        load_records(" , ")
+
+
+def test_chat_template_kwargs_reach_the_template_and_thinking_off_differs_as_designed(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+    rec = parse_record({"prompt": "12+34=", "answer": "46"})
+    raw = PromptRenderer(tok, "raw").token_ids(rec)
+    assert raw == [tok.bos_token_id] + [tok.convert_tokens_to_ids(c) for c in "12+34="]  # the main job's ids
+    assert PromptRenderer(tok, "chat").token_ids(rec) == raw
+    assert PromptRenderer(tok, "chat", chat_template_kwargs={"enable_thinking": True}).token_ids(rec) == raw
+    off = PromptRenderer(tok, "chat", chat_template_kwargs={"enable_thinking": False})
+    # Thinking off: the generation prompt ends with an empty thinking block "()" (Qwen3: <think>\n\n</think>\n\n).
+    assert off.text(rec) == "<bos>12+34=()"
+    assert off.token_ids(rec) == raw + [tok.convert_tokens_to_ids("("), tok.convert_tokens_to_ids(")")]
+    with pytest.raises(ValueError, match="data.chat_template_kwargs .* need data.prompt_mode=chat"):
+        PromptRenderer(tok, "raw", chat_template_kwargs={"enable_thinking": False})
+    # The committed longtail tokenizer has the same template.
+    longtail = AutoTokenizer.from_pretrained(str(Path(TINY_MODEL).parent / "longtail" / "model"))
+    assert longtail.chat_template == tok.chat_template
+
+
+def test_renderer_decodes_completions_as_rewards_see_them(tiny_renderer):
+    tok = tiny_renderer.tokenizer
+    ids = tok("579", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tiny_renderer.decode(ids) == "579" == tok.decode(ids, skip_special_tokens=True)
+    assert tiny_renderer.decode_all([ids, ids[:1]]) == ["579", "5"]

@@ -9,7 +9,8 @@
 2. A character-level tokenizer wrapped as a transformers fast tokenizer: 21 symbols, plus the
    task's extra characters (mulsteps: ':' and ','). It prepends <bos> to every encoded text (so
    vLLM, which tokenizes with special tokens, sees the same ids as training), and its chat
-   template just concatenates message contents after <bos>.
+   template just concatenates message contents after <bos> (with enable_thinking=false it
+   appends an empty thinking block "()": CHAT_TEMPLATE).
 3. A random Qwen3ForCausalLM (hidden 128, 3 layers, 4 query / 2 KV heads, head_dim 32 which vLLM's
    CPU attention accepts, intermediate 512, tied embeddings: 0.74M parameters, fp32).
 4. A supervised warm-up on "<bos>123+456=" -> "579<eos>" (the solution, for worked tasks; loss
@@ -42,7 +43,16 @@ from megatron_dppo.tasks import get_task, make_splits, write_jsonl  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 SYMBOLS = list("0123456789") + list("+-*/=()")
-CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# <bos> + the message contents (so chat mode gives the raw ids the model was trained on). With
+# enable_thinking=false (data.chat_template_kwargs) the generation prompt ends with an empty
+# thinking block, as Qwen3's template appends "<think>\n\n</think>\n\n": here "()", the only
+# bracket pair the 21-symbol vocabulary has (its embedding has exactly 21 rows, so no token can
+# be added without new weights). The model never saw "()" after a prompt: the point is that the
+# switch reaches the template, and tests can show both renderings.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    "{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}(){% endif %}"
+)
 
 # Where each task's assets go and how long its sequences get (prompt + solution + <bos>/<eos>).
 TASK_LAYOUT = {

@@ -57,7 +57,7 @@ NamedTensor = tuple[str, torch.Tensor]
 
 @dataclass
 class Completion:
-    token_ids: list[int]  # ends with the eos token when finish_reason == "stop"
+    token_ids: list[int]  # finish_reason "stop": ends with eos, or with the tokens of a stop string
     logprobs: list[float]  # log-prob of each sampled token (see `logprobs_mode`)
     finish_reason: str  # "stop" (eos) or "length" (max_new_tokens reached)
 
@@ -171,6 +171,8 @@ class RolloutEngine:
         top_p: float = 1.0,
         seed: int = 0,
         seeds: Sequence[int] | None = None,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
         **sampling_kwargs,
     ) -> list[list[Completion]]:
         """n completions for each prompt, in prompt order: result[i][k] is completion k of prompt i.
@@ -181,7 +183,14 @@ class RolloutEngine:
         on which rank or engine generates it), else `request_seed(seed, i)`: the same call gives
         the same tokens, whatever else is in the batch and on every TP rank. `temperature=0` is
         greedy (vLLM then requires n=1). A completion that would run past max_model_len is cut
-        there ("length"). Extra keyword arguments go to SamplingParams (top_k, min_tokens, ...).
+        there ("length"). top_k=0 samples from all tokens. Extra keyword arguments go to
+        SamplingParams (min_tokens, ...).
+
+        `stop` strings end a completion once its text contains one (finish_reason "stop", no eos
+        appended). vLLM then cuts the stop string from its text but keeps, in token_ids and
+        logprobs, every token up to the one that completed it (and drops any after it): the ids
+        are what was sampled, so training and scoring (both decode the ids) see the stop string
+        at the end. vLLM can only match stop strings on text: with `stop` it detokenizes.
         """
         from vllm import SamplingParams
 
@@ -197,8 +206,10 @@ class RolloutEngine:
                 temperature=temperature,
                 top_p=top_p,
                 seed=int(seeds[i]),
+                top_k=top_k,
+                stop=list(stop) if stop else None,
                 logprobs=0,  # only the sampled token's log-prob
-                detokenize=False,  # the trainer decodes what it needs itself
+                detokenize=bool(stop),  # the trainer decodes what it needs itself; stop strings need text
                 **sampling_kwargs,
             )
             for i in range(len(prompt_token_ids))
