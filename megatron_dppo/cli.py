@@ -38,6 +38,7 @@ def _verify_unbiased(args) -> int:
                 max_resample_rounds=args.max_resample_rounds,
                 refill_by=args.refill_by,
                 fixed_order=args.fixed_order,
+                overlong_filter=args.overlong_filter,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -189,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--fixed-order",
         action="store_true",
         help="dynamic sampling: keep one stream order instead of shuffling it per draw",
+    )
+    v.add_argument(
+        "--overlong-filter",
+        action="store_true",
+        help="DAPO's overlong filter: completions that hit the length budget get no loss (both sides)",
     )
     v.set_defaults(func=_verify_unbiased)
     return parser

@@ -100,6 +100,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_estimator: KlEstimator = "k3"
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
+    overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3
 
 
@@ -175,6 +176,7 @@ class TrainerConfig:
     eval_every: int = 10  # 0 = no evaluation
     eval_size: int = 200
     save_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM)
+    save_hf_every: int = 0  # steps between HF model dirs written to <run dir>/hf/step_N/ (and one at the end); 0 = none
     keep_checkpoints: int = 2
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
 
@@ -345,6 +347,7 @@ def validate(cfg: Config) -> Config:
         ("trainer.eval_every", t.eval_every >= 0, "an integer >= 0 (0 = no evaluation)"),
         ("trainer.eval_size", t.eval_size >= 1, "an integer >= 1"),
         ("trainer.save_every", t.save_every >= 0, "an integer >= 0 (0 = only at the end and on SIGTERM)"),
+        ("trainer.save_hf_every", t.save_hf_every >= 0, "an integer >= 0 (0 = no HF model dirs)"),
         ("trainer.keep_checkpoints", t.keep_checkpoints >= 1, "an integer >= 1"),
         ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),

@@ -33,7 +33,8 @@ from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.config import Config, resolve, save_config
-from megatron_dppo.data import PromptDataset, PromptRenderer, check_prompt_lengths, load_records
+from megatron_dppo.data import PromptDataset, PromptRenderer
+from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_validation
 from megatron_dppo.process import malloc_trim, rank_prefix
 from megatron_dppo.profiling import PHASES
 from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
@@ -133,7 +134,9 @@ class Trainer:
         self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
-        self.renderer = PromptRenderer(self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None)
+        self.renderer = PromptRenderer(
+            self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
+        )
         limit = dict(
             max_prompt_tokens=rc.max_model_len - rc.max_new_tokens,
             skip=cfg.data.skip_long_prompts,
@@ -149,11 +152,10 @@ class Trainer:
             max_prompt_tokens=limit["max_prompt_tokens"],
             skip_long_prompts=limit["skip"],
             limit_desc=limit["limit_desc"],
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
         )
-        self.eval_records = []
-        if cfg.data.eval:
-            records = load_records(cfg.data.eval)[: tc.eval_size]
-            self.eval_records, _ = check_prompt_lengths(records, self.renderer, path=cfg.data.eval, **limit)
+        self.eval_sets = load_eval_sets(cfg, self.renderer, **limit)
 
     def _resolve(self, cfg: Config, resume: bool, overwrite: bool) -> None:
         """One resolution step: from here on the config is complete and is what runs."""
@@ -236,6 +238,9 @@ class Trainer:
             tensor_parallel_size=cfg.parallel.rollout_tp,
             context=suspend_cpu_compat,
             load_format="dummy",
+            # log-probs of the distribution actually sampled (temperature, top-p/top-k applied): what
+            # the Megatron policy's log-probs at the sampling temperature are compared with
+            logprobs_mode="processed_logprobs",
         )
         self.engine_init_s = time.perf_counter() - t0
         return engine
@@ -360,6 +365,8 @@ class Trainer:
             max_new_tokens=rc.max_new_tokens,
             temperature=rc.temperature,
             top_p=rc.top_p,
+            top_k=rc.top_k,
+            stop=rc.stop or None,
             seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
         )
 
@@ -487,28 +494,27 @@ class Trainer:
                 for row in g.rollout_rows(decode):
                     f.write(json.dumps({"step": step, **row}) + "\n")
 
-    def evaluate(self) -> float:
-        """Greedy pass@1 on the held-out prompts, split over the engines like a rollout."""
-        if not self.eval_records:
-            return float("nan")
-        per = math.ceil(len(self.eval_records) / self.num_engines)
-        mine = self.eval_records[self.engine_index * per : (self.engine_index + 1) * per]
-        outs = (
-            self.engine.generate(
-                [self.renderer.token_ids(r) for r in mine],
-                n=1,
-                max_new_tokens=self.cfg.rollout.max_new_tokens,
-                temperature=0.0,
-            )
-            if mine
-            else []
+    def evaluate(self, step: int) -> dict:
+        """The eval: sets (megatron_dppo/evaluation.py), split over the engines like a rollout;
+        collective. {val/<set>/<source>/<metric>, eval/accuracy} on every rank; {} without sets.
+        Rewards are the scorer's own (no overlong shaping: it is not a verdict)."""
+        if not self.eval_sets:
+            return {}
+        rc = self.cfg.rollout
+        return run_validation(
+            self.eval_sets,
+            generate=engine_generate(self.engine, rc.max_new_tokens, rc.stop),
+            scorer=self.scorer,
+            renderer=self.renderer,
+            cfg=self.cfg.eval,
+            step=step,
+            dump_dir=os.path.join(self.run_dir, "val"),
+            seed=self.cfg.trainer.seed,
+            engine_index=self.engine_index,
+            num_engines=self.num_engines,
+            engine_leader=self.engine_leader,
+            is_main=self.is_main,
         )
-        correct = 0
-        if self.engine_leader and mine:
-            texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in outs]
-            rewards, _ = self.scorer.score(texts, [r.answer for r in mine], mine)
-            correct = sum(1 for x in rewards if x >= 1.0 - 1e-6)
-        return sum(mdist.all_gather_objects(correct)) / len(self.eval_records)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -523,6 +529,16 @@ class Trainer:
             keep_last=self.cfg.trainer.keep_checkpoints,
             extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
         )
+
+    def save_hf(self, step: int) -> str:
+        """<run dir>/hf/step_N/: the policy as an HF model directory (gathered from every TP/PP rank),
+        loadable by transformers and vLLM with no other tool. Collective."""
+        from megatron_dppo.megatron.checkpoint import step_dir_name
+        from megatron_dppo.megatron.weights import save_hf_checkpoint
+
+        out = os.path.join(self.run_dir, "hf", step_dir_name(step))
+        save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+        return out
 
     def _resume(self) -> None:
         from megatron_dppo.megatron.checkpoint import latest_checkpoint, load_checkpoint
@@ -555,9 +571,10 @@ class Trainer:
                 f"rollout engine started in {self.engine_init_s:.1f}s{skipped}"
             )
         if self.first_step == 1 and tc.eval_every:
-            acc = self.evaluate()
-            self.logger.log({"step": 0, "eval/accuracy": acc})
-            rows.append({"step": 0, "eval/accuracy": acc})
+            row = {"step": 0, **self.evaluate(0)}
+            if len(row) > 1:
+                self.logger.log(row)
+                rows.append(row)
         self.last_step = self.first_step - 1
         with _stop_on_signals() as stop:
             for step in range(self.first_step, tc.max_steps + 1):
@@ -568,7 +585,7 @@ class Trainer:
                 final = step == tc.max_steps or mdist.agree(out_of_time) or signalled
                 if tc.eval_every and (step % tc.eval_every == 0 or final) and not signalled:
                     t_eval = time.perf_counter()
-                    m["eval/accuracy"] = self.evaluate()
+                    m.update(self.evaluate(step))
                     m["time/eval"] = time.perf_counter() - t_eval
                 self.logger.log(m)
                 rows.append(m)
@@ -576,6 +593,8 @@ class Trainer:
                     malloc_trim()
                 if (tc.save_every and step % tc.save_every == 0) or final:
                     self.save(step)
+                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
+                    self.save_hf(step)
                 if signalled:
                     self.logger.message(
                         f"stopping after step {step} on {stop.name}: checkpoint saved; continue with --resume"

@@ -51,6 +51,7 @@ class CheckConfig:
     kl_coef: float = 0.0
     ratio_noise: float = 0.3  # spread of log(pi/pi_old) so that clipping is active
     max_len: int = 16
+    overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
     dim: int = 16
     draws: int = 4000
     seed: int = 0
@@ -89,6 +90,7 @@ class CheckResult:
         verdict = "UNBIASED" if self.unbiased else "BIASED"
         return (
             f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} "
+            f"{'overlong filter ' if cfg.overlong_filter else ''}"
             f"kept prompts {self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | "
             f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), "
             f"max|z| {self.max_z:6.2f} (limit {self.z_threshold:.2f}) | "
@@ -166,6 +168,7 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     c = Config()
     c.algorithm.advantage, c.algorithm.loss_agg, c.algorithm.kl_coef = cfg.advantage, cfg.loss_agg, cfg.kl_coef
     c.algorithm.dynamic_sampling, c.algorithm.max_resample_rounds = dynamic_sampling, cfg.max_resample_rounds
+    c.algorithm.overlong_filter = cfg.overlong_filter
     c.pruning.r_q, c.pruning.r_o = cfg.r_q, cfg.r_o
     c.pruning.drop_zero_variance = cfg.kl_coef == 0  # config.resolve's default
     c.trainer.prompts_per_step = cfg.num_prompts
@@ -173,8 +176,9 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     return batch.Method.from_config(c, strategy)
 
 
-def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor):
-    """The trainer's rollout callback, answered from fixed rewards and completion lengths."""
+def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor, max_len: int):
+    """The trainer's rollout callback, answered from fixed rewards and completion lengths (a
+    completion of max_len tokens ran into the budget: truncated)."""
 
     def rollout(rnd: int, items: list[tuple]) -> list[Group]:
         return [
@@ -186,6 +190,7 @@ def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor):
                 completions=[[0] * int(n) for n in lengths[rec.index]],
                 rewards=rewards[rec.index].tolist(),
                 prompt_weight=w_q,
+                truncated=[int(n) >= max_len for n in lengths[rec.index]],
             )
             for rec, slot, w_q in items
         ]
@@ -228,7 +233,11 @@ def _trainers_draw(cfg, method, strategy, next_batch, stats_of, rollout, gen, ja
 def _direct_gradient(cfg, seq_w, lengths, w_q_rolled, rolled, seq_index, seq_len, J):
     """A reference computed without the planning module: sequence weights seq_w [N, G] (every
     prompt of the synthetic step or stream) over the full batch's denominator (B prompts;
-    token-mean over the tokens of the rolled-out ones, `rolled`, weighted by w_q_rolled)."""
+    token-mean over the tokens of the rolled-out ones, `rolled`, weighted by w_q_rolled). With the
+    overlong filter, truncated completions (max_len tokens) carry no weight and no tokens."""
+    if cfg.overlong_filter:
+        kept = lengths < cfg.max_len
+        seq_w, lengths = seq_w * kept, lengths * kept
     denom = losses.full_batch_denominator(
         cfg.loss_agg,
         num_prompts=cfg.num_prompts,
@@ -281,7 +290,7 @@ def run_check(cfg: CheckConfig) -> CheckResult:
     method = _method(cfg, strategy, dynamic_sampling=False)
     method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
     prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
-    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths)
+    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, cfg.max_len)
     nonzero_group = drop_zero_variance_groups(adv) if cfg.kl_coef == 0 else torch.ones(B, dtype=torch.bool)
     grads, grads_uniform, kept_q, kept_o = [], [], 0.0, 0.0
     for _ in range(cfg.draws):
@@ -436,7 +445,7 @@ def run_dynamic_check(cfg: CheckConfig) -> DynamicCheckResult:
         )
     J, seq_index, seq_len = _token_loss_jacobian(cfg, adv, lengths, gen)
     prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(n_stream)]
-    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths)
+    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, cfg.max_len)
 
     def unpruned_dapo(order):
         return _unpruned_dapo(cfg, order, informative, lengths, (seq_index, seq_len, J))

@@ -158,6 +158,25 @@ def test_denominators_equal_their_formulas(agg):
     assert batch.denominator(kept, groups, num_prompts=3) == expected_kept[agg]
 
 
+@pytest.mark.parametrize("agg", losses.LOSS_AGGS)
+def test_overlong_filter_drops_truncated_completions_and_their_tokens(agg):
+    """docs/algorithm.md: a truncated completion trains with weight 0; token-mean's full-batch
+    normaliser counts only untruncated tokens; the per-sequence normalisers (B*G, B*G*Lmax) keep
+    every completion, the truncated ones as zero-loss members."""
+    method = batch.Method.from_config(
+        _config(algorithm__loss_agg=agg, algorithm__overlong_filter=True), get_strategy("none")
+    )
+    g = _group([1, 0, 1, 0], [3, 8, 8, 2])
+    g.truncated = [False, True, True, False]
+    trained, _ = batch.select_groups(method, [g], num_drawn=1, filled=0.0)
+    batch.weigh_completions(method, get_strategy("none"), trained, torch.Generator())
+    assert g.completion_weights == [1.0, 0.0, 0.0, 1.0] and g.loss_lengths() == [3, 0, 0, 2]
+    plan = batch.plan_minibatches(method, trained, num_drawn=1)[0]
+    assert len(plan.samples) == 2
+    expected = {"token-mean": 5, "seq-mean-token-mean": 4, "seq-mean-token-sum-norm": 4 * 8}[agg]
+    assert plan.denominator == expected
+
+
 def test_plan_skips_minibatches_with_nothing_to_train():
     method = batch.Method.from_config(_config(trainer__minibatches_per_step=2), get_strategy("none"))
     groups = [_group([1, 0, 0, 0], [1] * 4), _group([1, 0, 0, 1], [2] * 4, slot=3)]

@@ -385,3 +385,55 @@ def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path, 
     assert res.returncode == 1
     assert re.search(message, res.stderr), res.stderr[-2000:]
     assert "Traceback" not in res.stderr  # one line, naming the key (a traceback only with --debug)
+
+
+def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_path):
+    """Both bundled tasks as one verl-layout Parquet (two data sources, each with its own reward:
+    a user function given by file path returning a dict with extras, and a module function),
+    chat-rendered, trained 3 steps and validated with sampling (avg@4, pass@k, maj@4 per source);
+    the logged val/ rows equal a recomputation from the validation dump."""
+    from megatron_dppo import tasks
+    from megatron_dppo.evaluation import metrics_from_rows, read_dump
+
+    tiny = REPO / "examples" / "tiny"
+
+    def verl(path, n, source):
+        return tasks.as_layout([json.loads(line) for line in open(path)][:n], "verl", source)
+
+    def interleaved(a, b):
+        return [r for pair in zip(a, b) for r in pair]
+
+    train = interleaved(verl(tiny / "data/train.jsonl", 8, "add3"), verl(tiny / "longtail/train.jsonl", 8, "mulsteps"))
+    val = interleaved(verl(tiny / "data/test.jsonl", 4, "add3"), verl(tiny / "longtail/test.jsonl", 4, "mulsteps"))
+    tasks.write_parquet(train, str(tmp_path / "train.parquet"))
+    tasks.write_parquet(val, str(tmp_path / "val.parquet"))
+    run(
+        train_cmd(
+            tmp_path,
+            "verl",
+            f"model.hf_dir={tiny / 'longtail' / 'model'}",
+            f"data.train={tmp_path / 'train.parquet'}",
+            "data.eval=",
+            "data.prompt_mode=chat",
+            f"eval.sets.val={tmp_path / 'val.parquet'}",
+            "eval.n=4",
+            "eval.temperature=1.0",
+            "eval.pass_k=[1,2,4]",
+            "trainer.eval_every=3",
+            "trainer.max_steps=3",
+            "rollout.max_new_tokens=40",
+            "rollout.max_model_len=64",
+            f"reward.by_source.add3={REPO / 'tests' / 'trainer_rewards.py'}:exact_with_extras",
+            "reward.by_source.mulsteps=megatron_dppo.tasks:final_answer_reward",
+        )
+    )
+    rows = metrics(tmp_path, "verl")
+    assert all(f"reward/{src}/mean" in rows[s] for s in (1, 2, 3) for src in ("add3", "mulsteps")), rows[1].keys()
+    assert "reward/add3/exact" in rows[1] and "reward/mulsteps/exact" not in rows[1]  # the dict reward's extra
+    logged = {k: v for k, v in rows[3].items() if k.startswith("val/")}
+    recomputed = metrics_from_rows(read_dump(str(tmp_path / "verl" / "val" / "step_000003.jsonl")), [1, 2, 4], "val")
+    assert {k for k in recomputed if k.startswith("val/")} == logged.keys()
+    assert all(abs(logged[k] - recomputed[k]) < 1e-12 for k in logged)
+    for src in ("add3", "mulsteps", "all"):
+        assert {f"val/val/{src}/{m}" for m in ("avg@4", "maj@4", "pass@1", "pass@2", "pass@4")} <= logged.keys()
+    assert rows[3]["eval/accuracy"] == logged["val/val/all/avg@4"]

@@ -191,8 +191,23 @@ def test_dp2_one_engine_per_rank_equals_one_process(work, tmp_path):
 
 def test_tp2_one_engine_over_both_ranks_equals_one_process(work, tmp_path):
     root, model = work
-    run(train_cmd(root, "tp2", model, 2, "parallel.tp=2", "parallel.rollout_tp=2"))
+    run(train_cmd(root, "tp2", model, 2, "parallel.tp=2", "parallel.rollout_tp=2", f"trainer.save_hf_every={STEPS}"))
     assert_same_run(root / "ref", root / "tp2", tmp_path)
+    # The HF model dir written while training (gathered from both TP ranks) holds exactly the
+    # checkpoint's weights, and transformers loads it as it is, tokenizer and chat template too.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = root / "tp2" / "hf" / f"step_{STEPS:06d}"
+    written = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
+    converted = final_weights(root / "tp2", tmp_path)
+    assert written.keys() == converted.keys() and all(torch.equal(written[k], converted[k]) for k in written)
+    loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(hf).apply_chat_template([{"role": "user", "content": "12+34="}], tokenize=True)
+    ids = torch.tensor([ids["input_ids"] if isinstance(ids, dict) else ids])
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    reference.load_state_dict({**reference.state_dict(), **converted}, strict=True)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_pp2_equals_one_process(work, tmp_path):

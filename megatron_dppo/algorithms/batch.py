@@ -49,6 +49,8 @@ class Method:
         (a strategy that replaces what it skips: GRESO).
     drop_uninformative: zero-variance groups are not trained at all (DAPO's filter, GRESO's).
     drop_zero_variance: zero-variance groups get weight 0 (exact only without a KL term).
+    overlong_filter: truncated completions get weight 0 and no loss tokens (DAPO's overlong
+        filtering; docs/algorithm.md says what it does to each aggregation's denominator).
     denominator: "full" (the unpruned batch's normaliser, DPPO.md section 4), "refill" (the
         trained groups' weights stand for the unpruned DAPO batch) or "kept" (what was trained,
         CPPO as published).
@@ -70,6 +72,7 @@ class Method:
     redraw_skipped: bool
     drop_uninformative: bool
     drop_zero_variance: bool
+    overlong_filter: bool
     denominator: str
     needs_reference: bool
 
@@ -98,6 +101,7 @@ class Method:
             redraw_skipped=strategy.refills,
             drop_uninformative=a.dynamic_sampling or strategy.filters_zero_variance,
             drop_zero_variance=bool(p.drop_zero_variance),
+            overlong_filter=a.overlong_filter,
             denominator=denominator,
             needs_reference=a.kl_coef > 0,
         )
@@ -236,6 +240,11 @@ def weigh_completions(
     w_o = w_o * keep
     if method.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
         w_o = w_o * drop_zero_variance_groups(adv)[:, None]
+    if method.overlong_filter:  # after the advantages: truncated completions still count in their group's
+        truncated = torch.tensor([g.truncated for g in groups], dtype=torch.bool).reshape(w_o.shape)
+        w_o = w_o * ~truncated
+        for g in groups:  # and their tokens leave the token-mean normaliser of the full batch too
+            g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.completion_lengths())]
     for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
         g.advantages, g.completion_weights = a, w
     seq_w = sequence_weights(groups)

@@ -8,9 +8,15 @@ by unit keeps a large model's export from ever holding the whole model on one ra
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shutil
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from safetensors.torch import save_file
 
 from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron.model import current_device
@@ -207,3 +213,43 @@ def hf_grads(ddp, layout) -> dict:
     for unit, full in full_units(_reduced_main_grads(ddp), layout):
         out.update(unit_to_hf(unit, full, layout))
     return out
+
+
+def save_hf_checkpoint(buckets, out_dir: str, source_hf_dir: str, is_main: bool, max_shard_bytes: int = 2 * 10**9):
+    """An HF model directory of the policy's current weights: safetensors shards + index, the
+    source model's config.json, tokenizer and chat template; loadable by transformers and vLLM as
+    it is. buckets: policy.hf_weight_buckets() (collective: every rank iterates it, rank 0 writes).
+    All or nothing: written beside out_dir and renamed into place (convert/hf_io.staged_output_dir)."""
+    from megatron_dppo.convert.hf_io import INDEX, copy_assets, staged_output_dir
+
+    staging = staged_output_dir(out_dir) if is_main else contextlib.nullcontext()
+    with staging as stage:
+        shard, size, files, weight_map, total = {}, 0, [], {}, 0
+
+        def flush():
+            nonlocal shard, size
+            if shard and is_main:
+                name = f"shard-{len(files):05d}.safetensors"
+                save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(stage, name), {"format": "pt"})
+                files.append((name, list(shard)))
+            shard, size = {}, 0
+
+        for bucket in buckets:
+            for name, tensor in bucket:
+                if is_main:
+                    shard[name] = tensor.detach().cpu()
+                    size += tensor.numel() * tensor.element_size()
+                    total += tensor.numel() * tensor.element_size()
+                if size >= max_shard_bytes:
+                    flush()
+        flush()
+        if not is_main:
+            return
+        for i, (name, names) in enumerate(files):  # HF's naming, now that the count is known
+            final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            os.rename(os.path.join(stage, name), os.path.join(stage, final))
+            weight_map.update({n: final for n in names})
+        with open(os.path.join(stage, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        shutil.copyfile(os.path.join(source_hf_dir, "config.json"), os.path.join(stage, "config.json"))
+        copy_assets(source_hf_dir, stage)
