@@ -91,7 +91,15 @@ class Trainer:
         slow; the config resolved before it is read; the parallel state before the policy; the
         vLLM engine after the policy and BEFORE any weights are loaded (it starts with dummy
         weights and reseeds the global RNGs, so the RNG is seeded or restored after it), then the
-        policy's weights (HF, model.init_checkpoint or the run's checkpoint) synced into it."""
+        policy's weights (HF, model.init_checkpoint or the run's checkpoint) synced into it. A
+        failure on the way closes what was started (reward workers, the engine, process groups)."""
+        try:
+            self._start(cfg, resume, overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, cfg: Config, resume: bool, overwrite: bool) -> None:
         from megatron_dppo.megatron import initialize_parallel
 
         self._load_inputs(cfg)
@@ -610,12 +618,12 @@ class Trainer:
         return rows
 
     def close(self) -> None:
+        """Safe on a trainer whose start-up failed half-way: closes whatever was started."""
         from megatron_dppo.megatron import destroy_parallel
 
-        self.scorer.close()
-        self.engine.close()
-        if getattr(self, "logger", None) is not None:
-            self.logger.close()
+        for part in ("scorer", "engine", "logger"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
         destroy_parallel()
 
 

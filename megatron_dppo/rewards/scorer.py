@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing as mp
 import time
+import weakref
 from collections import deque
 from multiprocessing.connection import wait
 
@@ -189,6 +191,10 @@ class RewardScorer:
         self._check_times = _CheckTimes()
         self._next_task_id = 0
         self._closed = False
+        # Workers ignore SIGTERM (signals.py), so multiprocessing's own exit hook, which terminates
+        # daemonic children with SIGTERM and then joins them, would wait forever for a scorer that
+        # nobody closed (a trainer that failed during start-up): close it first, at exit.
+        atexit.register(_close_at_exit, weakref.ref(self))
         self._wait_ready()
 
     @classmethod
@@ -389,11 +395,17 @@ class RewardScorer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
-
     def __del__(self):
         try:
             self.close()
         except Exception:
             pass
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _close_at_exit(ref) -> None:
+    scorer = ref()
+    if scorer is not None:
+        scorer.close()
