@@ -20,3 +20,8 @@ PackingKind = Literal["window", "ffd", "padded"]
 WandbMode = Literal["offline", "online", "disabled"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
+# The founding documents' other methods (../shared/SEED_METHODS.md), each an option of the step:
+Selection = Literal["all", "bppo"]  # which completions train: all (GRPO), BPPO's prefix pair
+Reweighting = Literal["none", "reco"]  # ReCo: response weight by expected occurrence + token scale
+Curriculum = Literal["none", "adaprefix"]  # AdaPrefix-GRPO: a reference-solution prefix held at 50% success
+AuxLoss = Literal["none", "ssopd"]  # SSOPD: self-distillation from the shortest correct into the longest wrong

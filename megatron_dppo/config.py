@@ -16,9 +16,12 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from megatron_dppo.algorithms.methods.configs import AdaPrefixConfig, BPPOConfig, ReCoConfig, SSOPDConfig
 from megatron_dppo.choices import (
     AdvantageKind,
     AttentionBackend,
+    AuxLoss,
+    Curriculum,
     DecayStyle,
     Dtype,
     KlEstimator,
@@ -27,6 +30,8 @@ from megatron_dppo.choices import (
     PromptMode,
     RatioType,
     Recompute,
+    Reweighting,
+    Selection,
     WandbMode,
 )
 
@@ -68,6 +73,9 @@ class DataConfig:
     # Chat mode: variables of the chat template in training, validation and `evaluate` alike,
     # e.g. {enable_thinking: false} for Qwen3. Given again (an override), keys are merged.
     chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)
+    # A worked reference solution per record (algorithm.curriculum=adaprefix): a dotted path in the
+    # record's other fields or extra_info; records without one get no prefix.
+    solution_key: str = "solution"
 
 
 @dataclass
@@ -102,6 +110,15 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3
+    # ../shared/SEED_METHODS.md's methods; docs/algorithm.md section 6 says which details are ours.
+    selection: Selection = "all"  # bppo: shortest correct + shortest incorrect, prefixes only
+    bppo: BPPOConfig = field(default_factory=BPPOConfig)
+    reweighting: Reweighting = "none"  # reco: ReCo's response weight and token scale
+    reco: ReCoConfig = field(default_factory=ReCoConfig)
+    curriculum: Curriculum = "none"  # adaprefix: a prefix of the reference solution (data.solution_key)
+    adaprefix: AdaPrefixConfig = field(default_factory=AdaPrefixConfig)
+    aux: AuxLoss = "none"  # ssopd: + coef * the self-distillation loss
+    ssopd: SSOPDConfig = field(default_factory=SSOPDConfig)
 
 
 @dataclass
@@ -361,7 +378,40 @@ def validate(cfg: Config) -> Config:
             section, name = key.split(".")
             raise ValueError(f"config key {key!r}: expected {expected}, got {getattr(getattr(cfg, section), name)!r}")
     _check_reward_specs(c.reward)
+    _check_methods(cfg)
     return cfg
+
+
+def _check_methods(cfg: Config) -> None:
+    """The SEED_METHODS.md options: their sections, and the combinations that cannot work."""
+    from megatron_dppo.algorithms.pruning import get_strategy
+
+    a = cfg.algorithm
+    a.bppo.validate("algorithm.bppo")
+    a.reco.validate("algorithm.reco")
+    a.adaprefix.validate("algorithm.adaprefix")
+    a.ssopd.validate("algorithm.ssopd")
+    strategy = get_strategy(cfg.pruning.strategy)
+    if a.selection == "bppo":
+        if "r_o" in strategy.ratios and cfg.pruning.r_o > 0:
+            raise ValueError(
+                f"config keys 'algorithm.selection' and 'pruning.r_o': bppo selects the completions itself "
+                f"(completion pruning cannot compose with it), so pruning.r_o must be 0, got {cfg.pruning.r_o}"
+            )
+        if strategy.denominator == "kept":
+            raise ValueError(f"config key 'algorithm.selection': bppo cannot run with pruning.strategy={strategy.name}")
+        if a.reweighting != "none":
+            raise ValueError(
+                "config keys 'algorithm.selection' and 'algorithm.reweighting': bppo trains two completions "
+                "per group, reco reweights all of them: choose one"
+            )
+    if a.aux == "ssopd" and cfg.parallel.pp > 1:
+        raise ValueError(
+            "config keys 'algorithm.aux' and 'parallel.pp': ssopd's teacher and student share a micro-batch on "
+            f"the last stage; pipeline parallelism is not supported with it yet (parallel.pp={cfg.parallel.pp})"
+        )
+    if a.curriculum == "adaprefix" and not cfg.data.solution_key:
+        raise ValueError("config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution")
 
 
 def _check_reward_specs(rc: RewardConfig) -> None:
@@ -557,6 +607,12 @@ def unused_keys(cfg: Config) -> list[str]:
         out.append("algorithm.max_resample_rounds")
     if cfg.algorithm.kl_coef == 0:
         out.append("algorithm.kl_estimator")
+    a = cfg.algorithm
+    unused = {"bppo": a.selection != "bppo", "reco": a.reweighting != "reco"}
+    unused.update({"adaprefix": a.curriculum != "adaprefix", "ssopd": a.aux != "ssopd"})
+    out += [f"algorithm.{name}" for name, off in unused.items() if off]
+    if a.curriculum != "adaprefix":
+        out.append("data.solution_key")
     return out
 
 

@@ -288,6 +288,7 @@ class ThdBatch:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
+    token_scale: torch.Tensor | None = None  # ReCo's c_t at each loss position (set after the pi_old pass)
 
     @property
     def num_seqs(self) -> int:

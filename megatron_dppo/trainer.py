@@ -31,6 +31,7 @@ from megatron_dppo import packing
 from megatron_dppo.algorithms import batch
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
+from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer
@@ -292,7 +293,7 @@ class Trainer:
             self.strategy.observe([g.record.id for g in collected.rolled], stack_rewards(collected.rolled))
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         # advantages on the FULL group, then completion pruning
-        prune_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
+        plan_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
         minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
         for mb in minibatches:  # pack (THD)
             mb.microbatches, mb.density = self._pack(mb.samples)
@@ -301,6 +302,8 @@ class Trainer:
             with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
                 for mb in minibatches:
                     self._attach_logprobs(mb.microbatches, old=needs_old, ref=self.method.needs_reference)
+                if batch.needs_token_scale(self.method):
+                    plan_metrics["reco/impurity_mean"] = self._attach_token_scale(minibatches)
         train = []
         with timer("train"):
             for _ in range(tc.epochs_per_step):  # update
@@ -311,7 +314,7 @@ class Trainer:
         with timer("sync"):
             self._sync_weights()  # push weights to vLLM
 
-        metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **prune_metrics}
+        metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **plan_metrics}
         rolled = collected.rolled
         metrics.update(
             reward_metrics_by_source(
@@ -458,15 +461,37 @@ class Trainer:
         return all(len(p) * max(lengths[i] for i in p) <= 1.05 * sum(lengths[i] for i in p) for p in packs if p)
 
     def _attach_logprobs(self, microbatches, old: bool, ref: bool) -> None:
-        """Old (and reference) log-probs with the same packed micro-batches, no gradients."""
+        """Old (and reference) log-probs with the same packed micro-batches, no gradients; with
+        ReCo's gini token scale the pi_old pass also gives each position's impurity."""
+        gini = self.method.reweighting == "reco" and self.method.reco.token_scale == "gini"
         for attr, wanted, reference in (("old_logp", old, False), ("ref_logp", ref, True)):
             if not wanted:
                 continue
-            out = self.policy.compute_logprobs(microbatches, reference=reference)
+            out = self.policy.compute_logprobs(microbatches, reference=reference, gini=gini and not reference)
             if out is None:  # not the last pipeline stage: the loss is computed elsewhere
                 continue
-            for mb, lp in zip(microbatches, out):
+            logps, impurities = out if gini and not reference else (out, None)
+            for i, (mb, lp) in enumerate(zip(microbatches, logps)):
                 setattr(mb, attr, (lp.float().cpu() * mb.loss_mask).view_as(mb.loss_mask))
+                if impurities is not None:
+                    mb.token_scale = impurities[i].float().cpu() * mb.loss_mask  # the impurity until scaled
+
+    def _attach_token_scale(self, minibatches) -> float:
+        """ReCo's c_t = g_t / mean g over the step's trained tokens, every micro-batch and rank, each
+        token weighted by its sequence's weight (SEED_METHODS.md 2.1.3; reco.token_scale says why).
+        g is the Gini impurity from the pi_old pass, or pi_old(a)(1 - pi_old(a)) (bernoulli)."""
+        last_stage = [mbt for mb in minibatches for mbt in mb.microbatches if mbt.old_logp is not None]
+        num = den = 0.0
+        for mbt in last_stage:
+            if self.method.reco.token_scale == "bernoulli":
+                mbt.token_scale = reco.bernoulli_impurity(mbt.old_logp) * mbt.loss_mask
+            w = torch.where(mbt.seq_index >= 0, mbt.seq_weight[mbt.seq_index.clamp(min=0)], 0.0) * mbt.loss_mask
+            num, den = num + float((w * mbt.token_scale).sum()), den + float(w.sum())
+        num, den = mdist.all_reduce_sum([num, den])  # replicas (TP) add to both alike
+        mean = num / den if den > 0 else 0.0
+        for mbt in last_stage:
+            mbt.token_scale = reco.token_scale(mbt.token_scale, mean) * mbt.loss_mask
+        return mean
 
     def _check_finite(self, what: str, grads: bool) -> None:
         """Stop (on every rank) when any rank holds a non-finite weight, or gradient, naming it.

@@ -24,6 +24,8 @@ import torch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
+from megatron_dppo.algorithms.methods import bppo, reco
+from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig
 from megatron_dppo.algorithms.pruning import PromptStats, PruningStrategy, drop_zero_variance_groups
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.packing import Sample
@@ -52,8 +54,10 @@ class Method:
     overlong_filter: truncated completions get weight 0 and no loss tokens (DAPO's overlong
         filtering; docs/algorithm.md says what it does to each aggregation's denominator).
     denominator: "full" (the unpruned batch's normaliser, DPPO.md section 4), "refill" (the
-        trained groups' weights stand for the unpruned DAPO batch) or "kept" (what was trained,
-        CPPO as published).
+        trained groups' weights stand for the unpruned DAPO batch), "kept" (what was trained,
+        CPPO as published) or "bppo" (BPPO's own: its selected prefixes, SEED_METHODS.md 1.1.7).
+    selection: "all" completions, or BPPO's pair per mixed group (replaces completion pruning).
+    reweighting: "reco": ReCo's response weight (in the completion weights) and token scale.
     """
 
     strategy: str
@@ -75,12 +79,18 @@ class Method:
     overlong_filter: bool
     denominator: str
     needs_reference: bool
+    selection: str = "all"
+    bppo: BPPOConfig = field(default_factory=BPPOConfig)
+    reweighting: str = "none"
+    reco: ReCoConfig = field(default_factory=ReCoConfig)
 
     @classmethod
     def from_config(cls, cfg, strategy: PruningStrategy) -> Method:
         a, p, t = cfg.algorithm, cfg.pruning, cfg.trainer
         refill = a.dynamic_sampling or strategy.refills
-        if strategy.denominator == "kept":
+        if a.selection == "bppo":
+            denominator = "bppo"
+        elif strategy.denominator == "kept":
             denominator = "kept"
         else:
             denominator = "refill" if refill else "full"
@@ -104,6 +114,10 @@ class Method:
             overlong_filter=a.overlong_filter,
             denominator=denominator,
             needs_reference=a.kl_coef > 0,
+            selection=a.selection,
+            bppo=a.bppo,
+            reweighting=a.reweighting,
+            reco=a.reco,
         )
 
     def replace(self, **changes) -> Method:
@@ -228,6 +242,29 @@ def collect(
 # ---- completions: advantages on the full group, then completion pruning -------------------------
 
 
+def _bppo_selection(method: Method, groups: list[Group]):
+    """BPPO: shortest correct + shortest incorrect completion of each mixed group (verdicts before
+    reward shaping), trained on their prefixes (Group.trained_tokens). -> (keep, selection weight)."""
+    verdicts = torch.tensor([g.correct() for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([g.completion_lengths() for g in groups])
+    lmax = method.max_new_tokens
+    plan = bppo.plan(verdicts, lengths, method.bppo, loss_agg=method.loss_agg, max_response_length=lmax)
+    for g, prefix in zip(groups, plan.prefix_len.tolist()):
+        g.trained_tokens = prefix
+    return plan.seq_weight > 0, plan.seq_weight.float()
+
+
+def _reco_response_weights(method: Method, groups: list[Group]) -> torch.Tensor:
+    """ReCo's u [P, G]: 1 / max(1, G pi_b(o|x)) from the engine's sampling log-probs (or 1 / the
+    number of exact duplicates, response_weight=count)."""
+    if method.reco.response_weight == "count":
+        return reco.response_weights(method.reco, completion_ids=[g.completions for g in groups])
+    if method.reco.response_weight == "none":
+        return reco.response_weights(method.reco, num_prompts=len(groups), group_size=method.group_size)
+    sums = torch.tensor([[sum(lp) for lp in g.sampling_logprobs] for g in groups], dtype=torch.float64)
+    return reco.response_weights(method.reco, sampling_logprob_sums=sums.clamp(max=0.0))
+
+
 def weigh_completions(
     method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator
 ) -> dict:
@@ -236,15 +273,23 @@ def weigh_completions(
     if not groups:
         return {"prune/completions_kept_frac": 0.0, "prune/completions_pruned_frac": 0.0}
     adv = group_advantages(stack_rewards(groups), method.advantage)
-    keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
+    if method.selection == "bppo":  # the pair replaces completion pruning (r_o = 0 with it)
+        keep, w_o = _bppo_selection(method, groups)
+    else:
+        keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
     w_o = w_o * keep
+    extra = {}
+    if method.reweighting == "reco":  # fixed before any update, from the rollout's own log-probs
+        u = _reco_response_weights(method, groups)
+        w_o, extra["reco/response_weight_mean"] = w_o * u, float(u.mean())
+        extra["reco/frequent_frac"] = float((u < 1).float().mean())  # G pi_b(o|x) > 1: u acts
     if method.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
         w_o = w_o * drop_zero_variance_groups(adv)[:, None]
     if method.overlong_filter:  # after the advantages: truncated completions still count in their group's
         truncated = torch.tensor([g.truncated for g in groups], dtype=torch.bool).reshape(w_o.shape)
         w_o = w_o * ~truncated
         for g in groups:  # and their tokens leave the token-mean normaliser of the full batch too
-            g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.completion_lengths())]
+            g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.loss_lengths())]
     for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
         g.advantages, g.completion_weights = a, w
     seq_w = sequence_weights(groups)
@@ -257,6 +302,7 @@ def weigh_completions(
         "adv/min": float(adv.min()),
         "weight/mean": float(trained.mean()) if trained.numel() else 0.0,  # over trained completions
         "weight/max": float(trained.max()) if trained.numel() else 0.0,
+        **extra,
     }
 
 
@@ -306,6 +352,9 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
         return losses.kept_denominator(agg, seq_weight, lengths, lmax)
     if method.denominator == "refill":
         return losses.refill_denominator(agg, weights, lengths, G, lmax)
+    if method.denominator == "bppo":
+        seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64).reshape(-1, G)
+        return bppo.denominator_terms(lengths, seq_weight, agg, prompt_weight=weights, max_response_length=lmax)
     return losses.full_batch_denominator(
         agg,
         num_prompts=num_prompts,
@@ -330,10 +379,17 @@ def plan_minibatches(method: Method, trained: list[Group], num_drawn: int) -> li
     return plans
 
 
+def needs_token_scale(method: Method) -> bool:
+    """ReCo's gini / bernoulli token scale divides by a mean over the whole step, known only after
+    a pi_old pass over every trained token (var_ratio is computed in the loss itself)."""
+    return method.reweighting == "reco" and method.reco.token_scale in ("gini", "bernoulli")
+
+
 def needs_old_logprobs(method: Method, minibatches: list[MiniBatch]) -> bool:
     """pi_old must be computed before the first update when the rollout batch feeds more than one
-    optimizer step; at a single update pi_old = pi_theta exactly (megatron/loss.py)."""
-    return len(minibatches) * method.epochs > 1
+    optimizer step (at a single update pi_old = pi_theta exactly: megatron/loss.py), or when ReCo's
+    token scale needs its pass."""
+    return len(minibatches) * method.epochs > 1 or needs_token_scale(method)
 
 
 def sequence_weights(groups: list[Group]) -> torch.Tensor:

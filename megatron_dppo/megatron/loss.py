@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs
 from megatron_dppo.megatron.model import current_device
 
@@ -70,14 +71,26 @@ class TrainReport:
 
 def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: float, mode: str, denominator):
     """logits [b, s, V/tp] -> (loss, number of loss tokens, report dict of SUMMED + ratio_dev_max).
-    mode "logprob" returns the per-position log-probs instead (no loss). Works for a packed row
-    (b = 1) and for the padded baseline (b = rows) alike."""
+    mode "logprob" returns the per-position log-probs instead (no loss); "logprob+gini" also the
+    Gini impurity 1 - sum_v pi(v)^2 of each position's next-token distribution (ReCo's token
+    scale, vocab-parallel). Works for a packed row (b = 1) and for the padded baseline (b = rows)."""
     dev = logits.device
     logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=vocab_size, temperature=temperature).flatten()
     mask = batch.loss_mask.to(dev).flatten() > 0
     n_tokens = mask.sum().to(torch.int)
-    if mode == "logprob":
-        return logp.sum() * 0.0, n_tokens, {"logp": logp.detach().view(batch.labels.shape)}
+    if mode.startswith("logprob"):
+        out = {"logp": logp.detach().view(batch.labels.shape)}
+        if mode == "logprob+gini":
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            rows = logits.detach().reshape(-1, logits.size(-1))
+            gini = reco.gini_impurity(
+                rows,
+                vocab_size=vocab_size,
+                temperature=temperature,
+                group=tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None,
+            )
+            out["gini"] = gini.view(batch.labels.shape)
+        return logp.sum() * 0.0, n_tokens, out
 
     def picked(t):
         return t.to(dev).flatten()[mask]
@@ -89,19 +102,22 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
     old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
     a = algorithm
-    token_loss, stats = losses.policy_loss(
-        logp[mask],
-        old_logp,
-        picked(batch.advantages),
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        ratio_type=a.ratio_type,
-        seq_index=seq_index,
-        num_seqs=batch.num_seqs,
-        ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-    )
+    if a.reweighting == "reco" and a.reco.token_scale != "none":
+        token_loss, stats = _reco_token_loss(a, logp[mask], old_logp, picked(batch.advantages), batch, picked)
+    else:
+        token_loss, stats = losses.policy_loss(
+            logp[mask],
+            old_logp,
+            picked(batch.advantages),
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            ratio_type=a.ratio_type,
+            seq_index=seq_index,
+            num_seqs=batch.num_seqs,
+            ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+        )
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
@@ -117,6 +133,25 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
         logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
     )
     return loss, n_tokens, report
+
+
+def _reco_token_loss(a, logp, old_logp, advantages, batch, picked):
+    """ReCo's per-token surrogate -A c_t log pi (algorithms/methods/reco.py) with the KL term as
+    GRPO's. c_t: the pi_old pass's scale (gini, bernoulli) or var_ratio's, computed here."""
+    if a.reco.token_scale == "var_ratio":
+        scale, clip_scale = reco.var_ratio_scale(logp.detach(), old_logp), True
+    else:
+        if batch.token_scale is None:
+            raise ValueError("reco token_scale needs the pi_old pass's scale on every micro-batch")
+        scale, clip_scale = picked(batch.token_scale), False
+    token_loss, stats = reco.surrogate(
+        logp, old_logp, advantages, scale, clip_low=a.clip_low, clip_high=a.clip_high, clip_scale=clip_scale
+    )
+    if a.kl_coef:
+        kl = losses.kl_penalty(logp, picked(batch.ref_logp), a.kl_estimator)
+        token_loss = token_loss + a.kl_coef * kl
+        stats["kl"] = kl.detach()
+    return token_loss, stats
 
 
 @torch.no_grad()

@@ -160,18 +160,20 @@ class MegatronPolicy:
         )
 
     @torch.no_grad()
-    def compute_logprobs(self, microbatches, reference: bool = False):
+    def compute_logprobs(self, microbatches, reference: bool = False, gini: bool = False):
         """Per-position log-probs of the labels for each micro-batch (shaped like its labels) on the last
-        pipeline stage; None elsewhere. Reuses the packed micro-batches of the train step."""
+        pipeline stage; None elsewhere. Reuses the packed micro-batches of the train step. gini: also
+        each position's Gini impurity (ReCo), returned as a second list."""
         model = self.reference if reference else self.model
         if reference and model is None:
             raise ValueError("compute_logprobs(reference=True) needs MegatronPolicy(with_reference=True)")
         model.eval()
-        out = self._run(model, microbatches, "logprob", forward_only=True)
+        out = self._run(model, microbatches, "logprob+gini" if gini else "logprob", forward_only=True)
         model.train()
         if not parallel_state.is_pipeline_last_stage():
             return None
-        return [o["logp"] for o in out]
+        logp = [o["logp"] for o in out]
+        return (logp, [o["gini"] for o in out]) if gini else logp
 
     def forward_backward(self, microbatches, denominator: float) -> dict:
         """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""

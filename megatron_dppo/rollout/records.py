@@ -61,26 +61,25 @@ class Group:
         return len(set(self.rewards)) > 1
 
     def samples(self, first_seq_id: int) -> list[Sample]:
-        """The trained completions as packing samples (prompt + completion), weight train_weight * w_o."""
-        return [
-            Sample(
-                tokens=self.prompt_ids + c,
-                prompt_len=len(self.prompt_ids),
-                advantage=a,
-                weight=self.train_weight * w,
-                seq_id=first_seq_id + i,
-                rollout_logp=torch.tensor(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
-                loss_mask=self._loss_mask(i),
+        """The trained completions as packing samples (prompt + completion), weight train_weight * w_o.
+        A completion trained on a prefix (trained_tokens) is cut after it: under causal attention
+        the tail changes nothing before it, so it costs no forward, log-prob or backward."""
+        out = []
+        for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights)):
+            if w <= 0:
+                continue
+            n = self.trained_tokens[i] if self.trained_tokens else len(c)
+            out.append(
+                Sample(
+                    tokens=self.prompt_ids + c[:n],
+                    prompt_len=len(self.prompt_ids),
+                    advantage=a,
+                    weight=self.train_weight * w,
+                    seq_id=first_seq_id + i,
+                    rollout_logp=torch.tensor(self.sampling_logprobs[i][:n]) if self.sampling_logprobs else None,
+                )
             )
-            for i, (c, a, w) in enumerate(zip(self.completions, self.advantages, self.completion_weights))
-            if w > 0
-        ]
-
-    def _loss_mask(self, i: int) -> list[float] | None:
-        if not self.trained_tokens or self.trained_tokens[i] >= len(self.completions[i]):
-            return None
-        n = self.trained_tokens[i]
-        return [1.0] * n + [0.0] * (len(self.completions[i]) - n)
+        return out
 
     def rollout_rows(self, decode) -> list[dict]:
         """logging.rollouts rows, one per completion; decode(token ids) -> text. A completion that
