@@ -564,7 +564,13 @@ def parse_override(text: str):
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(
+            f"override {key.strip()!r}: the value {raw!r} is not valid YAML ({' '.join(str(e).split())[:120]}); "
+            "quote it, e.g. key=\"'value'\""
+        ) from None
 
 
 def load_config(path: str | None = None, overrides=(), check: bool = True) -> Config:

@@ -257,6 +257,18 @@ class Sample:
 
 
 @dataclass
+class AuxRows:
+    """SSOPD's teacher/student pairs inside a packed micro-batch (megatron_dppo/distill.py): for each
+    distilled position, the logit row of the teacher's and of the student's prediction of the same
+    token of o_w*, that token, and its coefficient lambda * w_q * omega_q / (B * T_q)."""
+
+    teacher_rows: torch.Tensor  # [N] int64, positions in the packed row
+    student_rows: torch.Tensor  # [N] int64
+    targets: torch.Tensor  # [N] int64
+    coef: torch.Tensor  # [N] float64
+
+
+@dataclass
 class ThdBatch:
     """A micro-batch. Packed (THD): every [1, T_pad] tensor is one row holding S sequences;
     sequence i occupies [cu_seqlens_padded[i], cu_seqlens_padded[i] + real_len_i), followed by
@@ -289,6 +301,7 @@ class ThdBatch:
     ref_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
     token_scale: torch.Tensor | None = None  # ReCo's c_t at each loss position (set after the pi_old pass)
+    aux: AuxRows | None = None  # SSOPD pairs: this micro-batch carries the auxiliary loss, not GRPO's
 
     @property
     def num_seqs(self) -> int:

@@ -111,6 +111,7 @@ class Trainer:
         self.policy = self._build_policy()
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.method = Method.from_config(cfg, self.strategy)
+        self.curriculum = self._curriculum()
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.pad_multiple = packing.thd_pad_multiple(cfg.parallel.tp, 1, cfg.parallel.sequence_parallel)
@@ -202,6 +203,20 @@ class Trainer:
         if self.is_main:
             os.makedirs(self.run_dir, exist_ok=True)
 
+    def _curriculum(self):
+        """AdaPrefix's per-problem prefixes (algorithm.curriculum=adaprefix), else None."""
+        if self.cfg.algorithm.curriculum != "adaprefix":
+            return None
+        from megatron_dppo.rollout.curriculum import PrefixCurriculum, reference_text
+
+        key = self.cfg.data.solution_key
+        if not any(reference_text(r, key) for r in self.data.records):
+            raise ValueError(
+                f"config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution per "
+                f"problem, and no record of {self.cfg.data.train} has {key!r}"
+            )
+        return PrefixCurriculum(self.cfg, self.tokenizer, self.cfg.trainer.max_steps)
+
     def _place_ranks(self) -> None:
         """This rank's data-parallel place and its vLLM engine: ranks [kR, (k+1)R) share engine k
         (vLLM tensor parallel over them); the first rank of each engine scores its completions."""
@@ -291,12 +306,15 @@ class Trainer:
         counts.prompts_drawn = collected.drawn
         if collected.rolled:
             self.strategy.observe([g.record.id for g in collected.rolled], stack_rewards(collected.rolled))
+        curriculum_metrics = self.curriculum.observe(collected.rolled, step) if self.curriculum else {}
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         # advantages on the FULL group, then completion pruning
         plan_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
         minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
         for mb in minibatches:  # pack (THD)
             mb.microbatches, mb.density = self._pack(mb.samples)
+        if self.method.aux == "ssopd":  # + the self-distillation pairs, packed on their own
+            plan_metrics.update(self._pack_aux(minibatches))
         needs_old = batch.needs_old_logprobs(self.method, minibatches)
         if minibatches and (needs_old or self.method.needs_reference):
             with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
@@ -308,13 +326,14 @@ class Trainer:
         with timer("train"):
             for _ in range(tc.epochs_per_step):  # update
                 for mb in minibatches:
-                    train.append(self.policy.train_step(mb.microbatches, mb.denominator))
+                    train.append(self.policy.train_step(mb.microbatches + mb.aux_microbatches, mb.denominator))
                     if not (math.isfinite(train[-1]["loss"]) and math.isfinite(train[-1]["grad_norm"])):
                         self._check_finite(f"step {step}'s update", grads=True)
         with timer("sync"):
             self._sync_weights()  # push weights to vLLM
 
         metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **plan_metrics}
+        metrics.update(curriculum_metrics)
         rolled = collected.rolled
         metrics.update(
             reward_metrics_by_source(
@@ -344,12 +363,16 @@ class Trainer:
         per = math.ceil(len(items) / self.num_engines)
         mine = items[self.engine_index * per : (self.engine_index + 1) * per]
         prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
+        prefix_lens = [0] * len(mine)
+        if self.curriculum:  # AdaPrefix: the reference's prefix opens the completion (as prompt tokens)
+            assisted = [self.curriculum.assisted(rec, ids, step) for (rec, _, _), ids in zip(mine, prompt_ids)]
+            prompt_ids, prefix_lens = [ids for ids, _ in assisted], [n for _, n in assisted]
         with timer("rollout"):
             outs = self._generate(step, rnd, mine, prompt_ids)
         part = EnginePart()
         if self.engine_leader and mine:
             with timer("reward"):
-                part = self._score(rnd, mine, prompt_ids, outs)
+                part = self._score(rnd, mine, prompt_ids, outs, prefix_lens)
         parts = mdist.all_gather_objects(part)
         errors = [p.error for p in parts if p.error]
         if errors:
@@ -381,12 +404,14 @@ class Trainer:
             seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
         )
 
-    def _score(self, rnd, mine, prompt_ids, outs) -> EnginePart:
+    def _score(self, rnd, mine, prompt_ids, outs, prefix_lens) -> EnginePart:
         """The engine leader's groups for its slice, scored (and shaped: DAPO's soft overlong
-        penalty). A scorer error travels to every rank (or the others would hang in the gather)."""
+        penalty). The verifier reads an AdaPrefix prefix and its continuation as one answer. A
+        scorer error travels to every rank (or the others would hang in the gather)."""
         G, rc, wc = self.cfg.rollout.group_size, self.cfg.rollout, self.cfg.reward
         flat = [c for group in outs for c in group]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+        prefixes = [p[len(p) - n :] if n else [] for p, n in zip(prompt_ids, prefix_lens) for _ in range(G)]
+        texts = [self.tokenizer.decode(pre + c.token_ids, skip_special_tokens=True) for pre, c in zip(prefixes, flat)]
         recs = [rec for rec, _, _ in mine for _ in range(G)]
         error = None
         try:
@@ -411,6 +436,7 @@ class Trainer:
                 truncated=[c.finish_reason == "length" for c in group],
                 sampling_logprobs=[list(c.logprobs) for c in group],
                 reward_extras=extras[q * G : (q + 1) * G],
+                prefix_len=prefix_lens[q],
             )
             for q, ((rec, slot, w_q), p, group) in enumerate(zip(mine, prompt_ids, outs))
         ]
@@ -445,6 +471,34 @@ class Trainer:
             for p in mine
         ]
         return batches, density
+
+    def _pack_aux(self, minibatches) -> dict:
+        """SSOPD's teacher/student micro-batches of each mini-batch (megatron_dppo/distill.py)."""
+        from megatron_dppo.distill import aux_microbatches
+
+        cfg, tc = self.cfg.algorithm.ssopd, self.cfg.trainer
+
+        def ids(text):
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+        tokens = {"header": ids(cfg.solution_header), "instruction": ids(cfg.instruction)}
+        tokens["strip"] = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
+        layout = dict(
+            max_context=self.cfg.rollout.max_model_len,
+            capacity=tc.max_tokens_per_microbatch,
+            window=tc.pack_window,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            pad_multiple=self.pad_multiple,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )
+        pairs = skipped = positions = 0
+        for mb in minibatches:
+            mb.aux_microbatches, stats = aux_microbatches(
+                mb.aux_pairs, cfg=cfg, num_prompts=mb.num_prompts, tokens=tokens, layout=layout
+            )
+            pairs, skipped, positions = pairs + stats.pairs, skipped + stats.skipped, positions + stats.positions
+        return {"ssopd/pairs": pairs, "ssopd/skipped": skipped, "ssopd/positions": positions}
 
     def _as_padded_rows(self, packs, lengths) -> bool:
         """Lay the packs out as padded rows instead of THD rows? Always for trainer.packing=padded.
@@ -557,7 +611,11 @@ class Trainer:
             self.ckpt_dir,
             step,
             self.policy,
-            {"data": self.data.state_dict(), "strategy": self.strategy.state_dict()},
+            {
+                "data": self.data.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "adaprefix": self.curriculum.state_dict() if self.curriculum else None,
+            },
             self.history,
             keep_last=self.cfg.trainer.keep_checkpoints,
             extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
@@ -587,6 +645,8 @@ class Trainer:
             )
         self.data.load_state_dict(state["data"])
         self.strategy.load_state_dict(state.get("strategy", {}))
+        if self.curriculum and state.get("adaprefix") is not None:
+            self.curriculum.load_state_dict(state["adaprefix"])
         self.history = PromptHistory.load(state["history_path"])
         self.first_step = state["step"] + 1
 

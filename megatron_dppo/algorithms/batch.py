@@ -24,8 +24,8 @@ import torch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import bppo, reco
-from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig
+from megatron_dppo.algorithms.methods import bppo, reco, ssopd
+from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig, SSOPDConfig
 from megatron_dppo.algorithms.pruning import PromptStats, PruningStrategy, drop_zero_variance_groups
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.packing import Sample
@@ -83,6 +83,8 @@ class Method:
     bppo: BPPOConfig = field(default_factory=BPPOConfig)
     reweighting: str = "none"
     reco: ReCoConfig = field(default_factory=ReCoConfig)
+    aux: str = "none"
+    ssopd: SSOPDConfig = field(default_factory=SSOPDConfig)
 
     @classmethod
     def from_config(cls, cfg, strategy: PruningStrategy) -> Method:
@@ -118,6 +120,8 @@ class Method:
             bppo=a.bppo,
             reweighting=a.reweighting,
             reco=a.reco,
+            aux=a.aux,
+            ssopd=a.ssopd,
         )
 
     def replace(self, **changes) -> Method:
@@ -320,6 +324,9 @@ class MiniBatch:
     denominator: float
     microbatches: list = field(default_factory=list)  # this rank's packing.ThdBatch micro-batches
     density: float = 0.0
+    num_prompts: float = 0.0  # B of this mini-batch's full batch (the aux loss's 1/B)
+    aux_pairs: list = field(default_factory=list)  # SSOPD: distill.AuxPair of its mixed groups
+    aux_microbatches: list = field(default_factory=list)  # ... packed by megatron_dppo/distill.py
 
     @property
     def tokens(self) -> int:
@@ -375,8 +382,35 @@ def plan_minibatches(method: Method, trained: list[Group], num_drawn: int) -> li
         if not samples:
             continue
         count = prompts_in_minibatch(k, num_drawn, method.minibatches)
-        plans.append(MiniBatch(k, groups, samples, denominator(method, groups, count)))
+        mb = MiniBatch(k, groups, samples, denominator(method, groups, count))
+        mb.num_prompts = sum(g.train_weight for g in groups) if method.refill else count
+        if method.aux == "ssopd":
+            mb.aux_pairs = ssopd_pairs(method, groups)
+        plans.append(mb)
     return plans
+
+
+def ssopd_pairs(method: Method, groups: list[Group]) -> list:
+    """SSOPD's pair of each mixed group, chosen from the FULL group (before completion pruning):
+    shortest correct c*, longest wrong w* (algorithms/methods/ssopd.select_pair), with the frontier
+    weight omega; groups without a pair (not mixed, or a too-short correct witness) have none."""
+    from megatron_dppo.distill import AuxPair
+
+    if not groups:
+        return []
+    verdicts = torch.tensor([g.correct() for g in groups], dtype=torch.float32)
+    lengths = torch.tensor([g.completion_lengths() for g in groups])
+    terminated = ~torch.tensor([g.truncated or [False] * g.group_size for g in groups], dtype=torch.bool)
+    cfg = method.ssopd
+    sel = ssopd.select_pair(
+        verdicts, lengths, terminated=terminated, wrong_pool=cfg.wrong_pool, min_correct_len=cfg.min_correct_len
+    )
+    omega = ssopd.frontier_weight(verdicts, cfg.frontier)
+    return [
+        AuxPair(g, int(c), int(w), float(o))
+        for g, c, w, o in zip(groups, sel.correct.tolist(), sel.wrong.tolist(), omega.tolist())
+        if c >= 0 and w >= 0 and o > 0
+    ]
 
 
 def needs_token_scale(method: Method) -> bool:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dppo.algorithms import losses
-from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods import reco, ssopd
 from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs
 from megatron_dppo.megatron.model import current_device
 
@@ -29,6 +29,9 @@ SUMMED = (
     "entropy_sum",
     "rollout_gap_sum",
     "rollout_gap_tokens",
+    "aux_loss",
+    "aux_div_sum",
+    "aux_positions",
 )
 
 
@@ -47,6 +50,8 @@ class TrainReport:
     # mean |log pi_theta - log pi_vllm| of the sampled tokens (NaN without the engine's log-probs):
     # at the first update of a step pi_theta is the rollout policy, so this is the engines' mismatch
     logprob_gap_vllm: float
+    aux_loss: float  # SSOPD: lambda * L_aux, the auxiliary term in the loss (0 without it)
+    aux_divergence: float  # SSOPD: mean d_t over the distilled positions (NaN without any)
 
     @classmethod
     def from_sums(cls, sums: dict, ratio_dev_max: float) -> TrainReport:
@@ -63,6 +68,8 @@ class TrainReport:
             logprob_gap_vllm=sums["rollout_gap_sum"] / sums["rollout_gap_tokens"]
             if sums["rollout_gap_tokens"]
             else float("nan"),
+            aux_loss=sums["aux_loss"],
+            aux_divergence=sums["aux_div_sum"] / sums["aux_positions"] if sums["aux_positions"] else float("nan"),
         )
 
     def as_dict(self) -> dict:
@@ -75,6 +82,8 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     Gini impurity 1 - sum_v pi(v)^2 of each position's next-token distribution (ReCo's token
     scale, vocab-parallel). Works for a packed row (b = 1) and for the padded baseline (b = rows)."""
     dev = logits.device
+    if batch.aux is not None:
+        return _aux_loss(batch, logits, algorithm.ssopd, vocab_size)
     logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=vocab_size, temperature=temperature).flatten()
     mask = batch.loss_mask.to(dev).flatten() > 0
     n_tokens = mask.sum().to(torch.int)
@@ -122,6 +131,8 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
     report = _report(loss, n_tokens, logp[mask], old_logp, stats)
+    for key in ("aux_loss", "aux_div_sum", "aux_positions"):
+        report[key] = torch.zeros((), dtype=torch.float64, device=dev)
     gap = (logp[mask].detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
     report["rollout_gap_sum"] = (
         gap.double().sum() if gap is not None else torch.zeros((), dtype=torch.float64, device=dev)
@@ -133,6 +144,34 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
         logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
     )
     return loss, n_tokens, report
+
+
+def _aux_loss(batch, logits, cfg, vocab_size: int):
+    """SSOPD's term for a micro-batch of teacher/student pairs (megatron_dppo/distill.py):
+    sum over distilled positions of coef * d_t(teacher, student), the teacher side detached, the
+    divergence vocab-parallel over TP and chunked over positions (ssopd.divergence)."""
+    aux, dev = batch.aux, logits.device
+    rows = logits.reshape(-1, logits.size(-1))
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    d = ssopd.divergence(
+        rows[aux.teacher_rows.to(dev)].detach(),
+        rows[aux.student_rows.to(dev)],
+        cfg.div,
+        targets=aux.targets.to(dev),
+        tau=cfg.tau,
+        beta=cfg.jsd_beta,
+        topk=cfg.topk,
+        vocab_size=vocab_size,
+        group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+    )
+    loss = (d * aux.coef.to(dev).to(d.dtype)).sum()
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    report = {k: zero for k in SUMMED}
+    report.update(
+        aux_loss=loss.detach().double(), aux_div_sum=d.detach().double().sum(), aux_positions=zero + d.numel()
+    )
+    report["ratio_dev_max"] = zero
+    return loss, torch.zeros((), dtype=torch.int, device=dev), report
 
 
 def _reco_token_loss(a, logp, old_logp, advantages, batch, picked):

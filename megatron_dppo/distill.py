@@ -1,0 +1,122 @@
+"""SSOPD's auxiliary micro-batches: each mixed group's teacher/student pair, packed for the policy.
+
+The rules are algorithms/methods/ssopd.py's. Here they meet token ids and packing: for a pair
+(c* = shortest correct, w* = longest wrong of the FULL group, chosen in algorithms/batch.py),
+    teacher sequence  T(x, o_c*) + o_w*[:T_q]   (the prompt with the solution block inserted)
+    student sequence  x + o_w*[:T_q]             (the ordinary training sequence, cut at T_q)
+go into ONE packed micro-batch, adjacent, so that the last pipeline stage's loss sees both sets of
+logits: the teacher's (detached: the policy itself under stop-gradient [3rd], with the weights of
+the update it runs in; the step's first update has pi_old's) and the student's (with gradient). The
+GRPO loss of these sequences is off (their loss mask is 0); AuxRows carry the rows to compare.
+Packs of pairs are spread over data-parallel ranks like the GRPO packs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dppo import packing
+from megatron_dppo.algorithms.methods import ssopd
+
+
+@dataclass
+class AuxPair:
+    """One mixed group's pair (indices into its completions) and its frontier weight omega."""
+
+    group: object  # rollout.records.Group
+    correct: int
+    wrong: int
+    omega: float
+
+
+@dataclass
+class AuxStats:
+    pairs: int = 0  # pairs distilled
+    skipped: int = 0  # pairs with fewer than min_positions positions once fitted to the context
+    positions: int = 0  # distilled positions (sum of T_q)
+
+
+def _sequences(pair: AuxPair, cfg, header_ids, instruction_ids, strip_ids, max_context):
+    """(teacher Sample, student Sample, teacher prompt length, T_q) or None when skipped."""
+    g = pair.group
+    wrong = list(g.completions[pair.wrong])
+    correct = g.completions[pair.correct]
+    tp = ssopd.teacher_prompt(
+        g.prompt_ids, correct, header_ids=header_ids, instruction_ids=instruction_ids, strip_ids=strip_ids
+    )
+    T = ssopd.aux_positions(
+        len(tp.ids), len(wrong), aux_max_len=cfg.aux_max_len, max_context=max_context, min_positions=cfg.min_positions
+    )
+    if T == 0:
+        return None
+    ssopd.check_only_block_differs(g.prompt_ids + wrong[:T], tp.ids + wrong[:T], tp.block)
+
+    def sample(prompt):
+        return packing.Sample(tokens=prompt + wrong[:T], prompt_len=len(prompt), weight=0.0, loss_mask=[0.0] * T)
+
+    return sample(tp.ids), sample(list(g.prompt_ids)), len(tp.ids), T
+
+
+def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: dict, layout: dict):
+    """This rank's SSOPD micro-batches for one mini-batch, and what they hold.
+
+    cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...);
+    tokens: {"header": ids, "instruction": ids, "strip": ids (eos / end of turn)};
+    layout: {"max_context", "capacity", "window", "dp_rank", "dp_size", "pad_multiple", "pad_id"}."""
+    built, stats = [], AuxStats()
+    for p in pairs:
+        seqs = _sequences(p, cfg, tokens["header"], tokens["instruction"], tokens["strip"], layout["max_context"])
+        if seqs is None:
+            stats.skipped += 1
+            continue
+        built.append((p, *seqs))
+    if not built:
+        return [], stats
+    coef = (
+        ssopd.aux_coefficients(
+            torch.tensor([p.omega for p, *_ in built], dtype=torch.float64),
+            torch.tensor([T for *_, T in built], dtype=torch.float64),
+            num_prompts=num_prompts,
+            prompt_weight=torch.tensor([p.group.train_weight for p, *_ in built], dtype=torch.float64),
+        )
+        * cfg.coef
+    )
+    stats.pairs, stats.positions = len(built), sum(T for *_, T in built)
+    pad = layout["pad_multiple"]
+    lengths = [packing.round_up(len(t.tokens), pad) + packing.round_up(len(s.tokens), pad) for _, t, s, _, _ in built]
+    if max(lengths) > layout["capacity"]:
+        raise ValueError(
+            f"an SSOPD teacher/student pair of {max(lengths)} tokens does not fit trainer.max_tokens_per_microbatch="
+            f"{layout['capacity']}: raise it or set algorithm.ssopd.aux_max_len"
+        )
+    packs = packing.pack(lengths, layout["capacity"], layout["window"])
+    mine = packing.balance_packs(packs, lengths, layout["dp_size"])[layout["dp_rank"]]
+    return [_build(built, coef, p, pad, layout["pad_id"]) for p in mine], stats
+
+
+def _build(built, coef, pack: list[int], pad_multiple: int, pad_id: int):
+    """One packed micro-batch of whole pairs (teacher then student) with their AuxRows; an empty
+    pack (fewer pairs than ranks' slots) is a no-op micro-batch every rank still steps through."""
+    if not pack:
+        filler = packing.Sample(tokens=[pad_id, pad_id], prompt_len=2, weight=0.0)
+        return packing.build_thd_batch([filler], pad_multiple=pad_multiple, pad_id=pad_id)
+    samples = [s for i in pack for s in built[i][1:3]]
+    batch = packing.build_thd_batch(samples, pad_multiple=pad_multiple, pad_id=pad_id)
+    starts = batch.cu_seqlens_padded.tolist()
+    t_rows, s_rows, targets, c = [], [], [], []
+    for k, i in enumerate(pack):
+        _, teacher, student, teacher_len, T = built[i]
+        t0, s0 = starts[2 * k], starts[2 * k + 1]
+        t_rows += range(t0 + teacher_len - 1, t0 + teacher_len - 1 + T)  # ssopd.prediction_rows
+        s_rows += range(s0 + student.prompt_len - 1, s0 + student.prompt_len - 1 + T)
+        targets += list(student.tokens[student.prompt_len :])
+        c += [float(coef[i])] * T
+    batch.aux = packing.AuxRows(
+        teacher_rows=torch.tensor(t_rows, dtype=torch.long),
+        student_rows=torch.tensor(s_rows, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        coef=torch.tensor(c, dtype=torch.float64),
+    )
+    return batch
