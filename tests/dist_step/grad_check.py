@@ -46,12 +46,20 @@ def mean_entropy(model, samples):
     for s in samples:
         tokens = torch.as_tensor(s.tokens)
         logp = torch.log_softmax(model(tokens[None]).logits[0, s.prompt_len - 1 : -1].float(), -1)
-        ents.append(-(logp.exp() * logp).sum(-1))
+        ents.append((-(logp.exp() * logp).sum(-1))[_mask(s)])
     return float(torch.cat(ents).double().mean())
 
 
-def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
-    """A fixed random batch (from `seed`) pruned with masks drawn from `mask_seed`."""
+def _mask(s) -> torch.Tensor:
+    """bool over the sample's completion tokens: its per-token loss mask (all, without one)."""
+    n = len(s.tokens) - s.prompt_len
+    return torch.ones(n, dtype=torch.bool) if s.loss_mask is None else torch.as_tensor(s.loss_mask) > 0
+
+
+def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True, token_masks=False):
+    """A fixed random batch (from `seed`) pruned with masks drawn from `mask_seed`. token_masks:
+    about a third of each completion's tokens carry no loss (never all of them), as a per-token
+    loss mask on the samples."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [
         torch.randint(3, VOCAB, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen) for _ in range(B)
@@ -82,6 +90,11 @@ def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
                     continue
                 tokens = torch.cat([prompts[q], comps[q][i]])
                 lp = seq_logp(model, tokens, len(prompts[q]))
+                loss_mask = None
+                if token_masks:
+                    keep = torch.rand(len(lp), generator=torch.Generator().manual_seed(seed + 7 * q + i)) > 0.35
+                    keep[int(torch.randint(len(lp), (1,), generator=torch.Generator().manual_seed(q * G + i)))] = True
+                    loss_mask = keep.float().tolist()
                 samples.append(
                     Sample(
                         tokens=tokens,
@@ -91,6 +104,7 @@ def make_problem(model, r_q, r_o, seed, mask_seed=None, reweight=True):
                         seq_id=q * G + i,
                         old_logp=lp + noise[0, q, i, : len(lp)],
                         ref_logp=lp + noise[1, q, i, : len(lp)],
+                        loss_mask=loss_mask,
                     )
                 )
     rolled = keep_q.nonzero().flatten()
@@ -109,21 +123,24 @@ def draw_masks(adv, scores, r_q, r_o, gen, reweight=True):
 
 
 def reference_grads(model, samples, loss_cfg, denominator):
+    """The plain-PyTorch loss and gradient on the HF model: only the loss-masked tokens count
+    (a sequence's length, its GSPO ratio and its token mean are over them)."""
     model.zero_grad()
-    lp = torch.cat([seq_logp(model, torch.as_tensor(s.tokens), s.prompt_len) for s in samples])
-    seq_len = torch.tensor([len(s.tokens) - s.prompt_len for s in samples])
+    masks = [_mask(s) for s in samples]
+    lp = torch.cat([seq_logp(model, torch.as_tensor(s.tokens), s.prompt_len)[m] for s, m in zip(samples, masks)])
+    seq_len = torch.tensor([int(m.sum()) for m in masks])
     seq_index = torch.repeat_interleave(torch.arange(len(samples)), seq_len)
     adv = torch.tensor([s.advantage for s in samples])[seq_index]
     token_loss, _ = losses.policy_loss(
         lp,
-        torch.cat([s.old_logp for s in samples]),
+        torch.cat([s.old_logp[m] for s, m in zip(samples, masks)]),
         adv,
         clip_low=loss_cfg.clip_low,
         clip_high=loss_cfg.clip_high,
         ratio_type=loss_cfg.ratio_type,
         seq_index=seq_index,
         num_seqs=len(samples),
-        ref_logp=torch.cat([s.ref_logp for s in samples]),
+        ref_logp=torch.cat([s.ref_logp[m] for s, m in zip(samples, masks)]),
         kl_coef=loss_cfg.kl_coef,
     )
     coef = losses.token_coefficients(
@@ -243,14 +260,16 @@ def main():
             print("MONTE CARLO PASSED")
         destroy_parallel()
         return
-    cases = [
-        ("seq-mean-token-mean", "token", 0.0),
-        ("token-mean", "token", 0.1),
-        ("seq-mean-token-sum-norm", "token", 0.0),
-        ("seq-mean-token-mean", "sequence", 0.0),
+    cases = [  # (aggregation, ratio, KL coefficient, per-token loss masks)
+        ("seq-mean-token-mean", "token", 0.0, False),
+        ("token-mean", "token", 0.1, False),
+        ("seq-mean-token-sum-norm", "token", 0.0, False),
+        ("seq-mean-token-mean", "sequence", 0.0, False),
+        ("seq-mean-token-mean", "token", 0.1, True),
+        ("token-mean", "sequence", 0.0, True),
     ]
     worst, checked = 0.0, 0
-    for agg, ratio_type, kl in cases:
+    for agg, ratio_type, kl, token_masks in cases:
         loss_cfg = AlgorithmConfig(loss_agg=agg, clip_low=0.2, clip_high=0.28, ratio_type=ratio_type, kl_coef=kl)
         policy = MegatronPolicy(
             cfg,
@@ -266,7 +285,7 @@ def main():
 
             policy.model.module.config.finalize_model_grads_func = finalize_model_grads
         for r in (0.0, 0.5):
-            samples, lengths, w_q, _ = make_problem(model, r, r, seed=7)
+            samples, lengths, w_q, _ = make_problem(model, r, r, seed=7, token_masks=token_masks)
             denom = losses.full_batch_denominator(
                 agg,
                 num_prompts=B,
@@ -293,6 +312,7 @@ def main():
                 if dist.get_rank() == 0:
                     print(
                         f"ok tp={args.tp} pp={args.pp} dp={dp_size} {agg:24s} {ratio_type:8s} kl={kl} r={r} "
+                        f"masks={token_masks} "
                         f"micro-batches/rank={len(mbs)} loss={metrics['loss']:.6f} rel.grad.err={rel:.2e}"
                     )
     assert checked == 2 * 2 * len(cases), f"only {checked} of the {2 * 2 * len(cases)} comparisons ran"
