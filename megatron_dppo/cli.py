@@ -20,6 +20,8 @@ def _verify_unbiased(args) -> int:
         print(f"verify-unbiased: --strategy must be one of {sorted(STRATEGIES)}, got {unknown[0]!r}", file=sys.stderr)
         return 2
     aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
+    if args.method:
+        return _verify_methods(args, strategies, aggs)
     all_ok = True
     for strategy in strategies:
         for agg in aggs:
@@ -49,6 +51,30 @@ def _verify_unbiased(args) -> int:
             all_ok &= result.unbiased
     print("all unbiased" if all_ok else "bias detected beyond Monte Carlo noise")
     return 0 if all_ok else 1
+
+
+def _verify_methods(args, strategies, aggs) -> int:
+    """--method: each SEED_METHODS.md method, biased by design against GRPO, and DPPO unbiased for
+    its own full-batch loss (megatron_dppo/unbiased_methods.py)."""
+    from megatron_dppo.unbiased_check import CheckConfig
+    from megatron_dppo.unbiased_methods import METHODS, run_method_check
+
+    methods = list(METHODS) if "all" in args.method else args.method
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        print(f"verify-unbiased: --method must be one of {list(METHODS)} or all, got {unknown[0]!r}", file=sys.stderr)
+        return 2
+    ok = True
+    for method in methods:
+        for agg in aggs:
+            settings = dict(num_prompts=args.num_prompts, group_size=args.group_size, r_q=args.r_q, r_o=args.r_o)
+            settings.update(loss_agg=agg, kl_coef=args.kl_coef, draws=args.draws, seed=args.seed)
+            cfg = CheckConfig(strategy=strategies[0], method=method, **settings)
+            result = run_method_check(cfg)
+            print(result.summary(cfg), flush=True)
+            ok &= result.unbiased
+    print("DPPO unbiased for every method's own loss" if ok else "bias detected beyond Monte Carlo noise")
+    return 0 if ok else 1
 
 
 def _train(args) -> int:
@@ -190,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--fixed-order",
         action="store_true",
         help="dynamic sampling: keep one stream order instead of shuffling it per draw",
+    )
+    v.add_argument(
+        "--method",
+        action="append",
+        help="a SEED_METHODS.md method (bppo, reco, adaprefix, ssopd, or all; repeatable): biased by design "
+        "against GRPO, and DPPO checked for the method's own full-batch loss",
     )
     v.add_argument(
         "--overlong-filter",

@@ -74,15 +74,7 @@ def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: d
         built.append((p, *seqs))
     if not built:
         return [], stats
-    coef = (
-        ssopd.aux_coefficients(
-            torch.tensor([p.omega for p, *_ in built], dtype=torch.float64),
-            torch.tensor([T for *_, T in built], dtype=torch.float64),
-            num_prompts=num_prompts,
-            prompt_weight=torch.tensor([p.group.train_weight for p, *_ in built], dtype=torch.float64),
-        )
-        * cfg.coef
-    )
+    coef = pair_coefficients([p for p, *_ in built], [T for *_, T in built], num_prompts, cfg.coef)
     stats.pairs, stats.positions = len(built), sum(T for *_, T in built)
     pad = layout["pad_multiple"]
     lengths = [packing.round_up(len(t.tokens), pad) + packing.round_up(len(s.tokens), pad) for _, t, s, _, _ in built]
@@ -94,6 +86,16 @@ def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: d
     packs = packing.pack(lengths, layout["capacity"], layout["window"])
     mine = packing.balance_packs(packs, lengths, layout["dp_size"])[layout["dp_rank"]]
     return [_build(built, coef, p, pad, layout["pad_id"]) for p in mine], stats
+
+
+def pair_coefficients(pairs: list[AuxPair], positions: list[int], num_prompts: float, lam: float) -> torch.Tensor:
+    """Each pair's per-position coefficient lambda * w_q * omega_q / (B * T_q), [Q] float64: w_q is
+    the group's trained weight (DPPO's prompt weight, or its refill share), so the aux loss is a
+    fixed-weight sum that DPPO's pruning keeps unbiased (verify-unbiased --method ssopd)."""
+    omega = torch.tensor([p.omega for p in pairs], dtype=torch.float64)
+    w_q = torch.tensor([p.group.train_weight for p in pairs], dtype=torch.float64)
+    T = torch.tensor(positions, dtype=torch.float64)
+    return ssopd.aux_coefficients(omega, T, num_prompts=num_prompts, prompt_weight=w_q) * lam
 
 
 def _build(built, coef, pack: list[int], pad_multiple: int, pad_id: int):

@@ -52,6 +52,7 @@ class CheckConfig:
     ratio_noise: float = 0.3  # spread of log(pi/pi_old) so that clipping is active
     max_len: int = 16
     overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
+    method: str = "grpo"  # unbiased_methods.run_method_check: bppo | reco | adaprefix | ssopd
     dim: int = 16
     draws: int = 4000
     seed: int = 0
@@ -169,6 +170,13 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     c.algorithm.advantage, c.algorithm.loss_agg, c.algorithm.kl_coef = cfg.advantage, cfg.loss_agg, cfg.kl_coef
     c.algorithm.dynamic_sampling, c.algorithm.max_resample_rounds = dynamic_sampling, cfg.max_resample_rounds
     c.algorithm.overlong_filter = cfg.overlong_filter
+    # unbiased_methods.py: the SEED_METHODS.md method under check, as its config keys set it
+    c.algorithm.selection = "bppo" if cfg.method == "bppo" else "all"
+    c.algorithm.reweighting = "reco" if cfg.method == "reco" else "none"
+    c.algorithm.aux = "ssopd" if cfg.method == "ssopd" else "none"
+    c.algorithm.ssopd.min_positions = 1  # the synthetic step's completions are short
+    if cfg.method == "bppo":
+        c.pruning.r_o = 0.0  # bppo selects the completions itself
     c.pruning.r_q, c.pruning.r_o = cfg.r_q, cfg.r_o
     c.pruning.drop_zero_variance = cfg.kl_coef == 0  # config.resolve's default
     c.trainer.prompts_per_step = cfg.num_prompts

@@ -1,0 +1,219 @@
+"""verify-unbiased for the founding documents' other methods (../shared/SEED_METHODS.md 5).
+
+Two questions per method, on unbiased_check's synthetic step (linear policy, binary rewards,
+ragged lengths, a prompt history):
+  1. Is the method biased against GRPO BY DESIGN? Its unpruned full-batch gradient is compared
+     with GRPO's (a deterministic gap; every one of them changes the objective on purpose).
+  2. Does DPPO stay unbiased for the METHOD'S OWN full-batch loss? The trainer's planning
+     (algorithms/batch.py, with the method on) runs over mask draws, and the mean gradient is
+     compared with that full-batch gradient, computed directly, against its Monte Carlo error.
+What the synthetic step stands for, per method (our modelling choices):
+  reco      each completion gets sampling log-probs (a third of them "frequent": G pi_b > 1), so
+            the response weight u acts; the token scale c_t is a fixed positive number per token
+            (the trainer's c divides by the step's weighted mean, a ratio estimate under pruning:
+            not modelled here), inside ReCo's own per-token loss -A c log pi.
+  ssopd     each pair's aux gradient (of (1/T_q) sum_t d_t) is a fixed random vector J_aux[q]; the
+            pairs and frontier weights are the trainer's (batch.ssopd_pairs), the coefficients
+            ssopd.aux_coefficients'. Checked: GRPO + lambda * aux.
+  adaprefix the curriculum changes the PROMPTS (a prefix of the reference), not the loss: on the
+            assisted prompts the loss is GRPO's, so DPPO's check is GRPO's check.
+  bppo      the trainer's selection and prefixes; no completion pruning (r_o = 0 with it), so only
+            prompt pruning draws: BPPO's denominator sums the selected prefixes with their w_q, a
+            ratio estimate (consistent, not exact).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from megatron_dppo import distill
+from megatron_dppo.algorithms import batch, losses
+from megatron_dppo.algorithms.advantages import group_advantages
+from megatron_dppo.algorithms.methods import bppo, reco, ssopd
+from megatron_dppo.algorithms.pruning import get_strategy
+from megatron_dppo.rollout.records import Group
+from megatron_dppo.unbiased_check import (
+    CheckConfig,
+    _compare,
+    _method,
+    _stats_of,
+    _synthetic_step,
+    _SyntheticPrompt,
+    _token_loss_jacobian,
+    _within_tolerance,
+)
+
+METHODS = ("bppo", "reco", "adaprefix", "ssopd")
+WHY_BIASED = {
+    "bppo": "it trains the shortest correct and shortest incorrect completions' prefixes only",
+    "reco": "it reweights responses by expected occurrence and tokens by the policy's impurity",
+    "adaprefix": "it trains on prompts assisted by a reference prefix (a curriculum)",
+    "ssopd": "it adds a self-distillation term to GRPO's loss",
+}
+
+
+@dataclass
+class MethodCheckResult:
+    method: str
+    design_gap: float  # ||full-batch gradient of the method - GRPO's|| / ||GRPO's||; nan: not comparable here
+    rel_error: float
+    rel_std_error: float
+    max_z: float
+    z_threshold: float
+    exact: bool
+    unbiased: bool
+
+    def summary(self, cfg: CheckConfig) -> str:
+        gap = (
+            "not comparable here"
+            if math.isnan(self.design_gap)
+            else f"full-batch gradients differ by {self.design_gap:.1%}"
+        )
+        kind = "exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
+        return (
+            f"{self.method:9s} biased by design vs GRPO ({WHY_BIASED[self.method]}; {gap}) | DPPO r_q={cfg.r_q:.2f} "
+            f"r_o={0.0 if self.method == 'bppo' else cfg.r_o:.2f} for its own full-batch loss ({cfg.loss_agg}): "
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f}, max|z| {self.max_z:.2f} "
+            f"(limit {self.z_threshold:.2f}) | {kind}: {'UNBIASED' if self.unbiased else 'BIASED'}"
+        )
+
+
+def _masked_gradient(cfg, seq_w, loss_len, seq_index, seq_len, denom, J):
+    """sum_t coef_t dl_t/dtheta where only each sequence's first loss_len tokens carry loss (BPPO's
+    prefixes) and seq-mean-token-mean divides by loss_len, as the packed micro-batch does."""
+    starts = torch.cumsum(seq_len, 0) - seq_len
+    position = torch.arange(seq_index.numel()) - starts[seq_index]
+    lens = loss_len.flatten()
+    coef = losses.token_coefficients(seq_index, seq_w.flatten().double(), lens.clamp(min=1), cfg.loss_agg, denom)
+    return (coef.double() * (position < lens[seq_index]).double()) @ J
+
+
+def _synthetic_rollout(rewards, lengths, sampling_sums, max_len):
+    def rollout(rnd, items):
+        return [
+            Group(
+                rec,
+                rnd,
+                slot,
+                [0],
+                [[0] * int(n) for n in lengths[rec.index]],
+                rewards[rec.index].tolist(),
+                prompt_weight=w_q,
+                truncated=[int(n) >= max_len for n in lengths[rec.index]],
+                sampling_logprobs=[
+                    [float(s) / int(n)] * int(n) for s, n in zip(sampling_sums[rec.index], lengths[rec.index])
+                ],
+            )
+            for rec, slot, w_q in items
+        ]
+
+    return rollout
+
+
+def _setting(cfg: CheckConfig, gen):
+    """The synthetic step with the method's pieces: (rewards, stats, lengths, J of the method's
+    per-token loss, J of GRPO's, seq_index, seq_len, sampling log-prob sums, aux Jacobian)."""
+    rewards, stats, lengths = _synthetic_step(cfg, gen)
+    adv = group_advantages(rewards, cfg.advantage)
+    B, G = rewards.shape
+    J_grpo, seq_index, seq_len = _token_loss_jacobian(cfg, adv, lengths, gen)
+    frequent = torch.rand(B, G, generator=gen) < 1 / 3
+    sums = torch.where(
+        frequent, -math.log(G) * torch.rand(B, G, generator=gen), -5.0 - 5.0 * torch.rand(B, G, generator=gen)
+    ).double()
+    J = J_grpo
+    if cfg.method == "reco":
+        scale = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
+        J = _reco_jacobian(cfg, adv, seq_index, scale, gen)
+    aux = torch.randn(B, J.shape[1], generator=gen, dtype=torch.float64) / math.sqrt(J.shape[1])
+    return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux
+
+
+def _reco_jacobian(cfg, adv, seq_index, scale, gen):
+    """J [T, D] of ReCo's per-token loss (reco.surrogate, + KL) at theta0 on a linear policy."""
+    T = seq_index.numel()
+    phi = torch.randn(T, cfg.dim, generator=gen, dtype=torch.float64) / math.sqrt(cfg.dim)
+    theta0 = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
+    old = phi @ theta0 + cfg.ratio_noise * torch.randn(T, generator=gen, dtype=torch.float64)
+    ref = phi @ theta0 + 0.5 * torch.randn(T, generator=gen, dtype=torch.float64)
+    tok_adv = adv.flatten().double()[seq_index]
+
+    def token_loss(theta):
+        logp = phi @ theta
+        loss, _ = reco.surrogate(logp, old, tok_adv, scale, clip_low=0.2, clip_high=0.28)
+        return loss.double() + cfg.kl_coef * losses.kl_penalty(logp, ref)
+
+    return torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
+
+
+def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len):
+    """The method's unpruned full-batch gradient, computed directly from its definition."""
+    B, G = rewards.shape
+    lens, seq_w = lengths.clone(), torch.ones(B, G, dtype=torch.float64)
+    denom = losses.full_batch_denominator(
+        cfg.loss_agg, num_prompts=B, group_size=G, completion_lengths=lengths, max_response_length=cfg.max_len
+    )
+    if cfg.method == "bppo":
+        plan = bppo.plan(rewards, lengths, method.bppo, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
+        seq_w, lens, denom = plan.seq_weight, plan.prefix_len, plan.denominator_terms
+    if cfg.method == "reco":
+        seq_w = reco.expected_occurrence_weights(sums).double()
+    grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, denom, J)
+    if cfg.method == "ssopd":
+        sel = ssopd.select_pair(rewards, lengths, terminated=lengths < cfg.max_len)
+        omega = ssopd.frontier_weight(rewards) * (sel.correct >= 0)
+        grad = grad + method.ssopd.coef * (omega[:, None] * aux).sum(0) / B
+    return grad
+
+
+def _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len):
+    """One mask draw through the trainer's planning with the method on."""
+    collected = batch.collect(
+        method, strategy, next_batch=lambda n: prompts, stats_of=stats_of, rollout=rollout, generator=gen
+    )
+    batch.weigh_completions(method, strategy, collected.trained, gen)
+    plans = batch.plan_minibatches(method, collected.trained, collected.drawn)
+    grad = torch.zeros(J.shape[1], dtype=torch.float64)
+    if not plans:
+        return grad
+    B, G = cfg.num_prompts, cfg.group_size
+    seq_w, lens = torch.zeros(B, G, dtype=torch.float64), seq_len.reshape(B, G).clone()
+    for g in collected.trained:
+        seq_w[g.record.index] = torch.tensor([g.train_weight * w for w in g.completion_weights], dtype=torch.float64)
+        lens[g.record.index] = torch.tensor(g.loss_lengths())
+    grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, plans[0].denominator, J)
+    pairs = plans[0].aux_pairs
+    if pairs:  # the trainer's coefficients (distill.aux_microbatches), T_q positions of aux[q] / T_q each
+        positions = torch.tensor([float(len(p.group.completions[p.wrong])) for p in pairs], dtype=torch.float64)
+        coef = distill.pair_coefficients(pairs, positions.tolist(), plans[0].num_prompts, method.ssopd.coef)
+        rows = torch.tensor([p.group.record.index for p in pairs])
+        grad = grad + ((coef * positions)[:, None] * aux[rows]).sum(0)
+    return grad
+
+
+def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
+    if cfg.method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux = _setting(cfg, gen)
+    B, G = rewards.shape
+    strategy = get_strategy(cfg.strategy)
+    method = _method(cfg, strategy, dynamic_sampling=False)
+    method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
+    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
+    grpo = _full_gradient(replace(cfg, method="grpo"), method, rewards, lengths, sums, J_grpo, aux, seq_index, seq_len)
+    gap = float("nan") if cfg.method == "adaprefix" else float((full - grpo).norm() / grpo.norm())
+    prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
+    stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, sums, cfg.max_len)
+    grads = [
+        _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len)
+        for _ in range(cfg.draws)
+    ]
+    rel_err, rel_se, max_z, z_limit, _ = _compare(torch.stack(grads), full, cfg.alpha)
+    exact = cfg.method != "bppo" and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
+    exact = exact or (cfg.method == "bppo" and cfg.r_q == 0)
+    unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
+    return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased))
