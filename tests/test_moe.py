@@ -4,12 +4,6 @@ under torchrun (tests/dist/moe_worker.py); the mapping needs no Megatron and run
 
 from pathlib import Path
 
-import pytest
-import torch
-from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model
-
-from megatron_dppo.convert import qwen3
-
 DIST = Path(__file__).parent / "dist"
 
 

@@ -8,7 +8,8 @@ parallel 1 (both ranks alike), then at EP=2 with each rank on its own batch: the
 both ranks reach each expert through the alltoall dispatcher, so an expert's gradient is
 transformers' gradient over both batches, and every other gradient that of the rank's own batch.
 Also with norm_topk_prob=false (softmax over all experts, no renormalisation) and
-decoder_sparse_step=2 (every second layer sparse)."""
+decoder_sparse_step=2 (every second layer sparse). Each rank's parameter count equals what
+`megatron-dppo plan` counts for it (plan.stage_params + stage_expert_params)."""
 
 import os
 import sys
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import common  # noqa: E402
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
+from megatron_dppo import plan  # noqa: E402
 from megatron_dppo.convert import qwen3  # noqa: E402
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs  # noqa: E402
 from megatron_dppo.megatron.attention import packed_seq_params  # noqa: E402
@@ -65,6 +67,10 @@ def check(ep: int, cfg, hf, batches, what: str):
     layout = qwen3.layout_from_hf_config(cfg, padded_vocab=128)
     model = build_gpt_model(cfg)
     assert sum(1 for n, _ in model.named_parameters() if n.endswith("router.weight")) == sum(layout.moe_layers)
+    # `megatron-dppo plan` counts what this rank holds: its experts and the dense rest.
+    arch = plan.Arch.from_hf(cfg.to_dict())
+    counted = plan.stage_params(arch, 1, 1)["only"] + plan.stage_expert_params(arch, ep, 1, 1)["only"]
+    assert counted == sum(p.numel() for p in model.parameters()), (counted, ep)
     weights = local(qwen3.hf_to_megatron(hf_checkpoint_tensors(hf), layout), layout)
     with torch.no_grad():
         for n, p in model.named_parameters():
