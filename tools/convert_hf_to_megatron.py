@@ -95,12 +95,15 @@ def launch_verify(args) -> int:
         ]
         + script
     )
-    return subprocess.call(cmd)
+    # torchrun would set 1 and print a banner saying so; setting it here keeps the screen quiet.
+    return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def verify(args) -> int:
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar on every rank
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
     from megatron_dppo.megatron.convert_ckpt import verify_logits
 
