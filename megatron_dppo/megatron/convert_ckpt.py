@@ -575,10 +575,11 @@ def verify_logits(
         with torch.no_grad():
             expect = ref(tokens[None]).logits[0].float()
         diff = float((logits - expect).abs().max())
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        ep = f"ep={ep}, " if ep > 1 else ""
         log(
             f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, "
-            f"ep={parallel_state.get_expert_model_parallel_world_size()}, {module_device(policy.model)}) vs "
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, {ep}{module_device(policy.model)}) vs "
             f"transformers (cpu) over {len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff:.3e}"
         )
     return all_reduce_max([diff])[0]
