@@ -30,7 +30,7 @@ from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config, verify_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import expert_rank_layout, load_hf_into_models, rank_layout  # noqa: E402
-from megatron_dppo.megatron.step import MegatronPolicy  # noqa: E402
+from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 
 
 def expected_local(hf: HFCheckpoint, layout) -> dict:
