@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_convert_tools import _ok, _weights
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model
 
 from megatron_dppo.convert import qwen3
@@ -106,25 +106,12 @@ def moe_hf(tmp_path_factory):
     return path
 
 
-def _weights(d: Path) -> dict:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _assert_same_weights(a: Path, b: Path):
     x, y = _weights(a), _weights(b)
     assert x.keys() == y.keys() and any(".mlp.experts.7.down_proj" in k for k in x)
     for k in x:
         assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
     assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
-
-
-def _ok(res) -> str:
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-8000:]
-    return out
 
 
 @pytest.mark.slow

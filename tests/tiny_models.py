@@ -2,27 +2,34 @@
 
 GQA (4 query heads, 2 KV heads) and head_dim 32 (vLLM's CPU attention needs >= 32), 4 layers (PP=2
 divides them), a 50-token vocabulary (Megatron pads it to 128 x TP, so vocab padding is exercised).
+The mixture-of-experts variant (tiny_qwen3_moe_*) has the same shape around its experts.
 """
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+SHAPE = dict(
+    vocab_size=50,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
-    kwargs = dict(
-        vocab_size=50,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    kwargs.update(overrides)
-    return Qwen3Config(**kwargs)
+    return Qwen3Config(**{**SHAPE, "architectures": ["Qwen3ForCausalLM"], **overrides})
+
+
+def _perturb_norms(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
 
 
 def tiny_qwen3_model(seed: int, perturb_norms: bool = True, **overrides):
@@ -32,10 +39,7 @@ def tiny_qwen3_model(seed: int, perturb_norms: bool = True, **overrides):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).float()
     if perturb_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(0.1 * torch.randn_like(p))
+        _perturb_norms(model)
     return cfg, model
 
 
@@ -44,26 +48,16 @@ def tiny_qwen3_moe_config(**overrides):
     layers 0, 2 and 3, and layer 1 dense (mlp_only_layers) with the dense model's MLP."""
     from transformers import Qwen3MoeConfig
 
-    kwargs = dict(
-        vocab_size=50,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
+    moe = dict(
         moe_intermediate_size=48,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[1],
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
         architectures=["Qwen3MoeForCausalLM"],
     )
-    kwargs.update(overrides)
-    return Qwen3MoeConfig(**kwargs)
+    return Qwen3MoeConfig(**{**SHAPE, **moe, **overrides})
 
 
 def tiny_qwen3_moe_model(seed: int, **overrides):
@@ -75,11 +69,10 @@ def tiny_qwen3_moe_model(seed: int, **overrides):
     cfg = tiny_qwen3_moe_config(**overrides)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).float()
+    _perturb_norms(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return cfg, model
 
