@@ -50,6 +50,8 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     rollout_tp: int = 1  # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
+    ep: int = 1  # expert parallel (MoE models): each rank of an EP group holds num_experts / ep experts
+    etp: int = 1  # expert tensor parallel: each expert split over etp ranks (1 = whole experts, the usual choice)
     distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU
     recompute: Recompute = "none"  # activation recomputation
     # The cluster, for `megatron-dppo plan`, the launch scripts and the layout check.
@@ -370,6 +372,8 @@ def validate(cfg: Config) -> Config:
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
         ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
         ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),
+        ("parallel.ep", c.parallel.ep >= 1, "an integer >= 1"),
+        ("parallel.etp", c.parallel.etp >= 1, "an integer >= 1"),
         ("parallel.nodes", c.parallel.nodes >= 1, "an integer >= 1"),
         ("parallel.gpus_per_node", c.parallel.gpus_per_node >= 1, "an integer >= 1"),
     ]
@@ -462,11 +466,15 @@ def check_layout(
     num_kv_heads: int,
     num_layers: int,
     ffn_hidden_size: int | None = None,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int | None = None,
 ) -> None:
     """The parallel layout against the world and the model: ValueError naming every key to change.
-    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node)."""
+    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node).
+    num_experts / moe_ffn_hidden_size: a mixture-of-experts model's (0 / None for a dense one)."""
     par, problems = cfg.parallel, []
     tp, pp, rtp = par.tp, par.pp, par.rollout_tp
+    problems += _expert_layout_problems(par, world_size, num_experts, moe_ffn_hidden_size)
     if world_size % (tp * pp):
         problems.append(f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the world size {world_size}")
     if num_heads % tp or num_kv_heads % tp:
@@ -501,6 +509,39 @@ def check_layout(
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
 
+def _expert_layout_problems(par: ParallelConfig, world_size: int, num_experts: int, moe_ffn: int | None) -> list:
+    """Megatron-Core's initialize_model_parallel lays the expert groups (EP x expert-TP x
+    expert-DP x PP) over the same world as the dense ones (TP x DP x PP), pipeline stages
+    shared: ep x etp x pp must divide the world as tp x pp does; expert DP is what is left."""
+    ep, etp, pp = par.ep, par.etp, par.pp
+    problems = []
+    if (ep > 1 or etp > 1) and not num_experts:
+        problems.append(f"parallel.ep={ep} / parallel.etp={etp} need a mixture-of-experts model (this one is dense)")
+        return problems
+    if world_size % (ep * etp * pp):
+        problems.append(
+            f"parallel.ep x parallel.etp x parallel.pp = {ep} x {etp} x {pp} does not divide the world size "
+            f"{world_size}"
+        )
+    if num_experts % ep:
+        problems.append(f"parallel.ep={ep} must divide num_experts {num_experts}")
+    if moe_ffn is not None and moe_ffn % etp:
+        problems.append(f"parallel.etp={etp} must divide moe_intermediate_size {moe_ffn}")
+    if moe_ffn is not None and moe_ffn % par.rollout_tp:  # vLLM splits each expert over its TP ranks
+        problems.append(f"parallel.rollout_tp={par.rollout_tp} must divide moe_intermediate_size {moe_ffn}")
+    if par.gpus_per_node % etp:
+        problems.append(
+            f"parallel.etp={etp} must divide parallel.gpus_per_node={par.gpus_per_node}: an expert-tensor-parallel "
+            "group stays inside a node"
+        )
+    if num_experts and par.tp > 1 and not par.sequence_parallel:
+        problems.append(
+            f"parallel.tp={par.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
+            "(Megatron-Core's MoE layer refuses to train under TP without it)"
+        )
+    return problems
+
+
 def resolve(
     cfg: Config,
     *,
@@ -513,6 +554,8 @@ def resolve(
     num_train_records: int,
     cuda: bool,
     threads: int,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int | None = None,
 ) -> Config:
     """Fill in every value that depends on the model, the machine or the data, in one place, before
     the config is saved or read by anything else: after this no key is None or means "decide later".
@@ -526,6 +569,8 @@ def resolve(
         num_kv_heads=num_kv_heads,
         num_layers=num_layers,
         ffn_hidden_size=ffn_hidden_size,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
     )
     if cfg.data.train_size == 0 or cfg.data.train_size > num_train_records:
         cfg.data.train_size = num_train_records

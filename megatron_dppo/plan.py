@@ -4,15 +4,22 @@ The plan is arithmetic over the run config and the model's config.json (no Megat
 no GPU: it runs anywhere in about a second). docs/scaling.md derives every term;
 in short, for the worst pipeline stage of one GPU:
 
-  weights      params (model.dtype) of this TP/PP shard, Megatron's padded vocabulary included
+  weights      params (model.dtype) of this TP/PP shard, Megatron's padded vocabulary included;
+               for a mixture of experts also this EP rank's experts (num_experts / ep of each
+               sparse layer, each split over etp)
   gradients    fp32 main_grad buffer (Megatron DDP, grad_reduce_in_fp32) = 4 B/param
   optimizer    Adam m, v (+ fp32 master copy for bf16 params) = 12 B/param (8 for fp32),
-               divided by DP under the distributed optimizer
+               divided by DP under the distributed optimizer (an expert's by the expert-DP size,
+               GPUs / (ep x etp x pp))
   reference    a second copy of the weights when algorithm.kl_coef > 0
   activations  per layer per token for a GQA SwiGLU layer (layer_activation_elems) x layers
                on the stage x micro-batch tokens x micro-batches in flight (pp on the first
                1F1B stage). parallel.recompute: selective = Megatron recompute_modules
                ["core_attn", "mlp"]; full = granularity full, method uniform, 1 layer per chunk
+  MoE layers   kept per token: the k routed copies of the token and the expert MLP's
+               intermediates, times an imbalance factor (the busiest expert rank gets more than its
+               share), and the router's fp32 logits and probabilities; all-to-all: one layer's
+               dispatch send and receive buffers in flight
   logits       micro-batch tokens x padded vocab / TP x (dtype + 8) bytes on the last stage
   vLLM         colocated: asleep (KV freed, weights offloaded) while Megatron trains; while it
                generates it owns gpu_memory_utilization x GPU: its weights, runtime and the KV
@@ -43,11 +50,13 @@ FRAGMENTATION = 0.10  # caching-allocator slack on the training peak (variable-s
 VLLM_RUNTIME = 2 * GiB  # vLLM's profiled activation peak + CUDA graphs, inside its share
 SYNC_BUCKET = 1 * GiB  # one bucket of the Megatron -> vLLM weight sync in flight
 VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by (model.py uses 128)
+MOE_IMBALANCE = 1.5  # tokens the busiest expert rank receives / its even share (no token dropping)
 
 
 @dataclass(frozen=True)
 class Arch:
-    """The numbers of a Qwen3-style dense model (GQA attention, SwiGLU MLP, RMSNorm, qk-norm)."""
+    """The numbers of a Qwen3-style model (GQA attention, SwiGLU MLP, RMSNorm, qk-norm), dense or
+    a mixture of experts (Qwen3 MoE: sparse layers of routed SwiGLU experts, no shared expert)."""
 
     vocab: int
     hidden: int
@@ -57,32 +66,69 @@ class Arch:
     head_dim: int
     ffn: int
     tied: bool
+    experts: int = 0  # routed experts per sparse layer; 0: a dense model
+    experts_per_tok: int = 0  # top-k
+    moe_ffn: int = 0  # each expert's SwiGLU width (moe_intermediate_size)
+    sparse: tuple = ()  # per layer: True where the MLP is an MoE layer (empty: dense)
 
     @classmethod
     def from_hf(cls, c: dict) -> Arch:
-        if c.get("num_experts") or c.get("num_local_experts"):
-            raise ValueError("the memory plan covers dense models; this config.json is a mixture of experts")
+        """The numbers of config.json `c`, after the trainer's own check of it
+        (convert/qwen3.layout_from_hf_config, on the same transformers config the trainer
+        builds): a model `train` refuses is a ValueError here too, naming the field."""
+        from transformers import CONFIG_MAPPING
+
+        from megatron_dppo.convert import qwen3
+
+        model_type = c.get("model_type", "qwen3")
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"config.json model_type={model_type!r}: not a model type transformers knows")
+        hf = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
+        lay = qwen3.layout_from_hf_config(hf)
         return cls(
-            vocab=c["vocab_size"],
-            hidden=c["hidden_size"],
-            layers=c["num_hidden_layers"],
-            heads=c["num_attention_heads"],
-            kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-            head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            ffn=c["intermediate_size"],
-            tied=bool(c.get("tie_word_embeddings", False)),
+            vocab=lay.vocab,
+            hidden=lay.hidden,
+            layers=lay.num_layers,
+            heads=lay.num_heads,
+            kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            ffn=lay.intermediate,
+            tied=lay.tied,
+            experts=lay.num_experts if lay.moe_layers else 0,
+            experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0)) if lay.moe_layers else 0,
+            moe_ffn=lay.moe_intermediate,
+            sparse=lay.moe_layers,
         )
 
-    def layer_params(self, tp: int = 1) -> int:
-        """One decoder layer on one TP rank: QKV, out-proj, fc1 [gate; up], fc2 are split over TP;
-        the two RMSNorms (hidden) and q/k-norms (head_dim) are replicated."""
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse) and self.sparse[layer]
+
+    def layer_params(self, tp: int = 1, sparse: bool = False) -> int:
+        """One decoder layer on one TP rank, experts not included: QKV, out-proj (and a dense
+        layer's fc1 [gate; up], fc2) are split over TP; the two RMSNorms (hidden), q/k-norms
+        (head_dim) and an MoE layer's router (experts x hidden) are replicated."""
         h, d = self.hidden, self.head_dim
-        split = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.ffn
-        return split // tp + 2 * h + 2 * d
+        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        if sparse:
+            return attn // tp + 2 * h + 2 * d + self.experts * h
+        return (attn + 3 * h * self.ffn) // tp + 2 * h + 2 * d
+
+    def expert_params(self, ep: int = 1, etp: int = 1) -> int:
+        """One sparse layer's experts on one rank: num_experts / ep SwiGLU experts split over etp."""
+        return self.experts // ep * 3 * self.hidden * self.moe_ffn // etp
 
     def hf_params(self) -> int:
         """Parameter count of the HF checkpoint (unpadded vocabulary)."""
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
+        body = sum(
+            self.layer_params(1, self.is_sparse(i)) + (self.expert_params() if self.is_sparse(i) else 0)
+            for i in range(self.layers)
+        )
+        return self.vocab * self.hidden * (1 if self.tied else 2) + body + self.hidden
+
+    def active_params(self) -> int:
+        """Parameters a token passes through (top-k of the experts): the 'A3B' of Qwen3-30B-A3B."""
+        inactive = sum(self.is_sparse(i) for i in range(self.layers)) * (self.experts - self.experts_per_tok)
+        return self.hf_params() - inactive * 3 * self.hidden * self.moe_ffn
 
 
 def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -92,15 +138,30 @@ def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) ->
     return -(-vocab // multiple) * multiple
 
 
-def stage_params(arch: Arch, tp: int, pp: int) -> dict:
-    """Parameters held by one GPU of the first and of the last pipeline stage."""
-    emb = padded_vocab(arch.vocab, tp) * arch.hidden // tp
-    body = arch.layers // pp * arch.layer_params(tp)
+def _stage_layers(arch: Arch, pp: int) -> dict:
+    per = arch.layers // pp
     if pp == 1:
-        only = body + emb + arch.hidden + (0 if arch.tied else emb)
+        return {"only": range(arch.layers)}
+    return {"first": range(per), "last": range(arch.layers - per, arch.layers)}
+
+
+def stage_params(arch: Arch, tp: int, pp: int) -> dict:
+    """Parameters held by one GPU of the first and of the last pipeline stage, experts apart
+    (stage_expert_params)."""
+    emb = padded_vocab(arch.vocab, tp) * arch.hidden // tp
+    body = {k: sum(arch.layer_params(tp, arch.is_sparse(i)) for i in r) for k, r in _stage_layers(arch, pp).items()}
+    if pp == 1:
+        only = body["only"] + emb + arch.hidden + (0 if arch.tied else emb)
         return {"only": only}
     # A tied model's last stage keeps its own copy of the embedding as the output layer.
-    return {"first": body + emb, "last": body + arch.hidden + emb}
+    return {"first": body["first"] + emb, "last": body["last"] + arch.hidden + emb}
+
+
+def stage_expert_params(arch: Arch, ep: int, etp: int, pp: int) -> dict:
+    """Expert parameters held by one GPU of each pipeline stage (0 for a dense model)."""
+    return {
+        k: sum(arch.is_sparse(i) for i in r) * arch.expert_params(ep, etp) for k, r in _stage_layers(arch, pp).items()
+    }
 
 
 def layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str) -> dict:
@@ -129,6 +190,39 @@ def layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str) -> dic
     return {"kept": h / (tp if sp else 1), "work": full}
 
 
+def moe_layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str, etp: int, pbytes: int) -> dict:
+    """layer_activation_elems for a sparse (MoE) layer, per token of the micro-batch on one rank.
+    Attention and norms as a dense layer's; the MoE MLP keeps, per token routed to k experts:
+
+      k h etp        the k dispatched copies (fc1 input; an expert-TP group gathers its tokens)
+      4 k f_e        SwiGLU input [gate; up], its output (the routing weight's backward), fc2 input
+      (all x MOE_IMBALANCE: the busiest expert rank receives more than its share)
+      2 E fp32       the router's logits and probabilities
+    With sequence parallel each TP rank routes its T / tp tokens. Megatron's selective recompute
+    ("mlp" module) skips MoE layers, so `selective` keeps all of it; `full` keeps the layer input."""
+    h, d, nq, nkv = arch.hidden, arch.head_dim, arch.heads, arch.kv_heads
+    split = tp if sp else 1
+    rep = 4 * h / split
+    attn = (3 * nq + 3 * nkv) * d / tp
+    k = arch.experts_per_tok
+    moe = ((k * h * etp + 4 * k * arch.moe_ffn) * MOE_IMBALANCE + 2 * arch.experts * 4 / pbytes) / split
+    full = rep + attn + moe
+    if recompute == "full":
+        return {"kept": h / split, "work": full}
+    return {"kept": full, "work": 0.0}
+
+
+def stage_activation_elems(arch: Arch, layers: range, tp: int, sp: bool, recompute: str, etp: int, pbytes: int):
+    """(kept elements per token summed over a stage's layers, the largest recompute working set)."""
+    per = [
+        moe_layer_activation_elems(arch, tp, sp, recompute, etp, pbytes)
+        if arch.is_sparse(i)
+        else layer_activation_elems(arch, tp, sp, recompute)
+        for i in layers
+    ]
+    return sum(a["kept"] for a in per), max((a["work"] for a in per), default=0.0)
+
+
 def _dtype_bytes(name: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[name]
 
@@ -142,27 +236,37 @@ def load_hf_config(hf_dir: str) -> dict:
     raise ValueError(f"config key 'model.hf_dir': {hf_dir!r} has no config.json (the plan needs only that file)")
 
 
-def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
-    """The values of parallel.tp, parallel.pp and parallel.rollout_tp that the trainer's layout
-    check (config.check_layout) accepts on this cluster and model, each with the other two at 1.
-    What the plan offers is filtered through the same check, so it cannot offer a value the
-    trainer refuses."""
+def trainer_layout_check(cfg, arch: Arch, world: int) -> None:
+    """config.check_layout, called with the model numbers the trainer passes it."""
     from megatron_dppo.config import check_layout as trainer_check
 
+    trainer_check(
+        cfg,
+        world_size=world,
+        num_heads=arch.heads,
+        num_kv_heads=arch.kv_heads,
+        num_layers=arch.layers,
+        ffn_hidden_size=arch.ffn,
+        num_experts=arch.experts,
+        moe_ffn_hidden_size=arch.moe_ffn or None,
+    )
+
+
+def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
+    """The values of parallel.tp, parallel.pp and parallel.rollout_tp (and parallel.ep for a
+    mixture of experts) that the trainer's layout check (config.check_layout) accepts on this
+    cluster and model, each with the others at 1. What the plan offers is filtered through the
+    same check, so it cannot offer a value the trainer refuses."""
     world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
+    knobs = ("tp", "pp", "rollout_tp") + (("ep",) if arch.experts else ())
     out = {}
-    for knob in ("tp", "pp", "rollout_tp"):
+    for knob in knobs:
         ok = []
         for value in range(1, world + 1):
-            par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, knob: value})
+            base = {"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1}
+            par = dataclasses.replace(cfg.parallel, **{**base, knob: value})
             try:
-                trainer_check(
-                    dataclasses.replace(cfg, parallel=par),
-                    world_size=world,
-                    num_heads=arch.heads,
-                    num_kv_heads=arch.kv_heads,
-                    num_layers=arch.layers,
-                )
+                trainer_layout_check(dataclasses.replace(cfg, parallel=par), arch, world)
             except ValueError:
                 continue
             ok.append(value)
@@ -173,12 +277,10 @@ def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
 def check_layout(cfg, arch: Arch) -> None:
     """The trainer's layout rules (config.check_layout, the world being parallel.nodes x
     parallel.gpus_per_node) with the values that would pass; ValueError naming the fields."""
-    from megatron_dppo.config import check_layout as trainer_check
-
     par = cfg.parallel
     world = par.nodes * par.gpus_per_node
     try:
-        trainer_check(cfg, world_size=world, num_heads=arch.heads, num_kv_heads=arch.kv_heads, num_layers=arch.layers)
+        trainer_layout_check(cfg, arch, world)
     except ValueError as e:
         choices = layout_choices(cfg, arch)
         hints = "; ".join(f"parallel.{k} among {v}" for k, v in choices.items() if getattr(par, k) not in v)
@@ -188,107 +290,132 @@ def check_layout(cfg, arch: Arch) -> None:
         ) from None
 
 
-def memory_plan(cfg, fixes: bool = True) -> dict:
-    """Bytes per GPU for both phases of a step, the verdict and (fixes=True) the knobs that
-    would fix a refused layout. Raises ValueError naming the field when the layout does not
-    divide."""
-    par, roll, tr = cfg.parallel, cfg.rollout, cfg.trainer
-    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
-    check_layout(cfg, arch)
-    world = par.nodes * par.gpus_per_node
-    tp, pp = par.tp, par.pp
-    dp = world // (tp * pp)
-    gpu = par.gpu_memory_gb * GiB
+def _model_arch(hf_dir: str) -> tuple[Arch, dict]:
+    raw = load_hf_config(hf_dir)
+    try:
+        return Arch.from_hf(raw), raw
+    except ValueError as e:
+        raise ValueError(f"config key 'model.hf_dir': {hf_dir}/config.json: {e}") from None
+
+
+def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_expert: int, lay: dict) -> dict:
+    """One pipeline stage's GPU: both phases' rows (bytes) and totals."""
+    par, roll = cfg.parallel, cfg.rollout
     pbytes = _dtype_bytes(cfg.model.dtype)
-    dist_opt = True if par.distributed_optimizer is None else par.distributed_optimizer  # on with CUDA
+    T, tp, pp = cfg.trainer.max_tokens_per_microbatch, par.tp, par.pp
     # Adam m and v in fp32, plus the fp32 master copy when the params themselves are not fp32.
     opt_per_param = 8 + (4 if pbytes < 4 else 0)
-    T = tr.max_tokens_per_microbatch
-    act = layer_activation_elems(arch, tp, par.sequence_parallel and tp > 1, par.recompute)
-    layers_here = arch.layers // pp
-    vocab_p = padded_vocab(arch.vocab, tp)
+    dist_opt = lay["distributed_optimizer"]
+    n = n_dense + n_expert
+    in_flight = pp if stage == "first" else 1  # 1F1B: stage 0 holds pp forwards before its first backward
+    resident = {
+        "weights": n * pbytes,
+        "gradients": n * 4,
+        # The distributed optimizer shards dense state over DP, an expert's over expert DP.
+        "optimizer": opt_per_param
+        * (n_dense / (lay["dp"] if dist_opt else 1) + n_expert / (lay["edp"] if dist_opt else 1)),
+        "reference": n * pbytes if cfg.algorithm.kl_coef > 0 else 0,
+    }
+    sp = lay["sequence_parallel"]
+    kept, work = stage_activation_elems(arch, layers, tp, sp, par.recompute, par.etp, pbytes)
+    train = dict(resident)
+    train["activations"] = (in_flight * kept + work) * T * pbytes
+    if any(arch.is_sparse(i) for i in layers):  # one layer's dispatch send + receive in flight
+        train["all_to_all"] = (1 + MOE_IMBALANCE) * arch.experts_per_tok * arch.hidden * T * pbytes / (tp if sp else 1)
+    # the model's logits + the fp32 scaled/masked copy the loss keeps (its softmax) + one
+    # fp32 temporary while the next copy or the gradient is made
+    train["logits"] = T * padded_vocab(arch.vocab, tp) / tp * (pbytes + 8) if stage in ("only", "last") else 0
+    train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
+    gen = dict(resident)
+    gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
+    gen["weight_sync"] = SYNC_BUCKET
+    gen["overhead"] = CUDA_OVERHEAD
+    return {
+        "params": n,
+        "expert_params": n_expert,
+        "in_flight": in_flight,
+        "train": train,
+        "generate": gen,
+        "train_total": sum(train.values()),
+        "generate_total": sum(gen.values()),
+    }
 
-    stages = {}
-    for stage, n in stage_params(arch, tp, pp).items():
-        in_flight = pp if stage == "first" else 1  # 1F1B: stage 0 holds pp forwards before its first backward
-        has_logits = stage in ("only", "last")
-        resident = {
-            "weights": n * pbytes,
-            "gradients": n * 4,
-            "optimizer": n * opt_per_param / (dp if dist_opt else 1),
-            "reference": n * pbytes if cfg.algorithm.kl_coef > 0 else 0,
-        }
-        train = dict(resident)
-        train["activations"] = (in_flight * layers_here * act["kept"] + act["work"]) * T * pbytes
-        # the model's logits + the fp32 scaled/masked copy the loss keeps (its softmax) + one
-        # fp32 temporary while the next copy or the gradient is made
-        train["logits"] = T * vocab_p / tp * (pbytes + 8) if has_logits else 0
-        allocated = sum(train.values())
-        train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * allocated
-        gen = dict(resident)
-        gen["vllm"] = roll.gpu_memory_utilization * gpu
-        gen["weight_sync"] = SYNC_BUCKET
-        gen["overhead"] = CUDA_OVERHEAD
-        stages[stage] = {
-            "params": n,
-            "in_flight": in_flight,
-            "train": train,
-            "generate": gen,
-            "train_total": sum(train.values()),
-            "generate_total": sum(gen.values()),
-        }
 
-    worst = max(stages, key=lambda s: max(stages[s]["train_total"], stages[s]["generate_total"]))
-
-    # vLLM: one engine per rollout_tp GPUs; KV heads are split over its ranks (replicated when
-    # rollout_tp > kv heads).
+def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
+    """vLLM: one engine per rollout_tp GPUs; weights (experts too) split over its ranks, KV heads
+    split (replicated when rollout_tp > KV heads)."""
+    par, roll = cfg.parallel, cfg.rollout
     rbytes = _dtype_bytes(roll.dtype or cfg.model.dtype)
     engines = world // par.rollout_tp
     vllm_weights = arch.hf_params() * rbytes / par.rollout_tp
     kv_per_token = 2 * arch.layers * max(1, arch.kv_heads // par.rollout_tp) * arch.head_dim * rbytes
-    kv_cache = roll.gpu_memory_utilization * gpu - vllm_weights - VLLM_RUNTIME
-    seq_bytes = roll.max_model_len * kv_per_token
-    seqs_fit = max(0, int(kv_cache // seq_bytes))
-    seqs_needed = math.ceil(tr.prompts_per_step * roll.group_size / engines)
+    kv_cache = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB - vllm_weights - VLLM_RUNTIME
+    return dict(
+        weights=vllm_weights,
+        runtime=VLLM_RUNTIME,
+        kv_cache=kv_cache,
+        kv_per_token=kv_per_token,
+        max_model_len=roll.max_model_len,
+        seqs_fit=max(0, int(kv_cache // (roll.max_model_len * kv_per_token))),
+        seqs_needed=math.ceil(cfg.trainer.prompts_per_step * roll.group_size / engines),
+        host_ram_per_node=vllm_weights * par.gpus_per_node,
+        sleep_level=roll.sleep_level,
+    )
 
+
+def memory_plan(cfg, fixes: bool = True) -> dict:
+    """Bytes per GPU for both phases of a step, the verdict and (fixes=True) the knobs that
+    would fix a refused layout. Raises ValueError naming the field when the layout does not
+    divide."""
+    par = cfg.parallel
+    arch, raw = _model_arch(cfg.model.hf_dir)
+    check_layout(cfg, arch)
+    world = par.nodes * par.gpus_per_node
+    tp, pp = par.tp, par.pp
+    lay = dict(
+        gpus=world,
+        nodes=par.nodes,
+        gpus_per_node=par.gpus_per_node,
+        tp=tp,
+        pp=pp,
+        dp=world // (tp * pp),
+        ep=par.ep,
+        etp=par.etp,
+        edp=world // (par.ep * par.etp * pp),  # expert data parallel: what is left of the world
+        sequence_parallel=par.sequence_parallel and tp > 1,
+        distributed_optimizer=True if par.distributed_optimizer is None else par.distributed_optimizer,  # on with CUDA
+        recompute=par.recompute,
+        rollout_tp=par.rollout_tp,
+        engines=world // par.rollout_tp,
+        dtype=cfg.model.dtype,
+        micro_batch_tokens=cfg.trainer.max_tokens_per_microbatch,
+        reference=cfg.algorithm.kl_coef > 0,
+    )
+    dense, experts = stage_params(arch, tp, pp), stage_expert_params(arch, par.ep, par.etp, pp)
+    layers = _stage_layers(arch, pp)
+    stages = {k: _stage_bytes(cfg, arch, k, layers[k], dense[k], experts[k], lay) for k in dense}
+    worst = max(stages, key=lambda s: max(stages[s]["train_total"], stages[s]["generate_total"]))
+    pbytes = _dtype_bytes(cfg.model.dtype)
+    first_layer = layers[worst][0]
+    per_layer = (
+        moe_layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, par.etp, pbytes)
+        if arch.is_sparse(first_layer)
+        else layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute)
+    )
     plan = {
         "model": dict(
             dataclasses.asdict(arch),
             params=arch.hf_params(),
-            padded_vocab=vocab_p,
-            model_type=load_hf_config(cfg.model.hf_dir).get("model_type", "?"),
+            active_params=arch.active_params(),
+            padded_vocab=padded_vocab(arch.vocab, tp),
+            model_type=raw.get("model_type", "?"),
         ),
-        "layout": dict(
-            gpus=world,
-            nodes=par.nodes,
-            gpus_per_node=par.gpus_per_node,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            sequence_parallel=par.sequence_parallel and tp > 1,
-            distributed_optimizer=dist_opt,
-            recompute=par.recompute,
-            rollout_tp=par.rollout_tp,
-            engines=engines,
-            dtype=cfg.model.dtype,
-            micro_batch_tokens=T,
-            reference=cfg.algorithm.kl_coef > 0,
-        ),
-        "gpu_bytes": gpu,
-        "activation_bytes_per_token_layer": act["kept"] * pbytes,
+        "layout": lay,
+        "gpu_bytes": par.gpu_memory_gb * GiB,
+        "activation_bytes_per_token_layer": per_layer["kept"] * pbytes,
         "stages": stages,
         "worst_stage": worst,
-        "vllm": dict(
-            weights=vllm_weights,
-            runtime=VLLM_RUNTIME,
-            kv_cache=kv_cache,
-            kv_per_token=kv_per_token,
-            max_model_len=roll.max_model_len,
-            seqs_fit=seqs_fit,
-            seqs_needed=seqs_needed,
-            host_ram_per_node=vllm_weights * par.gpus_per_node,
-            sleep_level=roll.sleep_level,
-        ),
+        "vllm": _vllm_plan(cfg, arch, world),
     }
     plan["problems"], plan["notes"] = _verdict(plan, cfg)
     plan["fits"] = not plan["problems"]
@@ -348,6 +475,8 @@ def _candidates(cfg, plan) -> list[str]:
         if u < cfg.rollout.gpu_memory_utilization:
             out.append(f"rollout.gpu_memory_utilization={u}")
     out += [f"parallel.rollout_tp={r}" for r in (2, 4, 8) if r > par.rollout_tp]
+    if plan["model"]["experts"]:  # fewer experts per GPU
+        out += [f"parallel.ep={e}" for e in (2, 4, 8, 16, 32, 64) if e > par.ep]
     out += [f"parallel.tp={t}" for t in (2, 4, 8) if t > par.tp]
     out += [f"parallel.pp={p}" for p in (2, 4, 8) if p > par.pp]
     # More GPUs shrink only what the distributed optimizer shards: offer the two together.
@@ -400,7 +529,9 @@ def suggest_fixes(cfg, plan, max_changes: int = 6) -> list[str]:
     chosen, cur, cur_plan = {}, cfg, plan
     for _ in range(max_changes):
         options = tried(cur, cur_plan)
-        if not options or options[0][0] >= _badness(cur_plan):
+        # Stop when no change gains 1% of the GPU: more nodes shrink only the sharded optimizer
+        # state, so repeating that change would approach a refusal without ever reaching a fit.
+        if not options or options[0][0][0] > _badness(cur_plan)[0] - 0.01 * cur_plan["gpu_bytes"]:
             break
         bad, change, cur_plan = options[0]
         for part in change.split():  # a later value of the same knob replaces the earlier
@@ -421,14 +552,27 @@ def _gib(x: float) -> str:
     return f"{x / GiB:7.2f}"
 
 
+def _model_line(m: dict) -> str:
+    experts = ""
+    if m["experts"]:
+        experts = (
+            f", {_count(m['active_params'])} active: {sum(m['sparse'])} MoE layers of {m['experts']} experts "
+            f"(top-{m['experts_per_tok']}, width {m['moe_ffn']})"
+        )
+    return (
+        f"model: {m['model_type']} {_count(m['params'])} params{experts} (hidden {m['hidden']}, {m['layers']} layers, "
+        f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, ffn {m['ffn']}, vocab {m['vocab']} -> "
+        f"{m['padded_vocab']} padded, {'tied' if m['tied'] else 'untied'} embeddings)"
+    )
+
+
 def format_plan(plan: dict) -> str:
     m, lay, v = plan["model"], plan["layout"], plan["vllm"]
+    experts = f"; experts: EP {lay['ep']} x ETP {lay['etp']} x expert DP {lay['edp']}" if m["experts"] else ""
     lines = [
-        f"model: {m['model_type']} {_count(m['params'])} params (hidden {m['hidden']}, {m['layers']} layers, "
-        f"{m['heads']}/{m['kv_heads']} heads x {m['head_dim']}, ffn {m['ffn']}, vocab {m['vocab']} -> "
-        f"{m['padded_vocab']} padded, {'tied' if m['tied'] else 'untied'} embeddings)",
+        _model_line(m),
         f"layout: {lay['gpus']} GPUs = {lay['nodes']} x {lay['gpus_per_node']}; TP {lay['tp']} x PP {lay['pp']} x "
-        f"DP {lay['dp']}; {lay['dtype']}; sequence parallel {'on' if lay['sequence_parallel'] else 'off'}; "
+        f"DP {lay['dp']}{experts}; {lay['dtype']}; sequence parallel {'on' if lay['sequence_parallel'] else 'off'}; "
         f"distributed optimizer {'on' if lay['distributed_optimizer'] else 'off'}; recompute {lay['recompute']}; "
         f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines)",
         f"activations: {plan['activation_bytes_per_token_layer'] / 1024:.1f} KiB per token per layer kept",
@@ -439,6 +583,7 @@ def format_plan(plan: dict) -> str:
         ("optimizer (Adam m,v [+fp32 master])", "optimizer"),
         ("reference model", "reference"),
         ("activations", "activations"),
+        ("all-to-all buffers (MoE dispatch)", "all_to_all"),
         ("logits (fp32 loss)", "logits"),
         ("vLLM (weights+runtime+KV)", "vllm"),
         ("weight-sync bucket", "weight_sync"),
@@ -446,9 +591,12 @@ def format_plan(plan: dict) -> str:
     ]
     for name, s in plan["stages"].items():
         lines.append(
-            "per GPU:"
-            if name == "only"
-            else f"per GPU, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):"
+            (
+                "per GPU:"
+                if name == "only"
+                else f"per GPU, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):"
+            )
+            + (f" {_count(s['params'])} params, {_count(s['expert_params'])} of them experts" if m["experts"] else "")
         )
         lines.append(f"  {'GiB':<38}{'train':>8}{'generate':>10}")
 

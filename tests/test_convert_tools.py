@@ -327,3 +327,48 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
     # A finished output is never written into again.
     res = launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back)
     assert res.returncode == 2 and f"{back} already exists and is not an empty directory" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, text",
+    [
+        (["--tp", 0], "--tp 0: expected a positive integer"),
+        (["--pp", -1], "--pp -1: expected a positive integer"),
+        (["--ep", 0], "--ep 0: expected a positive integer"),
+        (["--ep", 2], "--ep 2 needs a mixture-of-experts model"),
+        (["--tp", 3], "--tp 3 --pp 1 --ep 1 do not fit the model"),
+    ],
+)
+def test_bad_layout_flags_are_one_line_errors_naming_the_flag(hf_models, tmp_path, capsys, flags, text):
+    """Issue 24: `--tp 0` was a ZeroDivisionError traceback."""
+    err = _error(capsys, _tool(TO_MG), "--hf-dir", hf_models["tied"], "--out-dir", tmp_path / "out", *flags)
+    assert text in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_shard_gets_the_trainers_checkpoint_error(converted_tied_tp2, tmp_path, capsys):
+    """Issue 24: a truncated .distcp was a 75-line EOFError; the converter now runs the trainer's
+    check_checkpoint first and prints its one line naming the file."""
+    bad = tmp_path / "mg"
+    shutil.copytree(converted_tied_tp2, bad)
+    shard = sorted((bad / "model_optim").glob("*.distcp"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
+    err = _error(capsys, _tool(TO_HF), "--megatron-dir", bad, "--out-dir", tmp_path / "out")
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"{shard} is" in err and "truncated shard" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tools_print_no_library_warnings(hf_models, tmp_path):
+    """Issue 24: the conversion tools printed Apex / Transformer Engine warnings from Megatron's
+    imports. Run as a user would (no PYTHONWARNINGS in the environment): stderr stays empty."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    mg, back = tmp_path / "mg", tmp_path / "back"
+    for cmd in (
+        [TO_MG, "--hf-dir", hf_models["tied"], "--out-dir", mg],
+        [TO_HF, "--megatron-dir", mg, "--out-dir", back],
+    ):
+        res = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert res.stderr.strip() == "", res.stderr[-3000:]
+        assert "wrote" in res.stdout

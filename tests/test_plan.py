@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,23 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "model"
 QWEN3_32B = REPO / "examples" / "qwen3_32b" / "config.yaml"
 PRESETS = sorted((REPO / "examples" / "presets").glob("*.yaml"))
+MOE_PRESETS = {"qwen3_30b_a3b", "qwen3_235b_a22b"}
 SHIPPED = sorted((REPO / "examples").glob("**/*.yaml"))
 SIZES = ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]
+
+
+def _trainer_check(cfg, hf: dict, world: int) -> None:
+    """config.check_layout called as the trainer calls it, with the numbers of config.json `hf`."""
+    check_layout(
+        cfg,
+        world_size=world,
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        num_layers=hf["num_hidden_layers"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
+        moe_ffn_hidden_size=hf.get("moe_intermediate_size"),
+    )
 
 
 def _cfg(path=QWEN3_32B, *overrides):
@@ -181,15 +197,8 @@ def test_refusals_point_at_the_knob_that_fixes_them(override, single_fix):
 )
 def test_layouts_that_do_not_divide_name_the_field(overrides, field, capsys):
     cfg = _cfg(QWEN3_32B, *overrides)
-    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
     with pytest.raises(ValueError) as trainer_says:  # the trainer's own check, same world
-        check_layout(
-            cfg,
-            world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node,
-            num_heads=arch.heads,
-            num_kv_heads=arch.kv_heads,
-            num_layers=arch.layers,
-        )
+        _trainer_check(cfg, load_hf_config(cfg.model.hf_dir), cfg.parallel.nodes * cfg.parallel.gpus_per_node)
     with pytest.raises(ValueError) as err:
         memory_plan(cfg)
     assert str(trainer_says.value) in str(err.value)  # the plan refuses it with the trainer's words
@@ -234,13 +243,7 @@ def _check_shipped(path: Path, worlds: list[int]) -> None:
     cfg = load_config(str(path))
     hf = load_hf_config(cfg.model.hf_dir)
     for world in worlds:
-        check_layout(
-            cfg,
-            world_size=world,
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            num_layers=hf["num_hidden_layers"],
-        )
+        _trainer_check(cfg, hf, world)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(REPO / "examples")))
@@ -269,15 +272,8 @@ def test_the_shipped_config_check_can_fail(tmp_path, line, field):
 
 
 def _trainer_accepts(cfg) -> bool:
-    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
     try:
-        check_layout(
-            cfg,
-            world_size=cfg.parallel.nodes * cfg.parallel.gpus_per_node,
-            num_heads=arch.heads,
-            num_kv_heads=arch.kv_heads,
-            num_layers=arch.layers,
-        )
+        _trainer_check(cfg, load_hf_config(cfg.model.hf_dir), cfg.parallel.nodes * cfg.parallel.gpus_per_node)
     except ValueError:
         return False
     return True
@@ -318,7 +314,7 @@ def test_layout_choices_are_what_the_trainer_accepts(path):
     for knob, ok in choices.items():
         assert getattr(cfg.parallel, knob) in ok
         for value in range(1, world + 1):
-            par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, knob: value})
+            par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1, knob: value})
             assert _trainer_accepts(dataclasses.replace(cfg, parallel=par)) == (value in ok), (knob, value)
     # vLLM on Qwen3 (64 query / 8 KV heads at 32B): the engine's ranks stay inside a node of 8
     assert choices["rollout_tp"] == [1, 2, 4, 8]
@@ -345,8 +341,8 @@ def test_kl_reference_adds_a_weight_copy():
 
 def test_presets_cover_every_size_and_fit():
     names = {p.stem for p in PRESETS}
-    assert names == {f"qwen3_{s.lower()}" for s in SIZES}
-    for path in PRESETS + [QWEN3_32B]:
+    assert names == {f"qwen3_{s.lower()}" for s in SIZES} | MOE_PRESETS
+    for path in [p for p in PRESETS if p.stem not in MOE_PRESETS] + [QWEN3_32B]:
         cfg = load_config(str(path), check=False)
         plan = memory_plan(cfg)
         assert plan["fits"], f"{path.name}:\n{format_plan(plan)}"
@@ -376,3 +372,113 @@ def test_states_equal_megatron_tensor_bytes():
     )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count(" ok") == 3
+
+
+# ------------------------------------------------------------------ mixture of experts (Qwen3 MoE)
+A3B = REPO / "examples" / "presets" / "qwen3_30b_a3b.yaml"
+A22B = REPO / "examples" / "presets" / "qwen3_235b_a22b.yaml"
+
+
+@pytest.mark.parametrize("size, total, active", [("30B-A3B", 30.5, 3.3), ("235B-A22B", 235, 22)])
+def test_qwen3_moe_configs_have_the_published_sizes(size, total, active):
+    """The MoE config.json files: parameter count exact against transformers' Qwen3MoeForCausalLM
+    (meta device), total and activated counts as Qwen3's model cards list them."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d = json.loads((REPO / "examples" / "qwen3_configs" / size / "config.json").read_text())
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{k: v for k, v in d.items() if k != "transformers_version"}))
+    arch = Arch.from_hf(d)
+    assert arch.hf_params() == sum(p.numel() for p in model.parameters())
+    assert arch.experts == 128 and arch.experts_per_tok == 8 and all(arch.sparse) and len(arch.sparse) == arch.layers
+    assert abs(arch.hf_params() / 1e9 / total - 1) < 0.015 and abs(arch.active_params() / 1e9 / active - 1) < 0.03
+
+
+def test_expert_state_is_per_ep_rank_and_sharded_over_expert_dp():
+    """Per GPU: this EP rank's experts (128 / ep of each layer); their optimizer state divided by
+    the expert-DP size (GPUs / (ep x pp)), the dense part's by DP."""
+    cfg = load_config(str(A3B), check=False)
+    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
+    plan = memory_plan(cfg)
+    lay, first = plan["layout"], plan["stages"]["first"]
+    assert (lay["dp"], lay["ep"], lay["edp"]) == (8, 8, 1)
+    per_expert = 3 * 2048 * 768
+    assert first["expert_params"] == 24 * 16 * per_expert  # 24 layers on the stage, 16 experts each
+    dense = first["params"] - first["expert_params"]
+    assert first["train"]["optimizer"] == 12 * (dense / 8 + first["expert_params"] / 1)
+    assert first["train"]["gradients"] == 4 * first["params"]
+    assert "all_to_all" in first["train"] and first["train"]["all_to_all"] > 0
+    # at EP 16 on the same 16 GPUs (PP 1) each GPU holds 8 experts of all 48 layers
+    wide = memory_plan(_cfg(A3B, "parallel.pp=1", "parallel.ep=16"))["stages"]["only"]
+    assert wide["expert_params"] == 48 * 8 * per_expert
+    assert wide["params"] - wide["expert_params"] == arch.hf_params() - 48 * 128 * per_expert  # dense whole at TP 1
+
+
+def test_moe_presets_fit_and_one_node_is_refused(capsys):
+    """Qwen3-30B-A3B fits two nodes of 8 x 80 GB; on one node it is refused by memory (its fp32
+    gradients and Adam state alone exceed the GPU), naming both phases; 235B-A22B fits its plan."""
+    for path in (A3B, A22B):
+        plan = memory_plan(load_config(str(path)))
+        assert plan["fits"], format_plan(plan)
+        assert plan["vllm"]["seqs_fit"] >= plan["vllm"]["seqs_needed"] or path == A3B
+    assert plan_main(["--config", str(A3B)]) == 0
+    assert "experts: EP 8 x ETP 1 x expert DP 1" in capsys.readouterr().out
+    one = memory_plan(_cfg(A3B, "parallel.nodes=1", "parallel.pp=1"))
+    assert not one["fits"]
+    assert any("training needs" in p for p in one["problems"]) and any("generation needs" in p for p in one["problems"])
+    resident = sum(one["stages"]["only"]["train"][k] for k in ("weights", "gradients", "optimizer"))
+    assert resident > 0.85 * one["gpu_bytes"]  # 71.5 of 80 GiB before any activation or vLLM
+    assert plan_main(["--config", str(A3B), "parallel.nodes=1", "parallel.pp=1"]) == 1
+    assert "REFUSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.ep=3"], "parallel.ep=3 must divide num_experts 128"),
+        (["parallel.ep=32"], "parallel.ep x parallel.etp x parallel.pp = 32 x 1 x 2 does not divide the world size 16"),
+        (["parallel.etp=5"], "parallel.etp=5 must divide moe_intermediate_size 768"),
+        (["parallel.tp=2"], "parallel.tp=2 with a mixture-of-experts model needs parallel.sequence_parallel=true"),
+    ],
+)
+def test_expert_layouts_that_do_not_divide_name_the_field(overrides, message, capsys):
+    cfg = _cfg(A3B, *overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _trainer_check(cfg, load_hf_config(cfg.model.hf_dir), 16)
+    assert plan_main(["--config", str(A3B), *overrides]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_ep_on_a_dense_model_is_refused():
+    with pytest.raises(ValueError, match="parallel.ep=2 / parallel.etp=1 need a mixture-of-experts model"):
+        memory_plan(_cfg(QWEN3_32B, "parallel.ep=2"))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "architectures=['LlamaForCausalLM']"),
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "architectures=['Qwen2ForCausalLM']"),
+        ({"use_sliding_window": True}, "use_sliding_window=true"),
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
+            "rope_type='yarn'",
+        ),
+    ],
+)
+def test_plan_refuses_every_model_the_trainer_refuses(tmp_path, edit, message, capsys):
+    """Issue 24: `plan` said FITS for a Llama model that `train` refuses. Both now run the same
+    check (convert/qwen3.layout_from_hf_config): the trainer's (qwen3.read_model_config, what
+    hf_load.check_hf_model_dir calls) and the plan's refusals carry the same words."""
+    from megatron_dppo.convert import qwen3
+
+    d = dict(json.loads((REPO / "examples/qwen3_configs/8B/config.json").read_text()), **edit)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=re.escape(message)) as trainer_says:
+        qwen3.read_model_config(str(tmp_path / "config.json"))
+    with pytest.raises(ValueError) as plan_says:
+        memory_plan(_cfg(REPO / "examples/presets/qwen3_8b.yaml", f"model.hf_dir={tmp_path}"))
+    assert str(trainer_says.value).split(": ", 1)[1] in str(plan_says.value) and "model.hf_dir" in str(plan_says.value)
+    assert plan_main(["--config", str(REPO / "examples/presets/qwen3_8b.yaml"), f"model.hf_dir={tmp_path}"]) == 2
+    assert message in capsys.readouterr().out

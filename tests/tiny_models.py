@@ -2,27 +2,34 @@
 
 GQA (4 query heads, 2 KV heads) and head_dim 32 (vLLM's CPU attention needs >= 32), 4 layers (PP=2
 divides them), a 50-token vocabulary (Megatron pads it to 128 x TP, so vocab padding is exercised).
+The mixture-of-experts variant (tiny_qwen3_moe_*) has the same shape around its experts.
 """
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+SHAPE = dict(
+    vocab_size=50,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
-    kwargs = dict(
-        vocab_size=50,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=96,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        architectures=["Qwen3ForCausalLM"],
-    )
-    kwargs.update(overrides)
-    return Qwen3Config(**kwargs)
+    return Qwen3Config(**{**SHAPE, "architectures": ["Qwen3ForCausalLM"], **overrides})
+
+
+def _perturb_norms(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
 
 
 def tiny_qwen3_model(seed: int, perturb_norms: bool = True, **overrides):
@@ -32,8 +39,58 @@ def tiny_qwen3_model(seed: int, perturb_norms: bool = True, **overrides):
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).float()
     if perturb_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.add_(0.1 * torch.randn_like(p))
+        _perturb_norms(model)
     return cfg, model
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """The tiny Qwen3 above as a mixture of experts: 8 experts (top-2, renormalised) of width 48 in
+    layers 0, 2 and 3, and layer 1 dense (mlp_only_layers) with the dense model's MLP."""
+    from transformers import Qwen3MoeConfig
+
+    moe = dict(
+        moe_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    return Qwen3MoeConfig(**{**SHAPE, **moe, **overrides})
+
+
+def tiny_qwen3_moe_model(seed: int, **overrides):
+    """(config, fp32 transformers Qwen3MoeForCausalLM) from `seed`, norms perturbed away from 1
+    and router weights scaled up, so that tokens spread over the experts with clear top-2 margins
+    (HF's 0.02-std init gives near-uniform routing, where a swapped expert could hide)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = tiny_qwen3_moe_config(**overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).float()
+    _perturb_norms(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    return cfg, model
+
+
+def hf_checkpoint_tensors(model, grads: bool = False) -> dict:
+    """A Qwen3 MoE model's weights (or gradients) under the names its safetensors files use:
+    transformers 5 holds each layer's experts as 3-D gate_up_proj [E, 2I, H] (gate rows, then up)
+    and down_proj [E, H, I], and writes them per expert (mlp.experts.<e>.{gate,up,down}_proj)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.grad if grads else p).detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, x in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = x
+        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
+            out[name] = t
+    return out

@@ -1,32 +1,37 @@
 """Convert an HF Qwen3 checkpoint (safetensors) into a Megatron-Core dist checkpoint the trainer loads.
 
-    python tools/convert_hf_to_megatron.py --hf-dir HF --out-dir OUT --tp 2 --pp 1 [--verify]
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out-dir OUT --tp 2 --pp 1 [--ep 2] [--verify]
 
 OUT holds model_optim/ (torch_dist), trainer_state.json ({"step": 0, "model_only": true, ...}),
 hf_config.json and hf_assets/ (tokenizer files): load it with
 load_checkpoint(OUT, policy, load_optimizer=False) at any TP/PP. --tp fixes Megatron's vocab
 padding (a multiple of 128 * tp; other layouts load it too, Megatron cuts or zero-pads the rows)
 and the chunking of the files (what a TP=tp run saves); --tp/--pp are checked against the heads
-and layers. Streams one tensor at a time: peak memory is about the largest tensor, not the model.
+and layers, --ep (expert parallel, Qwen3 MoE) against the experts (each expert is a chunk of its
+own, so the files do not depend on --ep). Streams one tensor at a time: peak memory is about the
+largest tensor, not the model.
 OUT must not exist (or be empty): everything is written to .OUT.partial-<host>-<pid> beside it
 and renamed to OUT at the end, so a failed or killed run leaves no OUT (and its leftover is
 removed by the next run to the same OUT).
 
---verify then loads OUT at tp x pp under torchrun (tp*pp processes), runs a prompt through it and
+--verify then loads OUT at tp x pp x ep under torchrun (pp * lcm(tp, ep) processes: dense
+and expert layouts both fill that world), runs a prompt through it and
 through transformers (fp32 both) and prints the max |logit difference|; the exit status is 1 if
 it is above --tolerance. --verify-only skips the conversion and verifies an existing --out-dir
-(it launches torchrun itself when tp*pp > 1).
+(it launches torchrun itself when that world is more than one process).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from megatron_dppo.process import free_port  # noqa: E402
+from megatron_dppo.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -37,6 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--out-dir", required=True, help="checkpoint dir to create")
     ap.add_argument("--tp", type=int, default=1, help="target tensor parallel size (vocab padding, chunking)")
     ap.add_argument("--pp", type=int, default=1, help="target pipeline parallel size (checked; --verify layout)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size of an MoE model (checked; --verify layout)")
     ap.add_argument("--dtype", choices=DTYPES, default="auto", help="weights dtype (auto: as in the HF files)")
     ap.add_argument("--verify", action="store_true", help="compare logits with transformers after converting")
     ap.add_argument("--verify-only", action="store_true", help="only verify an existing --out-dir")
@@ -50,9 +56,14 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def verify_world(args) -> int:
+    """Processes that hold the layout: a multiple of tp*pp (dense) and of ep*pp (experts)."""
+    return args.pp * math.lcm(args.tp, args.ep)
+
+
 def launch_verify(args) -> int:
-    """Run this script with --verify-only in tp*pp processes (torchrun when more than one)."""
-    n = args.tp * args.pp
+    """Run this script with --verify-only in verify_world() processes (torchrun when more than one)."""
+    n = verify_world(args)
     script = [
         os.path.abspath(__file__),
         "--hf-dir",
@@ -63,6 +74,8 @@ def launch_verify(args) -> int:
         str(args.tp),
         "--pp",
         str(args.pp),
+        "--ep",
+        str(args.ep),
         "--tolerance",
         str(args.tolerance),
         "--prompt",
@@ -82,16 +95,19 @@ def launch_verify(args) -> int:
         ]
         + script
     )
-    return subprocess.call(cmd)
+    # torchrun would set 1 and print a banner saying so; setting it here keeps the screen quiet.
+    return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def verify(args) -> int:
     import torch.distributed as dist
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # transformers' "Loading weights" bar on every rank
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
     from megatron_dppo.megatron.convert_ckpt import verify_logits
 
-    initialize_parallel(args.tp, args.pp)
+    initialize_parallel(args.tp, args.pp, ep=args.ep)
     rank0 = dist.get_rank() == 0
     diff = verify_logits(args.out_dir, args.hf_dir, args.prompt)
     destroy_parallel()
@@ -107,15 +123,21 @@ def verify(args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.verify_only:  # under torchrun already, or a single process: verify here
-        return verify(args) if "RANK" in os.environ or args.tp * args.pp == 1 else launch_verify(args)
+    quiet_libraries()
     import torch
 
-    from megatron_dppo.megatron.convert_ckpt import hf_to_megatron_checkpoint
+    from megatron_dppo.megatron.convert_ckpt import check_layout_flags, hf_to_megatron_checkpoint
 
+    try:
+        check_layout_flags(args.tp, args.pp, args.ep)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.verify_only:  # under torchrun already, or a single process: verify here
+        return verify(args) if "RANK" in os.environ or verify_world(args) == 1 else launch_verify(args)
     dtype = getattr(torch, DTYPES[args.dtype]) if DTYPES[args.dtype] else None
     try:
-        info = hf_to_megatron_checkpoint(args.hf_dir, args.out_dir, args.tp, args.pp, dtype=dtype)
+        info = hf_to_megatron_checkpoint(args.hf_dir, args.out_dir, args.tp, args.pp, dtype=dtype, ep=args.ep)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2

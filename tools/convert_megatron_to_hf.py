@@ -5,10 +5,13 @@
 CKPT is a dir with model_optim/ and hf_config.json: a converted checkpoint, a trainer step_* dir
 (model + optimizer; only the model keys are read), or a trainer root with a `latest` file. The
 layout (layers, padded vocab, dtype) is read from the checkpoint's metadata, the architecture
-from hf_config.json; vocab padding is cut. OUT gets model-0000i-of-0000n.safetensors, a
-model.safetensors.index.json, config.json (hf_config.json verbatim, dtype updated if --dtype
-changes it) and the tokenizer files from CKPT/hf_assets/ (or --tokenizer-dir): transformers and
-vLLM load it. Streams one decoder layer at a time; shards are written in place, never buffered.
+from hf_config.json; vocab padding is cut. The checkpoint is checked first as the trainer checks
+one it resumes (every file present and whole: a one-line error naming the file otherwise). A
+Qwen3 MoE checkpoint saved at any expert-parallel size gives per-expert HF tensors.
+OUT gets model-0000i-of-0000n.safetensors, a model.safetensors.index.json, config.json
+(hf_config.json verbatim, dtype updated if --dtype changes it) and the tokenizer files from
+CKPT/hf_assets/ (or --tokenizer-dir): transformers and vLLM load it. Streams one decoder layer
+at a time; shards are written in place, never buffered.
 OUT must not exist (or be empty): everything is written to .OUT.partial-<host>-<pid> beside it
 and renamed to OUT at the end, so a failed or killed run leaves no OUT (and its leftover is
 removed by the next run to the same OUT).
@@ -21,6 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from megatron_dppo.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
 
 
 def main(argv=None) -> int:
@@ -36,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-shard-size", default="2GB", help="safetensors shard size (e.g. 500MB, 5GB)")
     ap.add_argument("--tokenizer-dir", help="copy tokenizer files from here when CKPT has no hf_assets/")
     args = ap.parse_args(argv)
-
+    quiet_libraries()
     import torch
 
     from megatron_dppo.convert.hf_io import parse_size

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from megatron_dppo import plan as P  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, Config, OptimConfig
 from megatron_dppo.megatron import initialize_parallel  # noqa: E402
-from megatron_dppo.megatron import step as step_mod  # noqa: E402
+from megatron_dppo.megatron import policy as step_mod  # noqa: E402  (where MegatronPolicy builds its model)
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 

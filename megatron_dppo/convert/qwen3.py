@@ -19,16 +19,31 @@ push to vLLM and the tests share one mapping. Names (measured, PLATFORM.md):
 The fused QKV rows are grouped per KV head: for each group g, its nq/ng query heads, then k
 head g, then v head g. A TP rank owns whole groups, so a TP split of linear_qkv is a plain split
 of dim 0; linear_fc1 must be split gate and up separately.
+
+Qwen3 MoE (Qwen3MoeForCausalLM) sparse layers, expert e of E (megatron/moe.py has the model side):
+  model.layers.L.mlp.gate.weight            decoder.layers.L.mlp.router.weight
+  model.layers.L.mlp.experts.e.{gate,up}_proj
+                                            decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight
+                                            (TE spec: decoder.layers.L.mlp.experts.linear_fc1.weight<e>)
+  model.layers.L.mlp.experts.e.down_proj    ...local_experts.e.linear_fc2.weight (TE: linear_fc2.weight<e>)
+  model.layers.L.post_attention_layernorm   decoder.layers.L.pre_mlp_layernorm.weight (both specs)
+Global megatron names number experts 0..E-1 (an EP=1 model); an expert-parallel rank r of ep
+holds experts [r E/ep, (r+1) E/ep) under local numbers 0..E/ep-1 (to_local_name / to_global_name).
+Expert weights are split over the expert-tensor-parallel group (fc1 gate and up apart, fc2 by
+columns), not over TP; the router is replicated.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import re
 from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -43,10 +58,16 @@ class Qwen3Layout:
     padded_vocab: int
     tied: bool
     te_names: bool = False  # Transformer Engine spec fuses the pre-norms into the linears
+    num_experts: int = 0  # routed experts per sparse layer; 0: a dense model
+    moe_intermediate: int = 0  # each expert's SwiGLU width
+    moe_layers: tuple = ()  # per layer: True where the MLP is sparse (empty for a dense model)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
 
 def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
@@ -55,15 +76,78 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: bool = False) -> Qwen3Layout:
-    """The layout of a supported model; a ValueError naming the config.json field otherwise."""
+def load_hf_config(path: str):
+    """A transformers config from a config.json file (hf_config.json in our checkpoints).
+    ValueError naming the file for one that is not JSON or has no known model_type."""
+    from transformers import CONFIG_MAPPING
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the HF config.json of the model (the trainer copies it into "
+            "each checkpoint as hf_config.json; converted checkpoints carry it too)"
+        )
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: unknown model_type={model_type!r}")
+    return CONFIG_MAPPING[model_type].from_json_file(path)
+
+
+def read_model_config(path: str):
+    """config.json -> (transformers config, Qwen3Layout). The one check of a model's config that
+    the trainer (hf_load.check_hf_model_dir), the converters and `megatron-dppo plan` share, so
+    none accepts a model another refuses. ValueError naming the file and the field."""
+    config = load_hf_config(path)
+    try:
+        return config, layout_from_hf_config(config)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
+
+
+def check_supported(hf_config) -> None:
+    """What the trainer, the converters and `megatron-dppo plan` refuse alike: a ValueError
+    naming the config.json field the model builder (megatron/model.py) does not carry."""
     archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__.replace("Config", "ForCausalLM")]
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
-            f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} is supported "
+            f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} are supported "
             "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm and uses "
             "llama3 RoPE scaling: neither is mapped nor built by megatron_dppo.megatron.model)"
         )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"config.json rope_parameters.rope_type={rope['rope_type']!r}: only 'default' RoPE is supported"
+        )
+    experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    if experts:
+        k = getattr(hf_config, "num_experts_per_tok", 0)
+        if not 1 <= k <= experts:
+            raise ValueError(f"config.json num_experts_per_tok={k}: expected 1..num_experts ({experts})")
+        if getattr(hf_config, "shared_expert_intermediate_size", 0):
+            raise ValueError("config.json shared_expert_intermediate_size: shared experts are not mapped")
+
+
+def moe_layer_pattern(hf_config) -> tuple:
+    """Per decoder layer, whether transformers builds it sparse (Qwen3MoeDecoderLayer's rule):
+    not in mlp_only_layers and every decoder_sparse_step-th layer; () for a dense model."""
+    experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    if not experts:
+        return ()
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
+
+
+def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: bool = False) -> Qwen3Layout:
+    """The layout of a supported model; a ValueError naming the config.json field otherwise."""
+    check_supported(hf_config)
     # Fields a Qwen3 checkpoint may set that this mapping (or the GPTModel built from the same
     # config) does not carry: refuse rather than convert into a different model.
     if getattr(hf_config, "attention_bias", False):
@@ -88,6 +172,11 @@ def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: 
         padded_vocab=padded_vocab or hf_config.vocab_size,
         tied=bool(hf_config.tie_word_embeddings),
         te_names=te_names,
+        num_experts=int(getattr(hf_config, "num_experts", 0) or 0),
+        moe_intermediate=int(getattr(hf_config, "moe_intermediate_size", 0) or 0)
+        if moe_layer_pattern(hf_config)
+        else 0,
+        moe_layers=moe_layer_pattern(hf_config),
     )
 
 
@@ -97,9 +186,18 @@ def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: 
 
 def _mg_norm_names(layout: Qwen3Layout, i: int):
     p = f"decoder.layers.{i}."
+    # An MoE layer's pre-MLP norm is a module of its own on both specs (no fused fc1).
+    ln2 = p + "pre_mlp_layernorm.weight" if layout.is_sparse(i) or not layout.te_names else None
     if layout.te_names:
-        return p + "self_attention.linear_qkv.layer_norm_weight", p + "mlp.linear_fc1.layer_norm_weight"
-    return p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"
+        return p + "self_attention.linear_qkv.layer_norm_weight", ln2 or p + "mlp.linear_fc1.layer_norm_weight"
+    return p + "input_layernorm.weight", ln2
+
+
+def expert_name(layout: Qwen3Layout, i: int, expert: int, linear: str) -> str:
+    """Megatron name of expert `expert`'s linear_fc1 / linear_fc2 in layer i (local spec:
+    SequentialMLP's local_experts.e; TE spec: TEGroupedMLP's weight<e>)."""
+    p = f"decoder.layers.{i}.mlp.experts."
+    return f"{p}{linear}.weight{expert}" if layout.te_names else f"{p}local_experts.{expert}.{linear}.weight"
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Qwen3Layout) -> torch.Tensor:
@@ -126,13 +224,37 @@ def _pad_vocab(w: torch.Tensor, layout: Qwen3Layout) -> torch.Tensor:
     return torch.cat([w, pad], dim=0)
 
 
+def _same(t):
+    return t
+
+
+def _gate_up(gate, up):
+    return torch.cat([gate, up], 0)
+
+
+def _mlp_rules(i: int, layout: Qwen3Layout) -> dict:
+    h, p = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+    if not layout.is_sparse(i):
+        return {
+            p + "linear_fc1.weight": ((h + "gate_proj.weight", h + "up_proj.weight"), _gate_up),
+            p + "linear_fc2.weight": ((h + "down_proj.weight",), _same),
+        }
+    rules = {p + "router.weight": ((h + "gate.weight",), _same)}
+    for e in range(layout.num_experts):
+        x = f"{h}experts.{e}."
+        rules[expert_name(layout, i, e, "linear_fc1")] = ((x + "gate_proj.weight", x + "up_proj.weight"), _gate_up)
+        rules[expert_name(layout, i, e, "linear_fc2")] = ((x + "down_proj.weight",), _same)
+    return rules
+
+
+@functools.lru_cache(maxsize=8)  # the streaming paths ask for one layer's table once per tensor
 def _layer_rules(i: int, layout: Qwen3Layout) -> dict:
     """megatron name -> (the HF names it is built from, how to build it), for layer i. One table
     serves the whole-layer conversion and the tensor-at-a-time streaming converter."""
     h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
     ln1, ln2 = _mg_norm_names(layout, i)
     a = h + "self_attn."
-    same = lambda t: t  # noqa: E731
+    same = _same
     return {
         ln1: ((h + "input_layernorm.weight",), same),
         p + "self_attention.linear_qkv.weight": (
@@ -143,11 +265,7 @@ def _layer_rules(i: int, layout: Qwen3Layout) -> dict:
         p + "self_attention.k_layernorm.weight": ((a + "k_norm.weight",), same),
         p + "self_attention.linear_proj.weight": ((a + "o_proj.weight",), same),
         ln2: ((h + "post_attention_layernorm.weight",), same),
-        p + "mlp.linear_fc1.weight": (
-            (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-            lambda gate, up: torch.cat([gate, up], 0),
-        ),
-        p + "mlp.linear_fc2.weight": ((h + "mlp.down_proj.weight",), same),
+        **_mlp_rules(i, layout),
     }
 
 
@@ -186,11 +304,29 @@ def hf_tensor_names(layout: Qwen3Layout) -> list:
     return names
 
 
+def _megatron_mlp_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
+    h, p = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+    if not layout.is_sparse(i):
+        gate, up = get(p + "linear_fc1.weight").chunk(2, dim=0)
+        return {
+            h + "gate_proj.weight": gate.contiguous(),
+            h + "up_proj.weight": up.contiguous(),
+            h + "down_proj.weight": get(p + "linear_fc2.weight"),
+        }
+    out = {h + "gate.weight": get(p + "router.weight")}
+    for e in range(layout.num_experts):
+        gate, up = get(expert_name(layout, i, e, "linear_fc1")).chunk(2, dim=0)
+        x = f"{h}experts.{e}."
+        out[x + "gate_proj.weight"] = gate.contiguous()
+        out[x + "up_proj.weight"] = up.contiguous()
+        out[x + "down_proj.weight"] = get(expert_name(layout, i, e, "linear_fc2"))
+    return out
+
+
 def megatron_layer_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
     h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
     ln1, ln2 = _mg_norm_names(layout, i)
     q, k, v = split_qkv(get(p + "self_attention.linear_qkv.weight"), layout)
-    gate, up = get(p + "mlp.linear_fc1.weight").chunk(2, dim=0)
     a = h + "self_attn."
     return {
         h + "input_layernorm.weight": get(ln1),
@@ -201,9 +337,7 @@ def megatron_layer_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
         a + "k_norm.weight": get(p + "self_attention.k_layernorm.weight"),
         a + "o_proj.weight": get(p + "self_attention.linear_proj.weight"),
         h + "post_attention_layernorm.weight": get(ln2),
-        h + "mlp.gate_proj.weight": gate.contiguous(),
-        h + "mlp.up_proj.weight": up.contiguous(),
-        h + "mlp.down_proj.weight": get(p + "mlp.linear_fc2.weight"),
+        **_megatron_mlp_to_hf(i, get, layout),
     }
 
 
@@ -259,6 +393,10 @@ def megatron_to_hf(mg_sd: dict, layout: Qwen3Layout) -> dict:
 # Tensor- and pipeline-parallel sharding of megatron names.
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# An expert's tensor: SequentialMLP's local_experts.<e>.<rest> or TEGroupedMLP's linear_fc<n>.weight<e>.
+_EXPERT = re.compile(
+    r"^(?P<pre>.*\.mlp\.experts\.)(?:local_experts\.(?P<seq>\d+)\.(?P<rest>.+)|(?P<te>linear_fc[12]\.weight)(?P<tenum>\d+))$"
+)
 
 
 def layer_index(name: str):
@@ -267,15 +405,30 @@ def layer_index(name: str):
     return int(m.group(1)) if m else None
 
 
+def expert_index(name: str):
+    """The expert number in a megatron expert tensor's name, or None for any other tensor."""
+    m = _EXPERT.match(name)
+    return None if m is None else int(m.group("seq") if m.group("seq") is not None else m.group("tenum"))
+
+
+def with_expert_index(name: str, expert: int) -> str:
+    """The same expert tensor's name with another expert number (global <-> EP-local)."""
+    m = _EXPERT.match(name)
+    if m.group("seq") is not None:
+        return f"{m.group('pre')}local_experts.{expert}.{m.group('rest')}"
+    return f"{m.group('pre')}{m.group('te')}{expert}"
+
+
 def tp_split_kind(name: str) -> str:
-    """How a megatron tensor is split over TP ranks: row/column/fc1/vocab/replicated."""
+    """How a megatron tensor is split over TP ranks (an expert's: over expert-TP ranks):
+    row/column/fc1/vocab/replicated."""
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return "vocab"
     if name.endswith("linear_qkv.weight"):
         return "column"
-    if name.endswith("linear_fc1.weight"):
+    if re.search(r"linear_fc1\.weight\d*$", name):
         return "fc1"
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+    if re.search(r"(linear_proj\.weight|linear_fc2\.weight\d*)$", name):
         return "row"
     return "replicated"
 
@@ -311,14 +464,28 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(pp_rank * per, (pp_rank + 1) * per)
 
 
-def to_local_name(name: str, pp_rank: int, pp_size: int, num_layers: int):
-    """Global megatron name -> this stage's local name, or None when another stage owns it."""
+def _experts_per_rank(num_experts: int, ep_size: int) -> int:
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} is not divisible by expert parallel size {ep_size}")
+    return num_experts // ep_size
+
+
+def to_local_name(name: str, pp_rank: int, pp_size: int, num_layers: int, *, ep_rank=0, ep_size=1, num_experts=0):
+    """Global megatron name -> this rank's local name, or None when another stage (or, for an
+    expert, another expert-parallel rank) owns it."""
     first, last = pp_rank == 0, pp_rank == pp_size - 1
     m = _LAYER.match(name)
     if m:
         layers = stage_layers(num_layers, pp_rank, pp_size)
         i = int(m.group(1))
-        return f"decoder.layers.{i - layers.start}.{m.group(2)}" if i in layers else None
+        if i not in layers:
+            return None
+        local = f"decoder.layers.{i - layers.start}.{m.group(2)}"
+        e = expert_index(local)
+        if e is None or ep_size == 1:
+            return local
+        per = _experts_per_rank(num_experts, ep_size)
+        return with_expert_index(local, e - ep_rank * per) if e // per == ep_rank else None
     if name.startswith("embedding."):
         return name if first else None
     if name.startswith(("decoder.final_layernorm", "output_layer")):
@@ -326,21 +493,40 @@ def to_local_name(name: str, pp_rank: int, pp_size: int, num_layers: int):
     return name
 
 
-def to_global_name(local: str, pp_rank: int, pp_size: int, num_layers: int) -> str:
+def to_global_name(local: str, pp_rank: int, pp_size: int, num_layers: int, *, ep_rank=0, ep_size=1, num_experts=0):
     m = _LAYER.match(local)
     if not m:
         return local
     start = stage_layers(num_layers, pp_rank, pp_size).start
-    return f"decoder.layers.{int(m.group(1)) + start}.{m.group(2)}"
+    name = f"decoder.layers.{int(m.group(1)) + start}.{m.group(2)}"
+    e = expert_index(name)
+    if e is None or ep_size == 1:
+        return name
+    return with_expert_index(name, ep_rank * _experts_per_rank(num_experts, ep_size) + e)
 
 
-def shard_for_rank(full_mg: dict, layout: Qwen3Layout, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> dict:
-    """The local state dict one (tp_rank, pp_rank) holds, from a full megatron state dict."""
+def shard_for_rank(
+    full_mg: dict,
+    layout: Qwen3Layout,
+    tp_rank: int,
+    tp_size: int,
+    pp_rank: int,
+    pp_size: int,
+    *,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
+) -> dict:
+    """The local state dict one (tp, pp, ep, expert-tp) rank holds, from a full megatron state dict."""
     out = {}
     for name, tensor in full_mg.items():
-        local = to_local_name(name, pp_rank, pp_size, layout.num_layers)
+        local = to_local_name(
+            name, pp_rank, pp_size, layout.num_layers, ep_rank=ep_rank, ep_size=ep_size, num_experts=layout.num_experts
+        )
         if local is not None:
-            out[local] = tp_shard(name, tensor, tp_rank, tp_size)
+            expert = expert_index(name) is not None
+            out[local] = tp_shard(name, tensor, etp_rank if expert else tp_rank, etp_size if expert else tp_size)
     if layout.tied and pp_size > 1 and pp_rank == pp_size - 1:
         # The last stage holds its own copy of the tied embedding as output_layer.weight.
         out["output_layer.weight"] = tp_shard(

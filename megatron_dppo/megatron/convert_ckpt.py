@@ -35,6 +35,7 @@ import io
 import json
 import os
 import queue
+import re
 import shutil
 import time
 
@@ -57,7 +58,11 @@ from megatron_dppo.convert.hf_io import (
     copy_assets,
     staged_output_dir,
 )
-from megatron_dppo.megatron.checkpoint import latest_checkpoint  # also installs the safe metadata unpickler
+from megatron_dppo.convert.qwen3 import load_hf_config  # noqa: F401  (the tools and tests import it from here)
+from megatron_dppo.megatron.checkpoint import (  # also installs the safe metadata unpickler
+    check_checkpoint,
+    latest_checkpoint,
+)
 from megatron_dppo.megatron.model import build_gpt_model, module_device, padded_vocab_size
 from megatron_dppo.megatron.parallel import validate_layout
 
@@ -67,6 +72,8 @@ HF_ASSETS = "hf_assets"
 TRAINER_STATE = "trainer_state.json"
 EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER_KEY = "decoder.layers.self_attention.linear_qkv.weight"  # [L, ...]: tells the layer count
+# Models with dense layers among MoE ones key each layer apart (Megatron's non-homogeneous layers).
+_PER_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.weight$")
 
 
 def _status_mib(field: str) -> float:
@@ -85,22 +92,6 @@ def peak_rss_mib() -> float:
     """This process image's peak RSS (VmHWM). Not ru_maxrss: Linux carries that across fork +
     exec, so a converter started by a big parent would report the parent's peak."""
     return _status_mib("VmHWM")
-
-
-def load_hf_config(path: str):
-    """A transformers config from a config.json file (hf_config.json in our checkpoints)."""
-    from transformers import CONFIG_MAPPING
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} is missing: the HF config.json of the model (the trainer copies it into "
-            f"each checkpoint as {HF_CONFIG}; converted checkpoints carry it too)"
-        )
-    with open(path) as f:
-        model_type = json.load(f).get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"{path}: unknown model_type={model_type!r}")
-    return CONFIG_MAPPING[model_type].from_json_file(path)
 
 
 # ---- the spec: what Megatron's GPTModel saves and loads ---------------------------------------
@@ -154,9 +145,12 @@ def model_spec(hf_config, padded_vocab: int, dtype: torch.dtype):
 def _tp_chunks(name: str, st: ShardedTensor, tp: int):
     """(offsets, sizes) of the chunks a TP=tp run saves for this TP=1 ShardedTensor: Megatron
     splits a tensor-parallel weight along its partition axis; fc1's gate and up halves (separate
-    ShardedTensors here) are each split the same way, so chunk layout = a real TP=tp save."""
+    ShardedTensors here) are each split the same way, so chunk layout = a real TP=tp save.
+    Experts are one chunk each already (at any EP) and split over expert-TP, here 1."""
     p = st.prepend_axis_num
     off, size = list(st.global_offset), [1] * p + list(st.local_shape)
+    if qwen3.expert_index(name) is not None:
+        tp = 1
     axis = {"vocab": 0, "column": 0, "fc1": 0, "row": 1}.get(qwen3.tp_split_kind(name))
     if axis is None or tp == 1:
         return [(off, size)]
@@ -225,25 +219,50 @@ class _Writer(FileSystemWriter):
         return dataclasses.replace(meta, checkpoint_id=str(meta.checkpoint_id)) if meta is not None else None
 
 
-def check_hf_source(hf_dir: str, tp: int, pp: int):
-    """Everything that can be wrong with the input, before anything is built or written:
-    files (config.json, index, shards), architecture, head / layer counts vs TP / PP, tensors.
-    Returns (HFCheckpoint, hf_config, layout with the vocab padded for tp)."""
-    hf = HFCheckpoint(hf_dir)
-    hf_config = load_hf_config(hf.config_path)
-    layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
+def check_layout_flags(tp: int, pp: int, ep: int = 1) -> None:
+    """--tp / --pp / --ep of the conversion tools: positive integers (ValueError naming the flag)."""
+    for flag, value in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag} {value}: expected a positive integer (a parallel size)")
+
+
+def check_model_layout(config_path: str, layout: qwen3.Qwen3Layout, tp: int, pp: int, ep: int = 1) -> None:
+    """The model against --tp / --pp / --ep: one ValueError naming the file, the flags and every
+    count that does not divide."""
+    check_layout_flags(tp, pp, ep)
+    problems = []
     try:
         validate_layout(tp * pp, tp, pp, layout.num_heads, layout.num_kv_heads, layout.num_layers)
     except ValueError as e:
-        raise ValueError(f"{hf.config_path}: {e}") from None
+        problems.append(str(e))
+    if ep > 1 and not layout.num_experts:
+        problems.append(f"--ep {ep} needs a mixture-of-experts model (this one has no experts)")
+    elif layout.num_experts % ep:
+        problems.append(f"num_experts {layout.num_experts} is not divisible by --ep {ep}")
+    if problems:
+        raise ValueError(f"{config_path}: --tp {tp} --pp {pp} --ep {ep} do not fit the model: " + "; ".join(problems))
+
+
+def check_hf_source(hf_dir: str, tp: int, pp: int, ep: int = 1):
+    """Everything that can be wrong with the input, before anything is built or written:
+    the flags, files (config.json, index, shards), architecture, head / layer / expert counts vs
+    TP / PP / EP, tensors. Returns (HFCheckpoint, hf_config, layout with the vocab padded for tp)."""
+    check_layout_flags(tp, pp, ep)
+    hf = HFCheckpoint(hf_dir)
+    hf_config, _ = qwen3.read_model_config(hf.config_path)
+    layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
+    check_model_layout(hf.config_path, layout, tp, pp, ep)
     hf.check_has(qwen3.hf_tensor_names(layout))
     return hf, hf_config, layout
 
 
-def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype=None, log=print) -> dict:
+def hf_to_megatron_checkpoint(
+    hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, dtype=None, log=print, ep: int = 1
+) -> dict:
     """Write a Megatron dist checkpoint of the HF model in hf_dir, streamed. Returns a summary.
-    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir)."""
-    hf, hf_config, layout = check_hf_source(hf_dir, tp, pp)
+    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir).
+    The files do not depend on ep (each expert is a chunk of its own): ep is checked, and recorded."""
+    hf, hf_config, layout = check_hf_source(hf_dir, tp, pp, ep)
     check_output_dir(out_dir)
     padded = layout.padded_vocab
     dtype = dtype or hf.dtype("model.embed_tokens.weight")
@@ -290,7 +309,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
 
     rss0, t0 = rss_mib(), time.time()
     log(
-        f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, "
+        f"writing {len(items)} chunks of {len(tensors)} tensors to {out_dir} (tp={tp}, pp={pp}, ep={ep}, "
         f"vocab {layout.vocab} padded to {padded}, {dtype})"
     )
     with staged_output_dir(out_dir) as stage:
@@ -315,6 +334,7 @@ def hf_to_megatron_checkpoint(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 
                 "hf_dir": os.path.abspath(hf_dir),
                 "tp": tp,
                 "pp": pp,
+                "ep": ep,
                 "padded_vocab": padded,
                 "dtype": str(dtype).replace("torch.", ""),
             },
@@ -341,6 +361,15 @@ def resolve_checkpoint_dir(path: str) -> str:
             "directory, or a trainer checkpoint root with a `latest` file"
         )
     return path
+
+
+def _checkpoint_layers(metadata: dict) -> int | None:
+    """Decoder layers in a dist checkpoint: the stacked QKV key's first axis, or the per-layer
+    keys' count (a model with dense layers among MoE ones); None when it has neither."""
+    if _LAYER_KEY in metadata:
+        return metadata[_LAYER_KEY].size[0]
+    found = [int(m.group(1)) for k in metadata if (m := _PER_LAYER_KEY.match(k))]
+    return max(found) + 1 if found else None
 
 
 def _load_full(model_dir: str, entries) -> dict:
@@ -384,13 +413,14 @@ def megatron_to_hf_checkpoint(
     check_output_dir(out_dir)
     model_dir = os.path.join(ckpt, MODEL_DIR)
     config_path = os.path.join(ckpt, HF_CONFIG)
-    hf_config = load_hf_config(config_path)
+    hf_config, _ = qwen3.read_model_config(config_path)
+    check_checkpoint(ckpt)  # the trainer's check: every file there, whole (one line naming the file)
     md = FileSystemReader(model_dir).read_metadata()
-    if EMBEDDING not in md.state_dict_metadata or _LAYER_KEY not in md.state_dict_metadata:
+    layers = _checkpoint_layers(md.state_dict_metadata)
+    if EMBEDDING not in md.state_dict_metadata or layers is None:
         raise ValueError(f"{model_dir} holds no Megatron GPT model ({EMBEDDING} or {_LAYER_KEY} is missing)")
     emb = md.state_dict_metadata[EMBEDDING]
     padded, ckpt_dtype = emb.size[0], emb.properties.dtype
-    layers = md.state_dict_metadata[_LAYER_KEY].size[0]
     if layers != hf_config.num_hidden_layers or emb.size[1] != hf_config.hidden_size or padded < hf_config.vocab_size:
         raise ValueError(
             f"{config_path} (num_hidden_layers={hf_config.num_hidden_layers}, hidden_size="
@@ -545,9 +575,11 @@ def verify_logits(
         with torch.no_grad():
             expect = ref(tokens[None]).logits[0].float()
         diff = float((logits - expect).abs().max())
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        ep = f"ep={ep}, " if ep > 1 else ""
         log(
             f"max |logit difference| megatron (tp={parallel_state.get_tensor_model_parallel_world_size()}, "
-            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, {module_device(policy.model)}) vs "
+            f"pp={parallel_state.get_pipeline_model_parallel_world_size()}, {ep}{module_device(policy.model)}) vs "
             f"transformers (cpu) over {len(tokens)} tokens x {hf_config.vocab_size} vocab: {diff:.3e}"
         )
     return all_reduce_max([diff])[0]

@@ -7,7 +7,13 @@ it breaks a forward, a PP step or a DDP + optimizer step with gradient clipping)
   - tensor.type() == 'torch.cuda.FloatTensor' checks   -> the same mode reports CUDA type names
   - the CUDA RNG (seeding, RNG tracker)               -> the CPU generator
   - torch.cuda.synchronize / current_stream           -> no-ops
+  - torch.cuda.Stream / Event (the MoE alltoall        -> stand-ins; record_event() returns an
+    dispatcher's device-to-host side stream)              event whose synchronize() is a no-op
+  - the alltoall dispatcher's split sizes             -> numpy arrays for CPU tensors too
+    (maybe_move_tensor_to_cpu converts only CUDA tensors; all_to_all_single refuses tensors)
 `enable_cpu_compat()` applies them once per process. It does nothing when CUDA is available.
+`patch_moe_without_te()` (also needed on a GPU without Transformer Engine) defines the name
+`te_general_gemm` that Megatron-Core's router gating reads but imports only with TE.
 
 What the model config must do on CPU lives in model.py (all fusions off,
 use_cpu_initialization=True). Scripts that save a dist checkpoint need an
@@ -55,8 +61,22 @@ class _CudaToCpu(TorchFunctionMode):
 class _CpuStream:
     """Stand-in for torch.cuda streams/events: everything on CPU is already ordered."""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
+
+    def record_event(self, event=None):
+        return event if event is not None else _CpuStream()  # the dispatcher synchronize()s it
+
+
+def _split_sizes_to_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu for CPU tensors: the split sizes must reach
+    all_to_all_single as numpy arrays (it refuses tensors), as they do from a GPU."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _cpu_rng_state(device=None, *args, **kwargs):
@@ -99,6 +119,23 @@ def _patch_torch_cuda() -> None:
     # 0.19's DDP waits on torch.cuda.current_stream().
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_stream = lambda *args, **kwargs: _CpuStream()
+    # The MoE alltoall dispatcher copies its split sizes to the host on a side stream.
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuStream
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_numpy
+    patch_moe_without_te()
+
+
+def patch_moe_without_te() -> None:
+    """Megatron-Core 0.16.1's router gating tests `te_general_gemm is not None`, a name
+    moe_utils imports only when Transformer Engine does: define it as None without TE (a
+    NameError otherwise, on CPU and on a GPU without TE alike). Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 @contextlib.contextmanager

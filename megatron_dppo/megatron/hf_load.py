@@ -13,7 +13,10 @@ Slices, per megatron tensor (convert/qwen3.py has the layout rules):
   linear_proj, fc2     columns chunk r of o_proj / down_proj (one read per row)
   embedding, output    rows [r*P/tp, (r+1)*P/tp) of the padded vocab P: the rows below the HF
                        vocab are read, the rest are zeros (Megatron's vocab padding)
-  norms                whole (replicated)
+  norms, MoE router    whole (replicated)
+  experts (MoE)        only this expert-parallel rank's experts [r E/ep, (r+1) E/ep), each
+                       split over the expert-tensor-parallel group as fc1 / fc2 are over TP;
+                       the other ranks' experts are never read
 With tied embeddings the last PP stage's output_layer.weight is read from model.embed_tokens.
 The slices are fed to qwen3.megatron_tensor_from_hf with a per-rank layout (heads, KV groups
 and padded vocab divided by tp), so whole-checkpoint conversion and this path share one table.
@@ -75,8 +78,6 @@ def _fail(message: str):
 
 
 def _read_config(path: str, field: str):
-    from megatron_dppo.megatron.convert_ckpt import load_hf_config
-
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         _fail(
@@ -94,10 +95,9 @@ def _read_config(path: str, field: str):
             '("model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], ...)'
         )
     try:
-        config = load_hf_config(cfg_path)
-        mapping.layout_from_hf_config(config)
-    except (ValueError, TypeError, KeyError) as e:
-        _fail(f"{cfg_path}: {e}" if cfg_path not in str(e) else str(e))
+        config, _ = mapping.read_model_config(cfg_path)  # what `plan` and the converters check too
+    except ValueError as e:
+        _fail(str(e))
     return config
 
 
@@ -206,6 +206,7 @@ class SliceReader:
         self.model_dir = model_dir
         self._fds = {}
         self.bytes_read = 0
+        self.names_read = set()  # the HF tensors any part of which was read
 
     def _fd(self, file: str) -> int:
         if file not in self._fds:
@@ -222,6 +223,7 @@ class SliceReader:
 
     def read(self, name: str, rows=None, cols=None) -> torch.Tensor:
         e = self.model_dir.tensors[name]
+        self.names_read.add(name)
         r0, r1 = rows if rows is not None else (0, e.shape[0])
         full_width = cols is None or len(e.shape) < 2 or (cols[0] == 0 and cols[1] == e.shape[1])
         c0, c1 = (0, e.shape[1] if len(e.shape) > 1 else 1) if full_width else cols
@@ -291,6 +293,7 @@ def local_megatron_tensor(
 def _check_same_model(model_dir: HFModelDir, layout: mapping.Qwen3Layout) -> None:
     theirs = model_dir.layout
     fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab", "tied")
+    fields += ("num_experts", "moe_intermediate", "moe_layers")
     diff = [
         f"{f}={getattr(theirs, f)} (model: {getattr(layout, f)})"
         for f in fields
@@ -313,12 +316,24 @@ def rank_layout() -> tuple:
     )
 
 
+def expert_rank_layout() -> tuple:
+    """(ep_rank, ep_size, expert_tp_rank, expert_tp_size) of this process."""
+    return (
+        parallel_state.get_expert_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_tensor_parallel_world_size(),
+    )
+
+
 def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
     """Copy this rank's slices of the HF checkpoint into each of `models` (GPTModels of the same
-    stage and TP rank, e.g. the policy and its reference). Not collective. Returns stats."""
+    stage, TP and EP rank, e.g. the policy and its reference). Not collective. Returns stats
+    (tensors loaded, bytes read, the HF tensors read)."""
     model_dir = hf_dir if isinstance(hf_dir, HFModelDir) else check_hf_model_dir(hf_dir)
     _check_same_model(model_dir, layout)
     tp_rank, tp_size, pp_rank, pp_size = rank_layout()
+    ep_rank, ep_size, etp_rank, etp_size = expert_rank_layout()
     params = [dict(m.named_parameters()) for m in models]
     names = [k for k in models[0].state_dict() if not k.endswith("_extra_state")]
     for m, p in zip(models, params):
@@ -329,8 +344,19 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
     try:
         with torch.no_grad():
             for local in names:
-                name = mapping.to_global_name(local, pp_rank, pp_size, layout.num_layers)
-                t = local_megatron_tensor(reader, layout, name, tp_rank, tp_size)
+                name = mapping.to_global_name(
+                    local,
+                    pp_rank,
+                    pp_size,
+                    layout.num_layers,
+                    ep_rank=ep_rank,
+                    ep_size=ep_size,
+                    num_experts=layout.num_experts,
+                )
+                expert = mapping.expert_index(name) is not None  # split over expert-TP, not TP
+                t = local_megatron_tensor(
+                    reader, layout, name, etp_rank if expert else tp_rank, etp_size if expert else tp_size
+                )
                 if t.shape != params[0][local].shape:
                     have = list(params[0][local].shape)
                     raise ValueError(
@@ -342,7 +368,7 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
                 del t
     finally:
         reader.close()
-    return {"tensors": len(names), "bytes_read": reader.bytes_read}
+    return {"tensors": len(names), "bytes_read": reader.bytes_read, "hf_tensors_read": reader.names_read}
 
 
 def load_hf_into_policy(policy, hf_dir, into_reference: bool = True) -> dict:

@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
+from megatron_dppo.megatron import moe
 from megatron_dppo.megatron.attention import PackedDotProductAttention
 
 
@@ -106,6 +107,7 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
+    kwargs.update(moe.transformer_config_kwargs(hf_config, backend))  # {} for a dense model
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -148,7 +150,7 @@ def build_gpt_model(
     tp = config.tensor_model_parallel_size
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(backend),
+        transformer_layer_spec=moe.decoder_spec(hf_config, config, backend, layer_spec(backend), vp_stage),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -46,10 +46,11 @@ def validate_layout(
     return world_size // (tp * pp)
 
 
-def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
+def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0, *, ep: int = 1, etp: int = 1) -> None:
     """Start torch.distributed if needed (nccl on GPU, gloo on CPU; env:// under torchrun, a
-    1-process world otherwise), then Megatron's TP/PP/DP groups and its RNG streams (every
-    rank seeded alike). On CPU the CUDA shim is enabled first."""
+    1-process world otherwise), then Megatron's TP/PP/DP groups (and the expert groups: EP x
+    expert-TP x expert-DP x PP over the same world) and its RNG streams (every rank seeded
+    alike). On CPU the CUDA shim is enabled first."""
     enable_cpu_compat()
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -61,7 +62,16 @@ def initialize_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> None:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() % (tp * pp):
         raise ValueError(f"world size {dist.get_world_size()} is not a multiple of tp*pp = {tp * pp}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if dist.get_world_size() % (ep * etp * pp):
+        raise ValueError(
+            f"world size {dist.get_world_size()} is not a multiple of ep*etp*pp = {ep}*{etp}*{pp} = {ep * etp * pp}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
     torch.manual_seed(seed)
     # Default/TP/expert RNG streams; on CPU (shim) this also seeds the CPU generator, which
     # use_cpu_initialization draws the master weights from: identical on every rank.

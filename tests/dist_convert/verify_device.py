@@ -20,7 +20,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from fake_cuda import FakeCuda, on_fake_cuda  # noqa: E402
 
-from megatron_dppo.megatron import convert_ckpt, destroy_parallel, initialize_parallel, step  # noqa: E402
+from megatron_dppo.megatron import convert_ckpt, destroy_parallel, initialize_parallel  # noqa: E402
+from megatron_dppo.megatron import policy as policy_module  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)  # made before the CPU shim's device-rewriting mode is on
 
@@ -52,13 +53,13 @@ def main():
     fake = FakeCuda()
     models = []
 
-    class PolicyOnGpu(step.MegatronPolicy):
+    class PolicyOnGpu(policy_module.MegatronPolicy):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             self.model = GpuModel(self.model, fake)
             models.append(self.model)
 
-    step.MegatronPolicy = PolicyOnGpu
+    policy_module.MegatronPolicy = PolicyOnGpu
     convert_ckpt.module_device = lambda module: CUDA0
     with fake:
         diff = convert_ckpt.verify_logits(args.ckpt, args.hf_dir)
