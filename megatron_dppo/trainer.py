@@ -105,7 +105,8 @@ class Trainer:
 
         self._load_inputs(cfg)
         self._resolve(cfg, resume, overwrite)
-        initialize_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.trainer.seed)
+        pc = cfg.parallel
+        initialize_parallel(pc.tp, pc.pp, seed=cfg.trainer.seed, ep=pc.ep, etp=pc.etp)
         self._claim_run_dir(resume, overwrite)
         self._place_ranks()
         self.policy = self._build_policy()
@@ -179,6 +180,8 @@ class Trainer:
             num_kv_heads=hf.num_key_value_heads,
             num_layers=hf.num_hidden_layers,
             ffn_hidden_size=hf.intermediate_size,
+            num_experts=getattr(hf, "num_experts", 0) or 0,
+            moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None),
             num_train_records=len(self.data),
             cuda=torch.cuda.is_available(),
             threads=torch.get_num_threads(),
