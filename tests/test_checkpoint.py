@@ -213,7 +213,9 @@ def test_a_checkpoint_of_megatron_core_019_is_named_under_older_versions(saved_r
     state = json.loads((bad / "trainer_state.json").read_text())
     del state["manifest"]
     (bad / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(checkpoint.CheckpointError, match=r"model_optim was saved by megatron-core >= 0\.19 .* \S+ cannot read it"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"model_optim was saved by megatron-core >= 0\.19 .* \S+ cannot read it"
+    ):
         checkpoint.check_checkpoint(str(bad))
 
 

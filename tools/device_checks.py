@@ -231,7 +231,7 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
 
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import suspend_cpu_compat
-    from megatron_dppo.megatron.step import MegatronPolicy
+    from megatron_dppo.megatron.policy import MegatronPolicy
     from megatron_dppo.packing import Sample, build_thd_batch, pack
     from megatron_dppo.rollout import RolloutEngine
 

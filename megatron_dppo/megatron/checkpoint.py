@@ -55,9 +55,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import megatron.core
 import torch
 import torch.distributed as dist
-import megatron.core
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
