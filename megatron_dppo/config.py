@@ -41,7 +41,9 @@ class ModelConfig:
     hf_dir: str = ""  # HF model dir (config.json, tokenizer, safetensors)
     init_checkpoint: str = ""  # optional: a Megatron checkpoint (converted or a run's step_*) to start from
     dtype: Dtype = "float32"
-    attention: AttentionBackend = "auto"  # auto: Transformer Engine when it imports on a GPU, else local
+    # auto: Transformer Engine where it can run this model (a GPU, TE importing, not float32 on
+    # TE < 2.11: megatron/attention_backend.py), else local
+    attention: AttentionBackend = "auto"
 
 
 @dataclass
@@ -54,6 +56,9 @@ class ParallelConfig:
     etp: int = 1  # expert tensor parallel: each expert split over etp ranks (1 = whole experts, the usual choice)
     distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU
     recompute: Recompute = "none"  # activation recomputation
+    # Every process group's timeout (torch.distributed, Megatron's and vLLM's groups): torch's
+    # defaults (NCCL 10, gloo 30 minutes) are shorter than waits that are long by design.
+    timeout_minutes: float = 60.0
     # The cluster, for `megatron-dppo plan`, the launch scripts and the layout check.
     nodes: int = 1
     gpus_per_node: int = 8
@@ -374,6 +379,7 @@ def validate(cfg: Config) -> Config:
         ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),
         ("parallel.ep", c.parallel.ep >= 1, "an integer >= 1"),
         ("parallel.etp", c.parallel.etp >= 1, "an integer >= 1"),
+        ("parallel.timeout_minutes", c.parallel.timeout_minutes > 0, "a number of minutes > 0"),
         ("parallel.nodes", c.parallel.nodes >= 1, "an integer >= 1"),
         ("parallel.gpus_per_node", c.parallel.gpus_per_node >= 1, "an integer >= 1"),
     ]

@@ -16,8 +16,11 @@ rank must call them in the same order.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
+from packaging.version import Version
 
 
 def world(group=None) -> tuple[int, int]:
@@ -85,3 +88,45 @@ def all_reduce_sum(values, group=None) -> list[float]:
 def all_reduce_max(values, group=None) -> list[float]:
     """Element-wise max over ranks of a list of numbers."""
     return _all_reduce(values, dist.ReduceOp.MAX, group)
+
+
+# ---- the launch environment (read by CUDA and torch's allocator when CUDA starts) ----------------
+def _alloc_conf_names() -> tuple[str, ...]:
+    """The allocator-config variables torch reads, the one it prefers first: PYTORCH_ALLOC_CONF
+    since torch 2.9 (PYTORCH_CUDA_ALLOC_CONF still read, deprecated), only the CUDA one before.
+    (No attribute tells them apart, so the version does.)"""
+    if Version(torch.__version__).release >= (2, 9):
+        return ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    return ("PYTORCH_CUDA_ALLOC_CONF",)
+
+
+def launch_env_defaults() -> list[tuple[tuple[str, ...], str]]:
+    """(variables, value): the value is the default unless one of the variables is set (the first
+    is the one set)."""
+    return [
+        # One hardware queue per device: Megatron's TP communication overlap and its
+        # sequence-parallel output layer rely on kernels being issued in program order.
+        (("CUDA_DEVICE_MAX_CONNECTIONS",), "1"),
+        # Packs of varying length fragment the caching allocator; vLLM's sleep-mode pool turns
+        # expandable segments off around itself (vllm/device_allocator/cumem.py).
+        (_alloc_conf_names(), "expandable_segments:True"),
+    ]
+
+
+def set_launch_env_defaults(environ=None, *, cuda: bool | None = None) -> dict[str, str]:
+    """On a CUDA machine (cuda None: torch.cuda.is_available(), which starts no CUDA context),
+    set CUDA_DEVICE_MAX_CONNECTIONS=1 and expandable allocator segments unless the user set them
+    (either allocator variable counts); returns what it set. Both are read when CUDA starts, so
+    setting one after that is a RuntimeError (it would silently do nothing). Call it first thing
+    in the process: child processes (vLLM, reward workers) inherit the environment."""
+    env = os.environ if environ is None else environ
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return {}
+    wanted = {names[0]: value for names, value in launch_env_defaults() if not any(n in env for n in names)}
+    if wanted and torch.cuda.is_initialized():
+        raise RuntimeError(
+            f"set_launch_env_defaults() ran after CUDA was initialised, so {', '.join(wanted)} would "
+            "have no effect: call it before anything touches the GPU (or set them in the environment)"
+        )
+    env.update(wanted)
+    return wanted

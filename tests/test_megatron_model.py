@@ -20,6 +20,13 @@ def test_cpu_compat_model_matches_transformers_and_bf16(torchrun):
     assert "OK" in out
 
 
+def test_local_spec_final_norm_ignores_megatrons_block_default(torchrun):
+    """Item 3 of issue 22: with Apex importing but TE not, Megatron's block-level final norm is
+    Apex's FusedLayerNorm, which asserts on RMSNorm; the local spec sets its own."""
+    out = torchrun(DIST / "final_norm_worker.py", 1)
+    assert "final norm RMSNorm" in out and "OK" in out
+
+
 def test_tp2_equals_tp1_and_packed_attention(torchrun):
     """TP=2 = TP=1 (loss, log-probs, entropy, grads); CPU init is TP-invariant; packed THD
     log-probs and grads equal per-sequence runs at TP=1 and TP=2."""
@@ -253,28 +260,34 @@ def test_varlen_call_is_wired_right(monkeypatch):
 
 
 def test_packed_seq_params_from_thd_batches():
-    """What reaches Megatron: qkv_format thd, cu_seqlens, and cu_seqlens_padded only where
-    there is padding between sequences (issue 16.7: None lets TE keep its flash backends);
-    the row layout precomputed on the host; None for the padded baseline."""
+    """What reaches Megatron: qkv_format thd and the PADDED offsets as cu_seqlens, with
+    cu_seqlens_padded None and pad_between_seqs False where PackedSeqParams has the field
+    (megatron-core 0.19): TE then sees a dense row, so it neither compares cu_seqlens with
+    cu_seqlens_padded on the device in every layer nor turns FlashAttention off (issue 22.4;
+    that the log-probs stay exact is tests/dist/tp_worker.py's check_packing). The row layout is
+    precomputed on the host; None for the padded baseline."""
+    import dataclasses
+
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_dppo.megatron.attention import packed_seq_params
     from megatron_dppo.packing import Sample, build_padded_batch, build_thd_batch
 
+    has_flag = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
     samples = [Sample(tokens=list(range(1, n + 1)), prompt_len=1) for n in (5, 8, 3)]
-    dense = packed_seq_params(build_thd_batch(samples, pad_multiple=1))
-    assert isinstance(dense, PackedSeqParams) and dense.qkv_format == "thd"
-    assert dense.cu_seqlens_q.tolist() == [0, 5, 13, 16] and dense.cu_seqlens_q is dense.cu_seqlens_kv
-    assert dense.cu_seqlens_q_padded is None and dense.cu_seqlens_kv_padded is None
-    assert dense.max_seqlen_q == dense.max_seqlen_kv == 8 and isinstance(dense.max_seqlen_q, int)
-    assert (dense.row.starts, dense.row.lengths, dense.row.total) == ([0, 5, 13], [5, 8, 3], 16)
-
-    padded = packed_seq_params(build_thd_batch(samples, pad_multiple=4), device="cpu")
-    assert padded.cu_seqlens_q.tolist() == [0, 5, 13, 16]
-    assert padded.cu_seqlens_q_padded.tolist() == [0, 8, 16, 20] and padded.cu_seqlens_q_padded.dtype == torch.int32
-    assert padded.max_seqlen_q == 8 and padded.row.starts == [0, 8, 16] and padded.row.has_padding
-    # pad_multiple 4 with lengths that happen to be multiples of 4: no padding, so None too
-    assert packed_seq_params(build_thd_batch(samples[1:2], pad_multiple=4)).cu_seqlens_q_padded is None
+    for multiple, offsets in ((1, [0, 5, 13, 16]), (4, [0, 8, 16, 20])):
+        batch = build_thd_batch(samples, pad_multiple=multiple)
+        assert batch.cu_seqlens.tolist() == [0, 5, 13, 16] and batch.cu_seqlens_padded.tolist() == offsets
+        p = packed_seq_params(batch, device="cpu")
+        assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
+        assert p.cu_seqlens_q.tolist() == offsets and p.cu_seqlens_q is p.cu_seqlens_kv
+        assert p.cu_seqlens_q.dtype == torch.int32
+        assert p.cu_seqlens_q_padded is None and p.cu_seqlens_kv_padded is None
+        assert getattr(p, "pad_between_seqs", None) is (False if has_flag else None)
+        longest = max(b - a for a, b in zip(offsets, offsets[1:]))
+        assert p.max_seqlen_q == p.max_seqlen_kv == longest and isinstance(p.max_seqlen_q, int)
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        assert (p.row.starts, p.row.lengths, p.row.total) == (offsets[:-1], lengths, offsets[-1])
     assert packed_seq_params(build_padded_batch(samples)) is None
 
 

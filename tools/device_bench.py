@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""First contact with a GPU, on ONE GPU without Transformer Engine or vLLM: correctness checks,
-then train-step tokens/s and MFU of Qwen3-0.6B- and 1.7B-shaped models, packed vs padded.
+"""First contact with a GPU, on ONE GPU: correctness checks (the Transformer Engine and vLLM parts
+where those import, else skipped with the reason recorded), then train-step tokens/s and MFU of
+Qwen3-0.6B- and 1.7B-shaped models, packed vs padded.
 
     python tools/device_bench.py            # everything; under 8 minutes on one H100/H200 (--budget-s)
     python tools/device_bench.py --smoke    # the same code paths at toy size: here on the CPU (a test),
@@ -15,9 +16,15 @@ recorded and the next one still runs (exit status 1 if any check failed):
               reduce-scattered shards) against plain PyTorch on the transformers model, then one
               optimizer step. In bf16 the packed micro-batches go through torch's varlen flash
               attention (megatron/attention.py picks it on CUDA for 16-bit tensors).
+  te          the same grad check through Transformer Engine's attention (model.attention=te), in
+              fp32 and bf16; a dtype TE cannot run (no transformer_engine; fp32 on TE < 2.11) is
+              skipped with the policy's own error as the reason.
   convert     tools/device_checks.convert_and_verify: tools/convert_hf_to_megatron.py --verify on
               a random-weight Qwen3-0.6B-shaped model (2 layers): Megatron on the GPU vs
               transformers on the CPU, max |logit difference|.
+  vllm        tools/device_checks.vllm_cycle, where vllm imports: dummy start, sleep, a train step,
+              wake, weight reload, generate, and the sampled tokens' log-probs against Megatron's
+              (bf16 on a GPU, fp32 on the CPU).
   bench       MegatronPolicy.train_step (the trainer's forward/backward with the DPPO loss, Megatron
               DDP and distributed optimizer, bf16) over one batch of RL-shaped sequences (prompts
               64-512 tokens, log-normal completions, <= --max-len), built twice from the SAME
@@ -65,6 +72,10 @@ from megatron_dppo import packing, profiling  # noqa: E402
 CONFIGS = REPO / "examples" / "qwen3_configs"
 TINY = REPO / "examples" / "tiny" / "model" / "config.json"
 GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: its 8-bit mantissa, not a bug
+# max |vLLM - Megatron| per sampled token's log-prob: two implementations, same weights. bf16:
+# different kernels and reduction orders in 16-bit (a reload that failed gives nats).
+VLLM_LOGP_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
+SECTIONS = ("grad-check", "te", "convert", "vllm", "bench")
 
 
 def hf_config(path: Path) -> SimpleNamespace:
@@ -179,7 +190,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="every section at toy size (CPU test, quick GPU pass)")
     p.add_argument("--tiny", action="store_true", help="only the bench section at toy size")
-    p.add_argument("--only", default="grad-check,convert,bench", help="comma-separated sections to run")
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run")
     p.add_argument("--sizes", default="0.6B,1.7B", help="comma-separated dirs of examples/qwen3_configs")
     p.add_argument("--seqs", type=int, default=64, help="sequences per optimizer step (e.g. 8 prompts x G=8)")
     p.add_argument("--max-len", type=int, default=4096, help="longest sequence (prompt + completion)")
@@ -201,9 +212,9 @@ def parse_args(argv=None):
         args.seqs, args.max_len, args.capacity = min(args.seqs, 16), min(args.max_len, 24), min(args.capacity, 64)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
     args.only = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(args.only) - {"grad-check", "convert", "bench"}
+    unknown = set(args.only) - set(SECTIONS)
     if unknown:
-        p.error(f"--only: unknown section(s) {sorted(unknown)}; expected grad-check, convert, bench")
+        p.error(f"--only: unknown section(s) {sorted(unknown)}; expected {', '.join(SECTIONS)}")
     return args
 
 
@@ -222,6 +233,9 @@ def _estimate_s(cfg, seqs, args, measured: list[dict]) -> float:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
+    from megatron_dppo.distributed import set_launch_env_defaults
+
+    env_set = set_launch_env_defaults()  # what the trainer runs under, set before CUDA starts
     out_path = Path(
         args.out
         or (
@@ -246,7 +260,8 @@ def main(argv=None) -> int:
         "max_len": args.max_len,
         "capacity": args.capacity,
         "steps": args.steps,
-        "attention": "local spec (megatron/attention.py; no Transformer Engine)",
+        "attention": "bench and grad-check: local spec (megatron/attention.py); te: Transformer Engine",
+        "launch_env_set": env_set,
         "checks": {},
         "models": [],
         "skipped": [],
@@ -270,6 +285,10 @@ def main(argv=None) -> int:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(result, indent=1))
 
+    def skip(why: str):
+        result["skipped"].append(why)
+        print(f"skipped {why}", flush=True)
+
     def section(name, fn):
         try:
             fn()
@@ -287,6 +306,32 @@ def main(argv=None) -> int:
             result["checks"]["grad"].append(r)
             if not (r["rel_grad_error"] <= r["tolerance"] and r["update_ok"] and r["max_weight_change"] > 0):
                 failed.append(f"grad-check {r['dtype']}")
+
+    def te_grad_checks():
+        """The grad check through Transformer Engine's attention, where it can run; else the
+        named reason (e.g. no transformer_engine, or float32 on TE < 2.11) is recorded."""
+        result["checks"]["grad_te"] = []
+        for dtype in (torch.float32, torch.bfloat16):
+            blocker = device_checks.te_blocker(dtype)
+            if blocker:
+                skip(f"te grad-check {str(dtype).replace('torch.', '')}: {blocker}")
+                continue
+            r = device_checks.grad_check(dtype, attention="te")
+            r["tolerance"] = GRAD_TOLERANCE[dtype]
+            result["checks"]["grad_te"].append(r)
+            if not (r["rel_grad_error"] <= r["tolerance"] and r["update_ok"] and r["max_weight_change"] > 0):
+                failed.append(f"te grad-check {r['dtype']}")
+
+    def vllm_cycle():
+        if importlib.util.find_spec("vllm") is None:
+            skip("vllm: vllm is not installed (pip install vllm==0.32.0: the gpu extra)")
+            return
+        dtype = torch.bfloat16 if cuda else torch.float32  # what a GPU run trains in; fp32 on the CPU
+        r = device_checks.vllm_cycle(dtype)
+        r["tolerance"] = VLLM_LOGP_TOLERANCE[dtype]
+        result["checks"]["vllm"] = r
+        if not r["max_logprob_diff"] <= r["tolerance"]:
+            failed.append("vllm")
 
     def convert():
         cfg = (
@@ -315,7 +360,7 @@ def main(argv=None) -> int:
             result["models"].append(bench_model(name, cfg, seqs, args, peak))
             save()
 
-    sections = {"grad-check": grad_checks, "convert": convert, "bench": bench}
+    sections = {"grad-check": grad_checks, "te": te_grad_checks, "convert": convert, "vllm": vllm_cycle, "bench": bench}
     try:
         for name in args.only:
             section(name, sections[name])

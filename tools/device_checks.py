@@ -8,6 +8,10 @@ grad_check(...)          The DPPO gradient of MegatronPolicy with the distribute
                          bf16-rounded weights, so what is left is bf16 arithmetic; on a GPU with
                          flash attention the packed micro-batches then go through torch's varlen
                          attention, so this also checks its gradient.
+te_blocker(dtype)        Why model.attention=te cannot run (None: it can); grad_check(attention="te")
+                         then checks the Transformer Engine path as the local one.
+vllm_cycle(...)          vLLM sleep -> wake -> reload -> generate, as the trainer runs it, and the
+                         sampled tokens' log-probs against Megatron's.
 convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/convert_hf_to_megatron.py
                          --verify, as the user runs it: the converter, then load_checkpoint into a
                          MegatronPolicy on the device and the max |logit difference| against
@@ -86,8 +90,9 @@ def _seq_logp(model, tokens, prompt_len):
     return torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0][prompt_len - 1 :]
 
 
-def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) -> dict:
-    """Relative error of MegatronPolicy.hf_grads (distributed optimizer on) against the reference."""
+def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, attention: str = "local") -> dict:
+    """Relative error of MegatronPolicy.hf_grads (distributed optimizer on) against the reference,
+    through the local attention path or ("te") Transformer Engine's."""
     from transformers import Qwen3Config
 
     from megatron_dppo.algorithms import losses
@@ -103,7 +108,7 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
         OptimConfig(lr=1e-3),
         loss_cfg,
         params_dtype=dtype,
-        attention="local",
+        attention=attention,
         distributed_optimizer=True,
     )
     device = module_device(policy.model)
@@ -176,7 +181,7 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     step = policy.optimizer_step()
     after = {k: v.float().cpu() for k, v in policy.hf_state_dict().items()}
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
-    impl = _thd_impl(device, dtype, cfg["head_dim"])
+    impl = "transformer-engine" if attention == "te" else _thd_impl(device, dtype, cfg["head_dim"])
     out = {
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
@@ -197,6 +202,97 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print) ->
     )
     del policy, model
     return out
+
+
+def te_blocker(dtype: torch.dtype) -> str | None:
+    """Why model.attention=te cannot run a packed model of this dtype here (None: it can): the
+    named error the policy would raise (megatron/attention_backend.py), e.g. no transformer_engine,
+    or float32 on TE < 2.11."""
+    from megatron_dppo.megatron.attention_backend import attention_choice
+
+    try:
+        attention_choice("te", dtype=dtype)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+TINY_MODEL = REPO / "examples" / "tiny" / "model"  # config, tokenizer and weights vLLM can load
+
+
+def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, log=print) -> dict:
+    """One rollout cycle as the trainer runs it: vLLM starts on dummy weights, sleeps (level 2:
+    weights dropped), the policy takes an optimizer step, vLLM wakes its weights, takes the
+    policy's (MegatronPolicy.hf_weight_buckets), wakes its KV cache and generates; the sampled
+    tokens' log-probs are compared with Megatron's for the same sequences (compute_logprobs on
+    packed micro-batches). A reload that missed a tensor leaves dummy weights: errors of nats."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from megatron_dppo.config import AlgorithmConfig, OptimConfig
+    from megatron_dppo.megatron import suspend_cpu_compat
+    from megatron_dppo.megatron.policy import MegatronPolicy
+    from megatron_dppo.packing import Sample, build_thd_batch, pack
+    from megatron_dppo.rollout import RolloutEngine
+
+    t0 = time.perf_counter()
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    policy = MegatronPolicy(hf_config, OptimConfig(lr=1e-2), AlgorithmConfig(), params_dtype=dtype)
+    policy.load_hf_state_dict({k: v.to(dtype) for k, v in load_file(str(model_dir / "model.safetensors")).items()})
+    name = str(dtype).replace("torch.", "")
+    engine = RolloutEngine(
+        str(model_dir),
+        dtype=name,
+        max_model_len=hf_config.max_position_embeddings,
+        seed=seed,
+        gpu_memory_utilization=0.1,
+        context=suspend_cpu_compat,
+        load_format="dummy",
+    )
+    start_s = time.perf_counter() - t0
+    prompts = [[1, 5, 7, 3, 9], [1, 4, 4, 12, 8, 6, 10]]
+    engine.sleep(2)
+    # An optimizer step, so that the weights vLLM must take are not the ones on disk either.
+    seqs = [Sample(tokens=p + [3, 4, 5, 6], prompt_len=len(p), advantage=a) for p, a in zip(prompts, (1.0, -1.0))]
+    policy.train_step([build_thd_batch(seqs)], denominator=8.0)
+    engine.wake_up(["weights"])
+    engine.load_weights(policy.hf_weight_buckets())
+    engine.wake_up(["kv_cache"])
+    out = engine.generate(prompts, n=4, max_new_tokens=24, temperature=1.0, seed=seed)
+    engine.close()
+    samples, vllm_logp = [], []
+    for p, group in zip(prompts, out):
+        for c in group:
+            samples.append(Sample(tokens=p + c.token_ids, prompt_len=len(p), seq_id=len(samples)))
+            vllm_logp.append(torch.tensor(c.logprobs))
+    lens = [len(x.tokens) for x in samples]
+    packs = pack(lens, 4 * max(lens), window=len(lens))
+    batches = [build_thd_batch([samples[i] for i in p]) for p in packs]
+    diffs = []
+    for p, batch, logp in zip(packs, batches, policy.compute_logprobs(batches)):
+        logp = logp.float().cpu()[0]
+        for k, i in enumerate(p):
+            start, s = int(batch.cu_seqlens_padded[k]), samples[i]
+            mine = logp[start + s.prompt_len - 1 : start + len(s.tokens) - 1]
+            diffs.append((mine - vllm_logp[i]).abs())
+    diff = torch.cat(diffs)
+    result = {
+        "dtype": name,
+        "attention": policy.attention_backend,
+        "completions": len(samples),
+        "tokens": int(diff.numel()),
+        "max_logprob_diff": float(diff.max()),
+        "mean_logprob_diff": float(diff.mean()),
+        "engine_start_s": start_s,
+        "seconds": time.perf_counter() - t0,
+    }
+    log(
+        f"vLLM cycle {name} (dummy start, sleep, train step, wake, reload, generate): {result['tokens']} "
+        f"sampled tokens, |vLLM - Megatron({result['attention']}) log-prob| max {result['max_logprob_diff']:.2e} "
+        f"mean {result['mean_logprob_diff']:.2e}, {result['seconds']:.0f} s"
+    )
+    del policy
+    return result
 
 
 def _thd_impl(device, dtype, head_dim) -> str:

@@ -39,8 +39,9 @@ The environment variable MEGATRON_DPPO_THD_ATTENTION (auto | varlen | bucketed |
 one, e.g. to compare them side by side through the CLI.
 
 `packed_seq_params(batch)` turns a packed ThdBatch (megatron_dppo.packing) into Megatron's
-PackedSeqParams; it also precomputes the row layout on the host, once per micro-batch, so no
-layer reads cu_seqlens back from the device.
+PackedSeqParams, with each sequence's padding counted as part of it (see there: exact, and TE
+keeps its flash kernels without a device sync); it also precomputes the row layout on the
+host, once per micro-batch, so no layer reads cu_seqlens back from the device.
 """
 
 from __future__ import annotations
@@ -280,30 +281,42 @@ class PackedRowParams(PackedSeqParams):
     row: PackedRow | None = None
 
 
+# Megatron-Core >= 0.19 lets the caller say whether sequences have padding between them; TE
+# otherwise works it out by comparing cu_seqlens with cu_seqlens_padded on the device.
+_HAS_PAD_BETWEEN_SEQS = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
+
+
 def packed_seq_params(batch, device=None) -> PackedSeqParams | None:
     """Megatron PackedSeqParams (qkv_format "thd") of a packed ThdBatch; None for a padded
-    [rows, L] batch. cu_seqlens_*_padded is None when there is no padding between sequences
-    (pad_multiple 1): TE then knows the row is dense and keeps its flash backends, and RoPE and
-    this module's attention read cu_seqlens instead. Tensors go to `device` (default: where
-    they are)."""
+    [rows, L] batch. Tensors go to `device` (default: where they are).
+
+    The sequence boundaries given are the PADDED offsets (batch.cu_seqlens_padded: each
+    sequence with the padding after it, under sequence parallelism a multiple of TP), as
+    cu_seqlens, with cu_seqlens_padded None and pad_between_seqs False (where the installed
+    PackedSeqParams has that field): to TE the row is dense. Exact, because attention is causal
+    and a segment's padding comes after its real tokens, so no real token sees padding; the
+    padding positions compute something, which the loss mask drops. Passing the real lengths
+    beside different padded ones instead makes TE compare the two on the device in every layer
+    (a host sync per attention call, forward and recompute) and turn FlashAttention off. RoPE
+    restarts at each segment start either way, and this module's attention reads the same
+    segments."""
     if batch.cu_seqlens is None:
         return None
-    cu, padded = batch.cu_seqlens, batch.cu_seqlens_padded
-    if padded is not None and torch.equal(padded, cu):
-        padded = None
-    row = PackedRow.from_cu(cu, padded, int(batch.tokens.shape[-1]), batch.max_seqlen)
+    offsets = batch.cu_seqlens if batch.cu_seqlens_padded is None else batch.cu_seqlens_padded
+    row = PackedRow.from_cu(offsets, None, int(batch.tokens.shape[-1]), batch.max_seqlen)
     if device is not None:
-        cu = cu.to(device)
-        padded = padded.to(device) if padded is not None else None
+        offsets = offsets.to(device)
+    extra = {"pad_between_seqs": False} if _HAS_PAD_BETWEEN_SEQS else {}
     return PackedRowParams(
         qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
+        cu_seqlens_q=offsets,
+        cu_seqlens_kv=offsets,
+        cu_seqlens_q_padded=None,
+        cu_seqlens_kv_padded=None,
         max_seqlen_q=row.max_seqlen,
         max_seqlen_kv=row.max_seqlen,
         row=row,
+        **extra,
     )
 
 

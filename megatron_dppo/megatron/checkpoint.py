@@ -55,6 +55,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import megatron.core
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
@@ -232,24 +233,49 @@ def _write_buckets_in_threads(transforms, rank, write_buckets, results_queue) ->
 class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     """torch_dist saving whose shard files are written by threads of this process (module docstring)."""
 
-    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
-        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
-        if request.async_fn is None:  # nothing to write on this rank
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *args, **kwargs):
+        # megatron-core 0.17 added an `async_strategy` argument: pass whatever the caller gave.
+        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args, **kwargs)
+        if request.async_fn is None or _WRITES_IN_THREADS:  # nothing to write / already in-process
             return request
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []
         return request._replace(async_fn=partial(_write_buckets_in_threads, transforms))
+
+
+# megatron-core >= 0.17 writes the buckets with threads of the saving process itself
+# (write_preloaded_data_multithread); 0.16 forks a process per bucket, which the class above replaces.
+_WRITES_IN_THREADS = hasattr(filesystem_async.FileSystemWriterAsync, "write_preloaded_data_multithread")
+# The results-queue factory: public with an mp_mode argument since 0.17, private before
+# (None: neither, so Megatron's own queue is used: it works, with its server process).
+_RESULTS_QUEUE_FACTORY = next(
+    (name for name in ("get_write_results_queue", "_get_write_results_queue") if hasattr(filesystem_async, name)),
+    None,
+)
 
 
 @contextlib.contextmanager
 def _no_results_manager():
     """FileSystemWriterAsync asks for a Manager().Queue() (a server process) for its results;
     the writes here are in-process, so a plain queue does."""
-    original = filesystem_async._get_write_results_queue
-    filesystem_async._get_write_results_queue = queue.Queue
+    if _RESULTS_QUEUE_FACTORY is None:
+        yield
+        return
+    original = getattr(filesystem_async, _RESULTS_QUEUE_FACTORY)
+    setattr(filesystem_async, _RESULTS_QUEUE_FACTORY, lambda *args, **kwargs: queue.Queue())
     try:
         yield
     finally:
-        filesystem_async._get_write_results_queue = original
+        setattr(filesystem_async, _RESULTS_QUEUE_FACTORY, original)
+
+
+# megatron-core >= 0.19 reads the non-tensor state from the shards, or from a legacy common.pt.
+_READS_COMMON_STATE_SHARD = hasattr(dist_checkpointing.serialization, "_legacy_common_state_exists")
+
+
+def _common_state_in_shards(metadata) -> bool:
+    """megatron-core >= 0.19 saves the non-tensor state as the object shard "common_state"
+    inside the torch_dist files; earlier versions (and loading legacy checkpoints) use common.pt."""
+    return any(key.split("/")[0] == "common_state" for key in getattr(metadata, "state_dict_metadata", {}))
 
 
 def save_sharded(sharded_state: dict, directory: str) -> None:
@@ -412,6 +438,13 @@ def _check_dist_files(model_dir: str) -> None:
                 f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: truncated shard"
             )
     common = os.path.join(model_dir, "common.pt")
+    if not os.path.exists(common) and _common_state_in_shards(metadata):
+        if not _READS_COMMON_STATE_SHARD:
+            raise CheckpointError(
+                f"{model_dir} was saved by megatron-core >= 0.19 (its non-tensor state is a shard, no "
+                f"common.pt): this megatron-core {megatron.core.__version__} cannot read it; load it with >= 0.19"
+            )
+        return  # the non-tensor state is a shard, checked above
     if not os.path.exists(common):
         raise CheckpointError(f"{common} is missing (the checkpoint's non-tensor state)")
     try:

@@ -322,8 +322,9 @@ def hf_to_megatron_checkpoint(
         )
         cache.clear()
         # What dist_checkpointing.save adds around the DCP files: the format config and the
-        # (here empty) common state.
-        save_config(CheckpointingConfig("torch_dist", 1, "torch", 1), os.path.join(stage, MODEL_DIR))
+        # (here empty) common state. Positional (backend, version) only: megatron-core 0.19
+        # dropped the common_backend fields; its loader still reads a common.pt (as legacy).
+        save_config(CheckpointingConfig("torch_dist", 1), os.path.join(stage, MODEL_DIR))
         torch.save({}, os.path.join(stage, MODEL_DIR, "common.pt"))
         shutil.copyfile(hf.config_path, os.path.join(stage, HF_CONFIG))
         assets = copy_assets(hf_dir, os.path.join(stage, HF_ASSETS))

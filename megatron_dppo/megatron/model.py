@@ -1,15 +1,16 @@
 """Qwen3 dense models as Megatron-Core GPTModels, built from a transformers Qwen3Config.
 
-Two attention paths behind one switch:
+Two attention paths behind one switch (megatron/attention_backend.py decides "auto"):
   "te"    Transformer Engine layer spec (fused kernels, THD varlen attention); needs CUDA + TE.
   "local" Megatron-Core's local spec with core_attention replaced by PackedDotProductAttention
           (torch SDPA per packed sequence); works on CPU and on a GPU without TE.
-  "auto"  "te" when transformer_engine imports and CUDA is available, else "local".
 
 Parameter names follow the spec (PLATFORM.md has the HF <-> Megatron table): the local spec
 has decoder.layers.L.{input,pre_mlp}_layernorm.weight, the TE spec folds them into
 linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight.
 """
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -17,29 +18,18 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_dppo.megatron import moe
 from megatron_dppo.megatron.attention import PackedDotProductAttention
+from megatron_dppo.megatron.attention_backend import attention_choice
 
 
-def te_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # without a GPU it fails with OSError (cudnn), not ImportError
-        return False
-    return True
-
-
-def resolve_attention_backend(attention: str = "auto") -> str:
-    if attention == "auto":
-        return "te" if te_available() else "local"
-    if attention == "te" and not te_available():
-        raise RuntimeError("attention='te' needs CUDA and transformer_engine; use 'local'")
-    if attention not in ("te", "local"):
-        raise ValueError(f"attention must be 'auto', 'te' or 'local', not {attention!r}")
-    return attention
+def resolve_attention_backend(
+    attention: str = "auto", *, dtype: torch.dtype | None = None, sequence_parallel: bool = False, packed: bool = True
+) -> str:
+    """The backend ("te" or "local") for model.attention: attention_backend.choose_attention's rules."""
+    return attention_choice(attention, dtype=dtype, sequence_parallel=sequence_parallel, packed=packed).backend
 
 
 def current_device() -> torch.device:
@@ -70,7 +60,7 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
     """TransformerConfig for a Qwen3 dense model at the current TP/PP sizes."""
     if getattr(hf_config, "use_sliding_window", False):
         raise NotImplementedError("sliding-window attention is not supported")
-    backend = resolve_attention_backend(attention)
+    backend = resolve_attention_backend(attention, dtype=params_dtype)
     on_cpu = not torch.cuda.is_available()
     fuse = backend == "te"  # jit/TE fusions; the CPU and the plain-GPU path run unfused
     kwargs = dict(
@@ -124,6 +114,20 @@ def layer_spec(backend: str):
     return spec
 
 
+def block_spec(layer, backend: str, config, vp_stage: int | None = None):
+    """The decoder block around a layer spec. Megatron picks a block's final norm when it is
+    imported: TENorm when TE imports, else Apex's FusedLayerNorm when Apex imports (it asserts
+    on RMSNorm: a container whose TE is broken but whose Apex loads), else torch's. The local spec
+    sets it to its layers' own norm (torch RMSNorm) instead, whatever imports."""
+    if backend == "te":
+        return layer  # TE imports, so Megatron's choice is TENorm, which does RMSNorm
+    if isinstance(layer, TransformerBlockSubmodules):  # already a block: fix its final norm only
+        norm = layer.layer_specs[0].submodules.input_layernorm
+        return dataclasses.replace(layer, layer_norm=norm)
+    layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=layer.submodules.input_layernorm)
+
+
 def build_gpt_model(
     hf_config,
     *,
@@ -141,7 +145,10 @@ def build_gpt_model(
     model.vocab_size is the padded vocabulary (see padded_vocab_size); the forward with
     labels=None returns this rank's vocab slice of the logits, [b, s, vocab_size / tp].
     """
-    backend = resolve_attention_backend(attention)
+    sequence_parallel = bool(config_overrides.get("sequence_parallel")) and (
+        parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
+    backend = resolve_attention_backend(attention, dtype=params_dtype, sequence_parallel=sequence_parallel)
     config = transformer_config(hf_config, params_dtype=params_dtype, attention=backend, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(vp_stage is None, vp_stage)
@@ -150,7 +157,9 @@ def build_gpt_model(
     tp = config.tensor_model_parallel_size
     model = GPTModel(
         config=config,
-        transformer_layer_spec=moe.decoder_spec(hf_config, config, backend, layer_spec(backend), vp_stage),
+        transformer_layer_spec=block_spec(
+            moe.decoder_spec(hf_config, config, backend, layer_spec(backend), vp_stage), backend, config, vp_stage
+        ),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

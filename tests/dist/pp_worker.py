@@ -54,11 +54,12 @@ def plain_batch(ids):
 
 def packing_case(model, seqs, multiple):
     """Sum of log-probs of a packed micro-batch (the trainer's THD batch, each sequence padded
-    to `multiple`; 1 = no padding, cu_seqlens_padded None) vs of each sequence alone: returns
+    to `multiple`; 1 = no padding) vs of each sequence alone: returns
     (per-sequence packed logp, per-sequence alone logp, packed grads, alone grads)."""
     batch = build_thd_batch([Sample(tokens=q.tolist(), prompt_len=1) for q in seqs], pad_multiple=multiple)
     ids, pos, labels, params = batch.tokens, batch.position_ids, batch.labels, packed_seq_params(batch)
-    assert (params.cu_seqlens_q_padded is None) == (multiple == 1)
+    assert params.cu_seqlens_q_padded is None  # the padded offsets are the boundaries (issue 22.4)
+    assert params.cu_seqlens_q.tolist() == batch.cu_seqlens_padded.tolist()
     starts = batch.cu_seqlens_padded.tolist()
     mask = torch.zeros(labels.shape)  # real next-token positions only
     for s, q in zip(starts, seqs):

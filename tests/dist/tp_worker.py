@@ -31,9 +31,9 @@ def batch_logprobs(model, ids):
 
 def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
     """Log-probs and grads of every sequence of a packed row equal the sequence run alone, for
-    ragged long-tailed lengths, with padding between sequences (pad_multiple 4: cu_seqlens_padded
-    given) and without (pad_multiple 1: cu_seqlens_padded None, what the trainer hands Megatron
-    then), through the bucketed kernel and the per-sequence loop."""
+    ragged long-tailed lengths, with padding after each sequence (pad_multiple 4, as under
+    sequence parallelism: the padded offsets are passed as cu_seqlens) and without (pad_multiple
+    1), through the bucketed kernel and the per-sequence loop."""
     seqs = common.sequences(lengths, seed=1)
     model.zero_grad(set_to_none=True)
     alone = []
@@ -49,7 +49,9 @@ def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
         os.environ[IMPL_ENV] = impl
         batch = build_thd_batch(samples, pad_multiple=multiple)
         params = packed_seq_params(batch)
-        assert (params.cu_seqlens_q_padded is None) == (multiple == 1)
+        # the padded offsets are the boundaries (padding counted in its sequence): issue 22.4
+        assert params.cu_seqlens_q_padded is None
+        assert params.cu_seqlens_q.tolist() == batch.cu_seqlens_padded.tolist()
         model.zero_grad(set_to_none=True)
         logp = token_logprobs(model(batch.tokens, batch.position_ids, None, packed_seq_params=params),
                               batch.labels, vocab_size=common.VOCAB)[0]

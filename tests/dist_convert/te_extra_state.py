@@ -84,9 +84,8 @@ def main():
         dist_checkpointing.load({"model": requested}, model_dir)
         raise AssertionError("dist_checkpointing.load accepted _extra_state keys the checkpoint lacks")
     except CheckpointException as e:  # torch DCP's; a BaseException, not an Exception
-        assert "Missing key in checkpoint state_dict: decoder.layers.self_attention.q_layernorm._extra_state" in str(
-            e
-        ), str(e)[:2000]
+        # the first missing key it names depends on the megatron-core version's key order
+        assert any(f"Missing key in checkpoint state_dict: {key}" in str(e) for key in extra), str(e)[:2000]
         if rank0:
             print(
                 f"plain dist_checkpointing.load fails: {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True
