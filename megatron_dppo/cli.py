@@ -83,6 +83,9 @@ def _train(args) -> int:
 
     cfg = load_config(args.config, args.overrides, check=False)  # fails fast, before the heavy imports
     quiet_libraries(verbose=cfg.logging.verbose)  # before torch is imported (validate imports it)
+    from megatron_dppo.distributed import set_launch_env_defaults
+
+    set_launch_env_defaults()  # CUDA_DEVICE_MAX_CONNECTIONS, the allocator: before CUDA starts
     validate(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # model dirs are local: never wait on a hub
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: stop (and save) if the launcher dies

@@ -106,7 +106,9 @@ class Trainer:
         self._load_inputs(cfg)
         self._resolve(cfg, resume, overwrite)
         pc = cfg.parallel
-        initialize_parallel(pc.tp, pc.pp, seed=cfg.trainer.seed, ep=pc.ep, etp=pc.etp)
+        initialize_parallel(
+            pc.tp, pc.pp, seed=cfg.trainer.seed, ep=pc.ep, etp=pc.etp, timeout_minutes=pc.timeout_minutes
+        )
         self._claim_run_dir(resume, overwrite)
         self._place_ranks()
         self.policy = self._build_policy()
@@ -251,6 +253,7 @@ class Trainer:
         """vLLM with dummy weights: the policy's weights are synced into it right after loading,
         so the HF files are read once, by the policy's sharded loader, not again by every engine."""
         from megatron_dppo.megatron import suspend_cpu_compat
+        from megatron_dppo.megatron.parallel import vllm_timeout_kwargs
         from megatron_dppo.rollout import RolloutEngine
 
         cfg, rc = self.cfg, self.cfg.rollout
@@ -265,6 +268,7 @@ class Trainer:
             tensor_parallel_size=cfg.parallel.rollout_tp,
             context=suspend_cpu_compat,
             load_format="dummy",
+            **vllm_timeout_kwargs(cfg.parallel.timeout_minutes),
             # log-probs of the distribution actually sampled (temperature, top-p/top-k applied): what
             # the Megatron policy's log-probs at the sampling temperature are compared with
             logprobs_mode="processed_logprobs",
@@ -664,7 +668,7 @@ class Trainer:
             )
             self.logger.message(
                 f"run dir {self.run_dir}; {self.world} process(es); "
-                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}"
+                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
             )
         if self.first_step == 1 and tc.eval_every:
             row = {"step": 0, **self.evaluate(0)}

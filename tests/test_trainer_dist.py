@@ -203,7 +203,7 @@ def test_tp2_one_engine_over_both_ranks_equals_one_process(work, tmp_path):
     assert written.keys() == converted.keys() and all(torch.equal(written[k], converted[k]) for k in written)
     loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     ids = AutoTokenizer.from_pretrained(hf).apply_chat_template([{"role": "user", "content": "12+34="}], tokenize=True)
-    ids = torch.tensor([ids["input_ids"] if isinstance(ids, dict) else ids])
+    ids = torch.tensor([ids["input_ids"] if hasattr(ids, "keys") else ids])  # transformers 5: a BatchEncoding
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     reference.load_state_dict({**reference.state_dict(), **converted}, strict=True)
     with torch.no_grad():

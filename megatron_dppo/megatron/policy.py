@@ -26,9 +26,10 @@ from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron import weights
 from megatron_dppo.megatron.attention import packed_seq_params
+from megatron_dppo.megatron.attention_backend import attention_choice
 from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
 from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
-from megatron_dppo.megatron.model import build_gpt_model, current_device, resolve_attention_backend
+from megatron_dppo.megatron.model import build_gpt_model, current_device
 from megatron_dppo.megatron.optimizer import wrap_for_training
 
 
@@ -76,9 +77,14 @@ class MegatronPolicy:
         """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
         sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
         self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
-        self.attention_backend = backend = resolve_attention_backend(attention)
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        # A pure function of (dtype, TE version, layout): e.g. local for fp32 on TE < 2.11, and a
+        # named error for an explicit `te` that cannot work (megatron/attention_backend.py).
+        self.attention = attention_choice(
+            attention, dtype=params_dtype, sequence_parallel=sequence_parallel and self.tp_size > 1
+        )
+        self.attention_backend = backend = self.attention.backend
         overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute)
         model = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
         self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
