@@ -3,6 +3,7 @@ a hanging verifier, and the tiny run's accuracy rising. Each run is a subprocess
 Megatron CPU shim and vLLM change process-wide state)."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -437,3 +438,38 @@ def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_
     for src in ("add3", "mulsteps", "all"):
         assert {f"val/val/{src}/{m}" for m in ("avg@4", "maj@4", "pass@1", "pass@2", "pass@4")} <= logged.keys()
     assert rows[3]["eval/accuracy"] == logged["val/val/all/avg@4"]
+
+
+METHOD_OVERRIDES = {  # the README's list: each method from the main job's config by overrides
+    "bppo": ["algorithm.selection=bppo", "pruning.r_o=0"],
+    "reco": ["algorithm.reweighting=reco"],
+    "adaprefix": [
+        "algorithm.curriculum=adaprefix",
+        "data.solution_key=answer",  # addition: the answer's digits as the reference (SEED_METHODS 3.4)
+        "algorithm.adaprefix.boundaries='0123456789'",
+    ],
+    "ssopd": [  # the tiny character tokenizer has no letters: a symbol for each template text
+        "algorithm.aux=ssopd",
+        "algorithm.ssopd.min_positions=1",
+        "algorithm.ssopd.solution_header='+'",
+        "algorithm.ssopd.instruction='='",
+    ],
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHOD_OVERRIDES))
+def test_each_seed_method_trains_from_the_main_config(tmp_path, method):
+    """BPPO, ReCo, AdaPrefix and SSOPD each train 3 steps of the main job with DPPO's prompt
+    pruning, and leave the trace of what makes them themselves in the metrics."""
+    run(train_cmd(tmp_path, method, "trainer.max_steps=3", "data.train_size=8", *METHOD_OVERRIDES[method]))
+    rows = metrics(tmp_path, method)
+    assert sorted(rows) == [1, 2, 3] and all(math.isfinite(r["train/loss"]) for r in rows.values())
+    steps = list(rows.values())
+    if method == "bppo":  # at most 2 of the G = 4 completions of a group train
+        assert all(r["prune/completions_kept_frac"] <= 0.5 for r in steps)
+    if method == "reco":
+        assert all(0 < r["reco/impurity_mean"] < 1 and r["reco/response_weight_mean"] <= 1 for r in steps)
+    if method == "adaprefix":  # 8 prompts, 8 a step: revisited prompts get help, withdrawn by the end
+        assert steps[1]["adaprefix/prefix_tokens_mean"] > 0 and steps[-1]["adaprefix/f_max"] == 0
+    if method == "ssopd":
+        assert sum(r["ssopd/pairs"] for r in steps) > 0 and any(r["train/aux_loss"] > 0 for r in steps)

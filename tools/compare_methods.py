@@ -166,7 +166,44 @@ METHODS = [
         "default": False,
         "overrides": {"pruning.drop_zero_variance": False},
     },
+    # The founding documents' other methods (../shared/SEED_METHODS.md; docs/algorithm.md section 6:
+    # every detail past their abstracts is ours), alone and with DPPO: run them by name with
+    # --methods SEED_METHOD_NAMES (and --docs-name results_methods). "by_task": settings of the
+    # task's data and tokenizer, keyed by the config file's name.
+    {"name": "bppo", "label": "BPPO", "default": False, "overrides": {"algorithm.selection": "bppo"}},
+    {
+        "name": "bppo-dppo-0.5",
+        "label": "BPPO + DPPO prompt pruning (0.5, 0)",
+        "default": False,
+        "overrides": {"algorithm.selection": "bppo", **_dppo(0.5, 0.0)},
+    },
+    {"name": "reco", "label": "ReCo", "default": False, "overrides": {"algorithm.reweighting": "reco"}},
+    {
+        "name": "adaprefix",
+        "label": "AdaPrefix-GRPO",
+        "default": False,
+        "overrides": {"algorithm.curriculum": "adaprefix"},
+        "by_task": {  # addition's reference is the answer's digits (SEED_METHODS.md 3.4)
+            "addition": {"data.solution_key": "answer", "algorithm.adaprefix.boundaries": "'0123456789'"},
+            "longtail": {"data.solution_key": "solution", "algorithm.adaprefix.boundaries": "','"},
+        },
+    },
+    {
+        "name": "ssopd",
+        "label": "SSOPD",
+        "default": False,
+        "overrides": {"algorithm.aux": "ssopd", "algorithm.ssopd.min_positions": 1},
+        "by_task": {"*": {"algorithm.ssopd.solution_header": "'+'", "algorithm.ssopd.instruction": "'='"}},
+    },
+    {
+        "name": "ssopd-dppo-0.5-0.5",
+        "label": "SSOPD + DPPO (0.5, 0.5)",
+        "default": False,
+        "overrides": {"algorithm.aux": "ssopd", "algorithm.ssopd.min_positions": 1, **_dppo(0.5, 0.5)},
+        "by_task": {"*": {"algorithm.ssopd.solution_header": "'+'", "algorithm.ssopd.instruction": "'='"}},
+    },
 ]
+SEED_METHOD_NAMES = "grpo,bppo,bppo-dppo-0.5,reco,adaprefix,ssopd,ssopd-dppo-0.5-0.5"
 METHOD_BY_NAME = {m["name"]: m for m in METHODS}
 BASELINE = "grpo"
 # The paper's ablation, one lever added per row: (method, what the row adds). Reported as its own
@@ -277,7 +314,9 @@ def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> lis
     for k, seed in enumerate(seeds):
         ordered = methods if k % 2 == 0 else list(reversed(methods))
         for m in ordered:
-            ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(budget)
+            by_task = m.get("by_task", {})
+            task = {**by_task.get("*", {}), **by_task.get(Path(args.config).stem, {})}
+            ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(task) + overrides_list(budget)
             if args.quick:
                 ov += overrides_list(m.get("quick", {}))
             ov += [
