@@ -17,6 +17,7 @@ Dtype = Literal["float32", "bfloat16"]
 AttentionBackend = Literal["auto", "te", "local"]
 PromptMode = Literal["raw", "chat"]
 PackingKind = Literal["window", "ffd", "padded"]
+ThdAttention = Literal["auto", "varlen", "bucketed", "loop"]  # the local path's packed-attention kernel
 WandbMode = Literal["offline", "online", "disabled"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]

@@ -32,6 +32,7 @@ from megatron_dppo.choices import (
     Recompute,
     Reweighting,
     Selection,
+    ThdAttention,
     WandbMode,
 )
 
@@ -44,6 +45,7 @@ class ModelConfig:
     # auto: Transformer Engine where it can run this model (a GPU, TE importing, not float32 on
     # TE < 2.11: megatron/attention_backend.py), else local
     attention: AttentionBackend = "auto"
+    thd_attention: ThdAttention = "auto"  # the local path's packed kernel: auto | varlen | bucketed | loop
 
 
 @dataclass

@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dppo.vocab import padded_vocab_size
+
 GiB = 1 << 30
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +51,6 @@ CUDA_OVERHEAD = 2 * GiB  # CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE work
 FRAGMENTATION = 0.10  # caching-allocator slack on the training peak (variable-size packs)
 VLLM_RUNTIME = 2 * GiB  # vLLM's profiled activation peak + CUDA graphs, inside its share
 SYNC_BUCKET = 1 * GiB  # one bucket of the Megatron -> vLLM weight sync in flight
-VOCAB_DIVISIBLE_BY = 128  # Megatron's make_vocab_size_divisible_by (model.py uses 128)
 MOE_IMBALANCE = 1.5  # tokens the busiest expert rank receives / its even share (no token dropping)
 
 
@@ -131,13 +132,6 @@ class Arch:
         return self.hf_params() - inactive * 3 * self.hidden * self.moe_ffn
 
 
-def padded_vocab(vocab: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Megatron pads the vocabulary so each TP rank gets an equal multiple of `divisible_by`
-    (same formula as megatron_dppo.megatron.model.padded_vocab_size, kept import-free here)."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
 def _stage_layers(arch: Arch, pp: int) -> dict:
     per = arch.layers // pp
     if pp == 1:
@@ -148,7 +142,7 @@ def _stage_layers(arch: Arch, pp: int) -> dict:
 def stage_params(arch: Arch, tp: int, pp: int) -> dict:
     """Parameters held by one GPU of the first and of the last pipeline stage, experts apart
     (stage_expert_params)."""
-    emb = padded_vocab(arch.vocab, tp) * arch.hidden // tp
+    emb = padded_vocab_size(arch.vocab, tp) * arch.hidden // tp
     body = {k: sum(arch.layer_params(tp, arch.is_sparse(i)) for i in r) for k, r in _stage_layers(arch, pp).items()}
     if pp == 1:
         only = body["only"] + emb + arch.hidden + (0 if arch.tied else emb)
@@ -324,7 +318,7 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
         train["all_to_all"] = (1 + MOE_IMBALANCE) * arch.experts_per_tok * arch.hidden * T * pbytes / (tp if sp else 1)
     # the model's logits + the fp32 scaled/masked copy the loss keeps (its softmax) + one
     # fp32 temporary while the next copy or the gradient is made
-    train["logits"] = T * padded_vocab(arch.vocab, tp) / tp * (pbytes + 8) if stage in ("only", "last") else 0
+    train["logits"] = T * padded_vocab_size(arch.vocab, tp) / tp * (pbytes + 8) if stage in ("only", "last") else 0
     train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
     gen = dict(resident)
     gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
@@ -407,7 +401,7 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
             dataclasses.asdict(arch),
             params=arch.hf_params(),
             active_params=arch.active_params(),
-            padded_vocab=padded_vocab(arch.vocab, tp),
+            padded_vocab=padded_vocab_size(arch.vocab, tp),
             model_type=raw.get("model_type", "?"),
         ),
         "layout": lay,

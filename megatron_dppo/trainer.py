@@ -243,6 +243,7 @@ class Trainer:
             temperature=cfg.rollout.temperature,
             params_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
             attention=cfg.model.attention,
+            thd_attention=cfg.model.thd_attention,
             with_reference=cfg.algorithm.kl_coef > 0,
             sequence_parallel=pc.sequence_parallel,
             recompute=pc.recompute,

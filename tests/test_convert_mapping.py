@@ -5,6 +5,7 @@ import torch
 from tiny_models import tiny_qwen3_model
 
 from megatron_dppo.convert import qwen3
+from megatron_dppo.vocab import padded_vocab_size
 
 
 def _hf(tied, vocab=50, seed=0):
@@ -17,7 +18,7 @@ def _hf(tied, vocab=50, seed=0):
 @pytest.mark.parametrize("te_names", [False, True])
 def test_hf_megatron_hf_is_bitwise(tied, te_names):
     cfg, sd = _hf(tied)
-    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=qwen3.padded_vocab_size(50, 128, 2), te_names=te_names)
+    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=padded_vocab_size(50, 2, 128), te_names=te_names)
     assert layout.padded_vocab == 256
     mg = qwen3.hf_to_megatron(sd, layout)
     assert mg["embedding.word_embeddings.weight"].shape == (256, 64)
@@ -41,7 +42,7 @@ def test_fused_qkv_is_grouped_per_kv_head():
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_shard_then_merge_recovers_full(tp, pp):
     cfg, sd = _hf(False)
-    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=qwen3.padded_vocab_size(50, 8, tp))
+    layout = qwen3.layout_from_hf_config(cfg, padded_vocab=padded_vocab_size(50, tp, 8))
     full = qwen3.hf_to_megatron(sd, layout)
     shards = {(t, p): qwen3.shard_for_rank(full, layout, t, tp, p, pp) for t in range(tp) for p in range(pp)}
     rebuilt = {}

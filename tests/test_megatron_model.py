@@ -303,11 +303,18 @@ def test_packed_row_rejects_a_layout_that_does_not_fit():
         PackedRow.from_cu(cu, torch.tensor([0, 9], dtype=torch.int32), 9)
 
 
-def test_thd_impl_env_var_is_checked(monkeypatch):
-    from megatron_dppo.megatron.attention import IMPL_ENV, thd_impl_from_env
+def test_thd_kernel_is_the_config_choice_fixed_at_build_time():
+    """model.thd_attention reaches every layer's attention through the layer spec (no environment
+    read per call), and a bad value is refused naming the key, by the config and by the module."""
+    from megatron_dppo.config import load_config
+    from megatron_dppo.megatron.attention import PackedDotProductAttention
+    from megatron_dppo.megatron.model import layer_spec
 
-    monkeypatch.setenv(IMPL_ENV, "loop")
-    assert thd_impl_from_env() == "loop"
-    monkeypatch.setenv(IMPL_ENV, "fast")
-    with pytest.raises(ValueError, match=f"{IMPL_ENV}='fast': expected one of"):
-        thd_impl_from_env()
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "tiny" / "addition.yaml")
+    core = layer_spec("local", "loop").submodules.self_attention.submodules.core_attention
+    assert core.module is PackedDotProductAttention and core.params == {"thd_impl": "loop"}
+    assert load_config(config, ["model.thd_attention=bucketed"]).model.thd_attention == "bucketed"
+    with pytest.raises(ValueError, match="'model.thd_attention': expected one of"):
+        load_config(config, ["model.thd_attention=fast"])
+    with pytest.raises(ValueError, match="'model.thd_attention': expected one of"):
+        PackedDotProductAttention.__init__(object.__new__(PackedDotProductAttention), thd_impl="fast")

@@ -17,9 +17,9 @@ from megatron_dppo.plan import (
     layout_choices,
     load_hf_config,
     memory_plan,
-    padded_vocab,
     plan_main,
 )
+from megatron_dppo.vocab import padded_vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "model"
@@ -75,7 +75,7 @@ def test_weight_bytes_equal_the_real_model_plus_vocab_padding(tmp_path, tied, dt
     model = Qwen3ForCausalLM(Qwen3Config(**d)).to(getattr(torch, dtype))
     hf_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # ties counted once
     plan = memory_plan(cfg)
-    pad_rows = padded_vocab(d["vocab_size"], 1) - d["vocab_size"]  # 21 -> 128
+    pad_rows = padded_vocab_size(d["vocab_size"], 1) - d["vocab_size"]  # 21 -> 128
     assert pad_rows == 107
     extra = pad_rows * d["hidden_size"] * (1 if tied else 2) * nbytes
     assert plan["stages"]["only"]["train"]["weights"] == hf_bytes + extra
@@ -109,7 +109,7 @@ def test_tp_pp_shards_add_up():
     one = stage_params(arch, 1, 1)["only"]
     split = stage_params(arch, 4, 2)
     replicated = arch.layers * (2 * arch.hidden + 2 * arch.head_dim) + arch.hidden  # norms on every TP rank
-    vocab_pad = (padded_vocab(arch.vocab, 4) - padded_vocab(arch.vocab, 1)) * arch.hidden * 2
+    vocab_pad = (padded_vocab_size(arch.vocab, 4) - padded_vocab_size(arch.vocab, 1)) * arch.hidden * 2
     assert 4 * (split["first"] + split["last"]) == one + 3 * replicated + vocab_pad
 
 

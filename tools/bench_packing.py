@@ -27,7 +27,7 @@ Sections:
   trainer    `megatron-dppo train` through the CLI, interleaved, same seed: time/train per step
              (runs/<name>/metrics.jsonl, first step dropped) with trainer.packing=window vs
              padded, and window packing with the per-sequence loop attention (the code before
-             the buckets: MEGATRON_DPPO_THD_ATTENTION=loop) vs the default, on the addition and
+             the buckets: model.thd_attention=loop) vs the default, on the addition and
              the long-tailed task.
 """
 
@@ -372,7 +372,7 @@ def section_trainer(args) -> dict:
     variants = {  # name -> (config overrides, environment)
         "window": (["trainer.packing=window"], {}),
         "padded": (["trainer.packing=padded"], {}),
-        "window+loop-attention": (["trainer.packing=window"], {"MEGATRON_DPPO_THD_ATTENTION": "loop"}),
+        "window+loop-attention": (["trainer.packing=window", "model.thd_attention=loop"], {}),
     }
     print(
         f"\n== trainer: {args.trainer_steps} steps a run (step 1 dropped), {args.rounds} interleaved "

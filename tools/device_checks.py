@@ -308,7 +308,7 @@ def _thd_impl(device, dtype, head_dim) -> str:
             varlen_importable=attention.varlen_attn is not None,
             flash_usable=device.type == "cuda" and attention._flash_usable(device.index or 0),
         )
-        return attention.choose_thd_impl(attention.thd_impl_from_env(), **facts)
+        return attention.choose_thd_impl("auto", **facts)
     except (ImportError, AttributeError, TypeError) as e:  # another version of attention.py
         return f"unknown ({type(e).__name__})"
 

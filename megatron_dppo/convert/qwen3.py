@@ -70,12 +70,6 @@ class Qwen3Layout:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
 
-def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron pads the vocab to a multiple of make_vocab_size_divisible_by * TP."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
 def load_hf_config(path: str):
     """A transformers config from a config.json file (hf_config.json in our checkpoints).
     ValueError naming the file for one that is not JSON or has no known model_type."""

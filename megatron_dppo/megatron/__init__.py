@@ -9,13 +9,14 @@ logprobs    vocab-parallel per-token log-probs and entropy
 
 from megatron_dppo.megatron.cpu_compat import enable_cpu_compat, suspend_cpu_compat
 from megatron_dppo.megatron.logprobs import token_logprobs, token_logprobs_and_entropy
-from megatron_dppo.megatron.model import build_gpt_model, padded_vocab_size
+from megatron_dppo.megatron.model import build_gpt_model
 from megatron_dppo.megatron.parallel import (
     data_parallel_rank_and_size,
     destroy_parallel,
     initialize_parallel,
     validate_layout,
 )
+from megatron_dppo.vocab import padded_vocab_size
 
 __all__ = [
     "enable_cpu_compat",

@@ -35,8 +35,9 @@ Three implementations of the packed forward, chosen per call by `choose_thd_impl
               so real tokens are exact, backward included.
   "loop"      one SDPA per sequence: the reference the other two are tested against and the
               benchmark baseline (tools/bench_packing.py). Not chosen by "auto".
-The environment variable MEGATRON_DPPO_THD_ATTENTION (auto | varlen | bucketed | loop) forces
-one, e.g. to compare them side by side through the CLI.
+The config key model.thd_attention (auto | varlen | bucketed | loop) forces one, e.g. to compare
+them side by side through the CLI; it is fixed when the model is built (`PackedDotProductAttention(
+thd_impl=...)`), and only the facts of a call (device, dtype, dropout) are read per call.
 
 `packed_seq_params(batch)` turns a packed ThdBatch (megatron_dppo.packing) into Megatron's
 PackedSeqParams, with each sequence's padding counted as part of it (see there: exact, and TE
@@ -48,8 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from contextlib import nullcontext
+from typing import get_args
 
 import numpy as np
 import torch
@@ -58,26 +59,20 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megatron_dppo.choices import ThdAttention
+
 try:  # torch >= 2.10 (flash-attention varlen); absent or unusable on older builds
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
 
-THD_IMPLS = ("auto", "varlen", "bucketed", "loop")
-IMPL_ENV = "MEGATRON_DPPO_THD_ATTENTION"
+THD_IMPLS = get_args(ThdAttention)
 
 # Fixed cost of one bucket (a batched SDPA call with its gather, forward + backward), in units
 # of one causal query-key pair times one head-dimension: ~80 us on the 2-core development CPU,
 # which is what ~2000 causal pairs cost at 4 heads x 32 dims (docs/packing.md). Dividing by
 # heads * head_dim gives it in pairs: wide models make padding dearer, so they bucket finer.
 BUCKET_CALL_COST = 2000 * 4 * 32
-
-
-def thd_impl_from_env() -> str:
-    value = os.environ.get(IMPL_ENV, "auto")
-    if value not in THD_IMPLS:
-        raise ValueError(f"environment variable {IMPL_ENV}={value!r}: expected one of {', '.join(THD_IMPLS)}")
-    return value
 
 
 # ---------------------------------------------------------------------------------- dispatch
@@ -119,7 +114,7 @@ def choose_thd_impl(requested: str, **facts) -> str:
         return requested
     blocker = varlen_blocker(**facts)
     if requested == "varlen" and blocker:
-        raise ValueError(f"{IMPL_ENV}=varlen cannot run here: {blocker}")
+        raise ValueError(f"model.thd_attention=varlen cannot run here: {blocker}")
     return "varlen" if blocker is None else "bucketed"
 
 
@@ -409,7 +404,14 @@ def varlen_attention(query, key, value, row: PackedRow, *, scale):
 
 
 class PackedDotProductAttention(DotProductAttention):
-    """DotProductAttention whose forward also accepts packed_seq_params (qkv_format 'thd')."""
+    """DotProductAttention whose forward also accepts packed_seq_params (qkv_format 'thd').
+    thd_impl: model.thd_attention, given by the layer spec's params when the model is built."""
+
+    def __init__(self, *args, thd_impl: str = "auto", **kwargs):
+        if thd_impl not in THD_IMPLS:
+            raise ValueError(f"config key 'model.thd_attention': expected one of {THD_IMPLS}, got {thd_impl!r}")
+        super().__init__(*args, **kwargs)
+        self.thd_impl = thd_impl
 
     def forward(
         self,
@@ -430,7 +432,7 @@ class PackedDotProductAttention(DotProductAttention):
                 return self._forward_bshd(query, key, value, attention_mask, dropout_p)
             assert packed_seq_params.qkv_format == "thd", packed_seq_params.qkv_format
             row = _row_of(packed_seq_params, query.size(0))
-            impl = choose_thd_impl(thd_impl_from_env(), **_call_facts(query, dropout_p))
+            impl = choose_thd_impl(self.thd_impl, **_call_facts(query, dropout_p))
             if impl == "varlen":
                 return varlen_attention(query, key, value, row, scale=self.softmax_scale)
             kernel = bucketed_attention if impl == "bucketed" else loop_attention

@@ -63,8 +63,9 @@ from megatron_dppo.megatron.checkpoint import (  # also installs the safe metada
     check_checkpoint,
     latest_checkpoint,
 )
-from megatron_dppo.megatron.model import build_gpt_model, module_device, padded_vocab_size
+from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.megatron.parallel import validate_layout
+from megatron_dppo.vocab import padded_vocab_size
 
 MODEL_DIR = "model_optim"
 HF_CONFIG = "hf_config.json"

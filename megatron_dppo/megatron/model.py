@@ -18,11 +18,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_dppo.megatron import moe
 from megatron_dppo.megatron.attention import PackedDotProductAttention
 from megatron_dppo.megatron.attention_backend import attention_choice
+from megatron_dppo.vocab import VOCAB_DIVISIBLE_BY, padded_vocab_size
 
 
 def resolve_attention_backend(
@@ -40,13 +42,6 @@ def current_device() -> torch.device:
 def module_device(module: torch.nn.Module) -> torch.device:
     """Where a model's parameters live: the device its inputs must be moved to."""
     return next(module.parameters()).device
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: each TP rank holds an equal slice whose size is a multiple of
-    `divisible_by`. Rows >= vocab_size are padding (mask them in log-probs: logprobs.py)."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def _rope_theta(hf_config) -> float:
@@ -102,7 +97,9 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(backend: str):
+def layer_spec(backend: str, thd_attention: str = "auto"):
+    """One decoder layer's spec. thd_attention: the local path's packed-attention kernel
+    (model.thd_attention: megatron/attention.py), fixed here when the model is built."""
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -110,7 +107,9 @@ def layer_spec(backend: str):
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=PackedDotProductAttention, params={"thd_impl": thd_attention}
+    )
     return spec
 
 
@@ -136,7 +135,8 @@ def build_gpt_model(
     vp_stage: int | None = None,
     params_dtype=torch.float32,
     attention: str = "auto",
-    make_vocab_size_divisible_by: int = 128,
+    thd_attention: str = "auto",
+    make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY,
     **config_overrides,
 ) -> GPTModel:
     """This rank's stage of a Qwen3 GPTModel (parallel state must be initialised).
@@ -158,7 +158,10 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            moe.decoder_spec(hf_config, config, backend, layer_spec(backend), vp_stage), backend, config, vp_stage
+            moe.decoder_spec(hf_config, config, backend, layer_spec(backend, thd_attention), vp_stage),
+            backend,
+            config,
+            vp_stage,
         ),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp, make_vocab_size_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,

@@ -69,6 +69,7 @@ class MegatronPolicy:
         temperature: float = 1.0,
         params_dtype=torch.float32,
         attention: str = "auto",
+        thd_attention: str = "auto",
         with_reference: bool = False,
         sequence_parallel: bool = False,
         recompute: str = "none",
@@ -86,7 +87,8 @@ class MegatronPolicy:
         )
         self.attention_backend = backend = self.attention.backend
         overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute)
-        model = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+        build = dict(params_dtype=params_dtype, attention=backend, thd_attention=thd_attention, **overrides)
+        model = build_gpt_model(hf_config, **build)
         self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
         self.vocab_size = hf_config.vocab_size
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
@@ -96,7 +98,7 @@ class MegatronPolicy:
         )
         self.reference = None
         if with_reference:
-            self.reference = build_gpt_model(hf_config, params_dtype=params_dtype, attention=backend, **overrides)
+            self.reference = build_gpt_model(hf_config, **build)
             self.reference.requires_grad_(False)
             self.reference.eval()
 

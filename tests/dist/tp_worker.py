@@ -15,7 +15,7 @@ from megatron_dppo.megatron import (
     build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
     token_logprobs_and_entropy,
 )
-from megatron_dppo.megatron.attention import IMPL_ENV, packed_seq_params
+from megatron_dppo.megatron.attention import PackedDotProductAttention, packed_seq_params
 from megatron_dppo.packing import Sample, build_thd_batch
 
 SEED = 1234
@@ -46,7 +46,9 @@ def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
 
     samples = [Sample(tokens=s.tolist(), prompt_len=1) for s in seqs]
     for multiple, impl in itertools.product((4, 1), ("bucketed", "loop")):
-        os.environ[IMPL_ENV] = impl
+        for module in model.modules():  # model.thd_attention, as the layer spec would have set it
+            if isinstance(module, PackedDotProductAttention):
+                module.thd_impl = impl
         batch = build_thd_batch(samples, pad_multiple=multiple)
         params = packed_seq_params(batch)
         # the padded offsets are the boundaries (padding counted in its sequence): issue 22.4
@@ -62,7 +64,6 @@ def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
         gerr = common.max_diff(common.full_grads(model), grads_alone)
         common.log(f"packing (pad_multiple {multiple}, {impl}): logp err {err:.2e}, grad err {gerr:.2e}")
         assert err < TOL and gerr < TOL, (multiple, impl, err, gerr)
-    del os.environ[IMPL_ENV]
 
 
 def main():
