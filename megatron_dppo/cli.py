@@ -143,6 +143,7 @@ def _run_reporting_errors(func, args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # Long because it is the subcommands' argparse declarations, one statement per flag.
     parser = argparse.ArgumentParser(prog="megatron-dppo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

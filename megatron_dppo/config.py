@@ -299,7 +299,8 @@ def _apply(obj, data: dict, prefix: str = "") -> None:
 
 def validate(cfg: Config) -> Config:
     """Every check that needs only the config itself, each naming its key(s). Checks that need the
-    model or the world size are in `check_layout` and `resolve`."""
+    model or the world size are in `check_layout` and `resolve`. (Long because it is one table,
+    a row per key, kept together so that every key's rule is found in one place.)"""
     from megatron_dppo.algorithms.pruning import STRATEGIES  # the strategy registry
 
     c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim

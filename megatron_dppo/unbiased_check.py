@@ -32,6 +32,7 @@ import torch
 from megatron_dppo.algorithms import batch, losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
+from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.algorithms.pruning import _drop_uniformly, drop_zero_variance_groups, get_strategy
 from megatron_dppo.rollout.records import Group
 
@@ -122,8 +123,9 @@ def _synthetic_step(cfg: CheckConfig, gen: torch.Generator, num_prompts: int | N
     return rewards, stats, lengths
 
 
-def _token_loss_jacobian(cfg, adv, lengths, gen):
-    """J [T, D]: d loss_t / d theta for every completion token of the full batch."""
+def _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=None):
+    """J [T, D]: d loss_t / d theta for every completion token of the full batch. reco_scale [T]:
+    ReCo's per-token loss -A c_t log pi (with that fixed c) in place of the clipped surrogate."""
     B, G = adv.shape
     seq_len = lengths.flatten()
     S = seq_len.numel()
@@ -136,6 +138,10 @@ def _token_loss_jacobian(cfg, adv, lengths, gen):
     tok_adv = adv.flatten().double()[seq_index]
 
     def token_loss(theta):
+        if reco_scale is not None:
+            logp = phi @ theta
+            loss, _ = reco.surrogate(logp, old_logp, tok_adv, reco_scale, clip_low=0.2, clip_high=0.28)
+            return loss.double() + cfg.kl_coef * losses.kl_penalty(logp, ref_logp)
         loss, _ = losses.policy_loss(
             phi @ theta,
             old_logp,

@@ -127,26 +127,9 @@ def _setting(cfg: CheckConfig, gen):
     J = J_grpo
     if cfg.method == "reco":
         scale = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
-        J = _reco_jacobian(cfg, adv, seq_index, scale, gen)
+        J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=scale)[0]
     aux = torch.randn(B, J.shape[1], generator=gen, dtype=torch.float64) / math.sqrt(J.shape[1])
     return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux
-
-
-def _reco_jacobian(cfg, adv, seq_index, scale, gen):
-    """J [T, D] of ReCo's per-token loss (reco.surrogate, + KL) at theta0 on a linear policy."""
-    T = seq_index.numel()
-    phi = torch.randn(T, cfg.dim, generator=gen, dtype=torch.float64) / math.sqrt(cfg.dim)
-    theta0 = torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
-    old = phi @ theta0 + cfg.ratio_noise * torch.randn(T, generator=gen, dtype=torch.float64)
-    ref = phi @ theta0 + 0.5 * torch.randn(T, generator=gen, dtype=torch.float64)
-    tok_adv = adv.flatten().double()[seq_index]
-
-    def token_loss(theta):
-        logp = phi @ theta
-        loss, _ = reco.surrogate(logp, old, tok_adv, scale, clip_low=0.2, clip_high=0.28)
-        return loss.double() + cfg.kl_coef * losses.kl_penalty(logp, ref)
-
-    return torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
 
 
 def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len):

@@ -262,7 +262,9 @@ def hf_to_megatron_checkpoint(
 ) -> dict:
     """Write a Megatron dist checkpoint of the HF model in hf_dir, streamed. Returns a summary.
     All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir).
-    The files do not depend on ep (each expert is a chunk of its own): ep is checked, and recorded."""
+    The files do not depend on ep (each expert is a chunk of its own): ep is checked, and recorded.
+    (One procedure, long on purpose: the tensors stream in file order through one writer, and the
+    order of its steps is the memory bound; split into helpers it would hide that order.)"""
     hf, hf_config, layout = check_hf_source(hf_dir, tp, pp, ep)
     check_output_dir(out_dir)
     padded = layout.padded_vocab
@@ -410,7 +412,8 @@ def megatron_to_hf_checkpoint(
     log=print,
 ) -> dict:
     """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint.
-    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir)."""
+    All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir).
+    (Long for the same reason as hf_to_megatron_checkpoint: one streamed pass in file order.)"""
     ckpt = resolve_checkpoint_dir(megatron_dir)
     check_output_dir(out_dir)
     model_dir = os.path.join(ckpt, MODEL_DIR)
