@@ -1,0 +1,115 @@
+"""The vLLM engine's start-up per rank: reading the HF checkpoint itself vs dummy weights + the sync.
+
+    python tools/bench_engine_start.py [--config examples/qwen3_configs/0.6B/config.json] [--workdir DIR]
+
+Issue 22 item 7: the trainer used to start every engine with load_format="auto", so each rank read
+the whole HF checkpoint although its policy already held the weights and synced them right after
+(about 32 x 65 GB of reads for the 32B example). It now starts vLLM with dummy weights and syncs.
+This tool writes a random-weight model of the given architecture (bf16, index-sharded safetensors,
+the tiny tokenizer beside it) once under --workdir, then in a fresh process per mode measures:
+  auto   LLM(load_format="auto"): vLLM reads the checkpoint (the old start-up)
+  dummy  LLM(load_format="dummy") + load_weights(the same tensors in 1 GB buckets): the new one,
+         the buckets read here from the files as the policy's sync would stream them
+the seconds to a ready engine and the process's peak RSS (VmHWM), and the checkpoint bytes vLLM
+itself read (auto: all of them; dummy: none, the policy's sharded loader reads them once anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _vm_hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_model(config_path: Path, out: Path) -> int:
+    """A random-weight HF model dir of that architecture (bf16 shards); returns its weight bytes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "model.safetensors.index.json").exists():
+        return json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    cfg = AutoConfig.from_pretrained(config_path.parent)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out, max_shard_size="300MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "examples" / "tiny" / "model" / name, out / name)
+    return json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+
+
+def worker(model_dir: str, mode: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(REPO))
+    import torch.distributed as dist
+
+    from megatron_dppo.convert.hf_io import HFCheckpoint
+    from megatron_dppo.rollout import RolloutEngine
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    t0 = time.perf_counter()
+    engine = RolloutEngine(
+        model_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, load_format=mode
+    )
+    if mode == "dummy":  # the sync: every tensor, in buckets of about 1 GB
+        ckpt = HFCheckpoint(model_dir)
+        bucket, size = [], 0
+        for name in sorted(ckpt.weight_map):
+            t = ckpt.get(name)
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= 1 << 30:
+                engine.load_weights([bucket])
+                bucket, size = [], 0
+        if bucket:
+            engine.load_weights([bucket])
+    seconds = time.perf_counter() - t0
+    engine.generate([[1, 4, 5]], n=1, max_new_tokens=2, temperature=0.0)  # the engine works
+    print(json.dumps({"mode": mode, "seconds": seconds, "peak_rss_mib": _vm_hwm_mib()}), flush=True)
+    engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(REPO / "examples" / "qwen3_configs" / "0.6B" / "config.json"))
+    ap.add_argument("--workdir", default="/tmp/bench_engine_start")
+    ap.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "MODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+    model_dir = Path(args.workdir) / Path(args.config).parent.name
+    weights = make_model(Path(args.config), model_dir)
+    print(f"{model_dir}: {weights / 2**30:.2f} GiB of bf16 weights")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="2")
+    for mode in ("auto", "dummy"):
+        res = subprocess.run(
+            [sys.executable, __file__, "--worker", str(model_dir), mode], env=env, capture_output=True, text=True
+        )
+        rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+        if res.returncode or not rows:
+            print(f"{mode}: failed ({res.returncode}): {res.stderr[-800:]}")
+            continue
+        r = rows[-1]
+        read = weights if mode == "auto" else 0
+        print(
+            f"{mode:5s}  ready in {r['seconds']:6.1f} s  peak RSS {r['peak_rss_mib'] / 1024:5.2f} GiB  "
+            f"checkpoint bytes read by vLLM {read / 2**30:.2f} GiB"
+        )
+
+
+if __name__ == "__main__":
+    main()
