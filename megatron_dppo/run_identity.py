@@ -11,8 +11,8 @@ change on resume.
 
 The model is identified without reading its weights: config.json's architecture fields, a hash
 of the tokenizer files, and a fingerprint of the safetensors files (their headers, sizes and 64 KiB
-read at 8 places in each: two different fine-tunes of one architecture differ there with
-certainty, and it costs milliseconds for a 32B model). The path itself may change (a copy, a
+read at 8 places in each, the first and the last bytes included: a fine-tune changes every
+tensor, so two of one architecture differ there; it costs milliseconds for a 32B model). The path itself may change (a copy, a
 moved dir) as long as all three match.
 """
 
@@ -82,8 +82,8 @@ def weights_fingerprint(hf_dir: str) -> str:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0
             parts.append(f.read(min(n, size)))
-            for k in range(_SAMPLES):
-                f.seek((8 + n) + (size - 8 - n) * k // _SAMPLES)
+            for k in range(_SAMPLES):  # from the first tensor's bytes to the file's last ones
+                f.seek(max(8 + n, (8 + n) + (size - 8 - n - _SAMPLE_BYTES) * k // (_SAMPLES - 1)))
                 parts.append(f.read(_SAMPLE_BYTES))
     return _sha(parts)
 

@@ -7,7 +7,7 @@ would give up after its timeout without naming the rank that stopped). Here:
 
   * the main thread marks progress, `watchdog.phase("rollout", step)`, a few attribute writes;
   * a daemon thread per rank publishes a heartbeat (phase, step, time of the last progress, time
-    of the beat) every few seconds under a key of its own in torch.distributed's c10d store, the
+    of the beat) every few seconds and at each phase change, under a key of its own in torch.distributed's c10d store, the
     store every rank of the job already reaches (across nodes too), through a clone of its
     client (its own connection: a main thread blocked in a store call cannot block the beats);
   * another daemon thread checks the rank's own progress: once none was marked for the timeout,
@@ -136,6 +136,7 @@ class StallWatchdog:
         self.longest = (0.0, "start", None)  # (seconds, phase, step) of the longest phase so far
         self._warned = False
         self._stop = threading.Event()
+        self._changed = threading.Event()
         self._threads: list[threading.Thread] = []
 
     # ---- the main thread's side -------------------------------------------------------------------
@@ -148,6 +149,7 @@ class StallWatchdog:
         self._phase, self._step = name, step
         self._phase_started = self._progress_mono = now
         self._progress_wall = time.time()
+        self._changed.set()  # the heartbeat thread publishes it now (no store call on this thread)
 
     def timing_line(self) -> str:
         took, phase, step = self.longest
@@ -180,6 +182,7 @@ class StallWatchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._changed.set()
         for t in self._threads:
             t.join(timeout=2 * self.beat_s + 1)
         self._threads = []
@@ -195,12 +198,14 @@ class StallWatchdog:
         }
 
     def _beat_loop(self) -> None:
+        """A beat every beat_s, and one right after each phase change."""
         while self.store is not None and not self._stop.is_set():
+            self._changed.clear()
             try:
                 self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
             except Exception:  # noqa: BLE001 - a store that went away: the checker still runs
                 pass
-            self._stop.wait(self.beat_s)
+            self._changed.wait(self.beat_s)
 
     def _check_loop(self) -> None:
         while not self._stop.wait(min(self.beat_s, 1.0)):

@@ -316,7 +316,8 @@ def save_checkpoint(
 
 def _disk_full_error(e: BaseException | None, depth: int = 0) -> OSError | None:
     """The ENOSPC OSError inside e: e itself, its cause/context chain, or a CheckpointException's
-    per-rank failures."""
+    per-rank failures. Those cross ranks pickled, which drops the chain: a failure whose text
+    carries "[Errno 28]" (Megatron's "Worker failure: [Errno 28] ...") counts too."""
     if e is None or depth > 8:
         return None
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
@@ -326,6 +327,8 @@ def _disk_full_error(e: BaseException | None, depth: int = 0) -> OSError | None:
         found = _disk_full_error(sub, depth + 1)
         if found is not None:
             return found
+    if not isinstance(e, CheckpointException) and f"[Errno {errno.ENOSPC}]" in str(e):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return None
 
 
