@@ -34,22 +34,13 @@ def config_warnings(cfg) -> list[str]:
     what = {"r_q": "prunes no prompts", "r_o": "prunes no completions"}
     for key in ("r_q", "r_o"):
         value = getattr(p, key)
-        if value > 0 and not _uses(STRATEGIES[p.strategy](), key):
-            others = sorted(n for n, make in STRATEGIES.items() if _uses(make(), key))
+        if value > 0 and key not in STRATEGIES[p.strategy]().ratios:
+            others = sorted(n for n, make in STRATEGIES.items() if key in make().ratios)
             out.append(
                 f"warning: pruning.{key}={value:g} is ignored: pruning.strategy={p.strategy} {what[key]} "
                 f"(strategies that use pruning.{key}: {', '.join(others)})"
             )
     return out
-
-
-def _uses(strategy, key: str) -> bool:
-    """Does the strategy read pruning.r_q (prompts) / pruning.r_o (completions)? Those that do override
-    the pruning step that takes the ratio."""
-    from megatron_dppo.algorithms.pruning import PruningStrategy
-
-    method = "prune_prompts" if key == "r_q" else "prune_completions"
-    return getattr(type(strategy), method) is not getattr(PruningStrategy, method)
 
 
 def load_tokenizer(hf_dir: str):

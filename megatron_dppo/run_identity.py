@@ -12,8 +12,8 @@ change on resume.
 The model is identified without reading its weights: config.json's architecture fields, a hash
 of the tokenizer files, and a fingerprint of the safetensors files (their headers, sizes and 64 KiB
 read at 8 places in each, the first and the last bytes included: a fine-tune changes every
-tensor, so two of one architecture differ there; it costs milliseconds for a 32B model). The path itself may change (a copy, a
-moved dir) as long as all three match.
+tensor, so two of one architecture differ there; it costs milliseconds for a 32B model). The
+path itself may change (a copy, a moved dir) as long as all three match.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ would give up after its timeout without naming the rank that stopped). Here:
 
   * the main thread marks progress, `watchdog.phase("rollout", step)`, a few attribute writes;
   * a daemon thread per rank publishes a heartbeat (phase, step, time of the last progress, time
-    of the beat) every few seconds and at each phase change, under a key of its own in torch.distributed's c10d store, the
-    store every rank of the job already reaches (across nodes too), through a clone of its
-    client (its own connection: a main thread blocked in a store call cannot block the beats);
+    of the beat) every few seconds and at each phase change, under a key of its own in
+    torch.distributed's c10d store, the store every rank of the job already reaches (across
+    nodes too), through a clone of its client (its own connection: a main thread blocked in a
+    store call cannot block the beats);
   * another daemon thread checks the rank's own progress: once none was marked for the timeout,
     it reads the other ranks' heartbeats, prints one line per group of ranks (those whose beats
     stopped, i.e. stopped, dead or hung with the GIL held, first; then those stuck in a phase;
