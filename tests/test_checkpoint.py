@@ -365,3 +365,12 @@ def test_checkpoint_exception_from_any_rank_becomes_one_line():
     )
     e = _load_error(CheckpointException("x", {1: (ValueError("it broke. details\nmore"), None)}), "/c/m")
     assert str(e) == "/c/m: cannot load into this model (ValueError: it broke)"
+
+
+def test_checkpoint_bytes_is_what_the_save_wrote(saved_run):
+    """The save's size the trainer logs (its cost, to weigh trainer.save_every_minutes against)."""
+    from megatron_dppo.megatron.checkpoint import checkpoint_bytes
+
+    step = saved_run["root"] / "step_1000000"
+    on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert checkpoint_bytes(str(step)) == on_disk > 0

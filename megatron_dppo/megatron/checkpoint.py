@@ -379,6 +379,14 @@ def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extr
     return final
 
 
+def checkpoint_bytes(path: str) -> int:
+    """The size of a saved checkpoint dir (its manifest's files, or a walk without one)."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.exists(manifest):
+        return sum(_read_json(manifest, "checkpoint manifest").get("files", {}).values())
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names)
+
+
 def _write_manifest(ckpt: str) -> None:
     files = {}
     for dirpath, _, names in os.walk(ckpt):
