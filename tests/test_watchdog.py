@@ -122,19 +122,9 @@ def test_longest_phase_is_logged_and_a_thin_margin_warned():
 
 @pytest.mark.parametrize("cuda, expected", [(False, 600.0), (True, 1800.0)])
 def test_stall_timeout_default_depends_on_the_device(cuda, expected):
+    from test_config import FACTS, TINY
+
     from megatron_dppo.config import load_config, resolve
 
-    cfg = load_config("examples/tiny/addition.yaml")
-    resolve(
-        cfg,
-        world_size=1,
-        local_world_size=1,
-        num_heads=4,
-        num_kv_heads=2,
-        num_layers=3,
-        ffn_hidden_size=512,
-        num_train_records=10,
-        cuda=cuda,
-        threads=1,
-    )
+    cfg = resolve(load_config(TINY), **dict(FACTS, cuda=cuda))
     assert cfg.trainer.stall_timeout_s == expected
