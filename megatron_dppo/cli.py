@@ -77,6 +77,22 @@ def _verify_methods(args, strategies, aggs) -> int:
     return 0 if ok else 1
 
 
+def _at_least(low, kind=int):
+    """An argparse type: a number of `kind` >= low; anything else is argparse's one-line usage error."""
+    what = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low:g}, got {text}")
+        return value
+
+    return parse
+
+
 def _train(args) -> int:
     from megatron_dppo.config import load_config, validate
     from megatron_dppo.quiet import quiet_libraries
@@ -193,23 +209,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="loss aggregation (repeatable; default seq-mean-token-mean)",
     )
     v.add_argument("--all-aggs", action="store_true", help="check every loss aggregation")
-    v.add_argument("--num-prompts", "-B", type=int, default=16)
-    v.add_argument("--group-size", "-G", type=int, default=8)
+    v.add_argument("--num-prompts", "-B", type=_at_least(2), default=16)
+    v.add_argument("--group-size", "-G", type=_at_least(2), default=8)
     v.add_argument("--r-q", type=float, default=0.5, help="prompt pruning ratio")
     v.add_argument("--r-o", type=float, default=0.5, help="completion pruning ratio")
     v.add_argument("--advantage", choices=get_args(AdvantageKind), default="grpo")
     v.add_argument(
         "--ratio-type", choices=get_args(RatioType), default="token", help="token: GRPO/DAPO ratio; sequence: GSPO"
     )
-    v.add_argument("--kl-coef", type=float, default=0.0)
-    v.add_argument("--draws", type=int, default=4000, help="Monte Carlo mask draws")
+    v.add_argument("--kl-coef", type=_at_least(0.0, float), default=0.0)
+    v.add_argument("--draws", type=_at_least(2), default=4000, help="Monte Carlo mask draws")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument(
         "--dynamic-sampling",
         action="store_true",
         help="DAPO + pruning: refill rounds by weight against unpruned DAPO on a synthetic stream",
     )
-    v.add_argument("--max-resample-rounds", type=int, default=3, help="dynamic sampling: rounds after the first")
+    v.add_argument(
+        "--max-resample-rounds", type=_at_least(0), default=3, help="dynamic sampling: rounds after the first"
+    )
     v.add_argument(
         "--refill-by",
         choices=["weight", "count"],

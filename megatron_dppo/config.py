@@ -201,9 +201,16 @@ class TrainerConfig:
     pack_window: int = 16
     eval_every: int = 10  # 0 = no evaluation
     eval_size: int = 200
-    save_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM)
+    save_every: int = 50  # steps between checkpoints (and one at the end, and on SIGTERM); 0 = by time only
+    # Minutes between checkpoints, whichever of this and save_every comes first; 0 = by steps only.
+    # Bounds what a hard kill (kill -9, a lost node) loses to about this long plus one step.
+    save_every_minutes: float = 10.0
     save_hf_every: int = 0  # steps between HF model dirs written to <run dir>/hf/step_N/ (and one at the end); 0 = none
     keep_checkpoints: int = 2
+    # Seconds a rank may make no progress (in a step's phase or a collective) before the stall
+    # watchdog names the rank and phase it waits on and ends the job (exit 124); 0 = no watchdog.
+    # Resolved: 600 on CPU, 1800 on GPUs (megatron_dppo/watchdog.py says why).
+    stall_timeout_s: float | None = None
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
 
 
@@ -302,6 +309,7 @@ def validate(cfg: Config) -> Config:
     model or the world size are in `check_layout` and `resolve`. (Long because it is one table,
     a row per key, kept together so that every key's rule is found in one place.)"""
     from megatron_dppo.algorithms.pruning import STRATEGIES  # the strategy registry
+    from megatron_dppo.run_dir import run_name_problem
 
     c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim
     checks = [
@@ -373,9 +381,17 @@ def validate(cfg: Config) -> Config:
         ("trainer.pack_window", t.pack_window >= 1, "an integer >= 1"),
         ("trainer.eval_every", t.eval_every >= 0, "an integer >= 0 (0 = no evaluation)"),
         ("trainer.eval_size", t.eval_size >= 1, "an integer >= 1"),
-        ("trainer.save_every", t.save_every >= 0, "an integer >= 0 (0 = only at the end and on SIGTERM)"),
+        ("trainer.save_every", t.save_every >= 0, "an integer >= 0 (0 = by time only)"),
+        ("trainer.save_every_minutes", t.save_every_minutes >= 0, "a number of minutes >= 0 (0 = by steps only)"),
         ("trainer.save_hf_every", t.save_hf_every >= 0, "an integer >= 0 (0 = no HF model dirs)"),
         ("trainer.keep_checkpoints", t.keep_checkpoints >= 1, "an integer >= 1"),
+        (
+            "trainer.stall_timeout_s",
+            t.stall_timeout_s is None or t.stall_timeout_s == 0 or t.stall_timeout_s >= 1,
+            "a number of seconds >= 1, or 0 for no stall watchdog",
+        ),
+        ("trainer.run_name", run_name_problem(t.run_name) is None, "one plain directory name (no '/', not . or ..)"),
+        ("trainer.output_dir", bool(t.output_dir), "a directory path (the run dir is <output_dir>/<run_name>)"),
         ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
         ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
@@ -594,6 +610,8 @@ def resolve(
         cfg.optim.decay_steps = t.max_steps * t.minibatches_per_step * t.epochs_per_step
     if cfg.trainer.threads == 0:
         cfg.trainer.threads = threads
+    if cfg.trainer.stall_timeout_s is None:  # the longest healthy phase is minutes on GPUs (watchdog.py)
+        cfg.trainer.stall_timeout_s = 1800.0 if cuda else 600.0
     return cfg
 
 

@@ -150,6 +150,7 @@ def _corrupt_copy(src, dst, how):
         "missing rng": lambda: (dst / "rng" / "rank_0.safetensors").unlink(),
         "missing manifest": lambda: (dst / "manifest.json").unlink(),
         "truncated trainer_state": lambda: _truncate(dst / "trainer_state.json"),
+        "random bytes shard": lambda: _randomize(model / "__0_0.distcp"),
     }
     damage[how]()
     return dst
@@ -158,6 +159,12 @@ def _corrupt_copy(src, dst, how):
 def _truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+
+
+def _randomize(path):
+    """A shard of random bytes of the right size: the sizes check passes, torch.load would fail
+    with "Weights only load failed ... Please file an issue" and no file named (issue 24)."""
+    path.write_bytes(os.urandom(path.stat().st_size))
 
 
 @pytest.mark.parametrize(
@@ -176,6 +183,11 @@ def _truncate(path):
         ("truncated common.pt, no manifest", r"model_optim/common\.pt: truncated or corrupt \("),
         ("truncated shard, no manifest", r"model_optim/__0_0\.distcp is \d+ bytes, but .*\.metadata indexes data up"),
         ("missing shard, no manifest", r"model_optim/__0_\d\.distcp is missing: .*\.metadata indexes tensors in it"),
+        (
+            "random bytes shard",
+            r"model_optim/__0_0\.distcp is corrupt: the data of '[^']+' at byte 0 is not what the save wrote there",
+        ),
+        ("random bytes shard, no manifest", r"model_optim/__0_0\.distcp is corrupt: the data of '[^']+' at byte 0"),
     ],
 )
 def test_corrupt_or_incomplete_checkpoint_is_a_one_line_error_naming_the_file(saved_run, tmp_path, how, needle):
@@ -248,3 +260,144 @@ def test_load_checks_before_reading(saved_run, tmp_path):
     res = run_workers(WORKER, 1, "--phase", "load", "--ckpt", root)
     assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
     assert "CheckpointError: " in res.stdout and "rng/rank_0.safetensors is missing (the RNG state)" in res.stdout
+
+
+def test_latest_missing_or_not_text_names_the_step_dirs(tmp_path):
+    """`latest` deleted while step dirs exist was "no checkpoint" with the dirs unnamed; a `latest`
+    of other bytes was a UnicodeDecodeError naming no file (issue 24)."""
+    from megatron_dppo.megatron.checkpoint import CheckpointError, latest_checkpoint
+
+    for step in (2, 3, 10):
+        (tmp_path / f"step_{step:06d}").mkdir()
+    (tmp_path / ".tmp-step_000011").mkdir()  # a save killed midway: not a checkpoint
+    with pytest.raises(CheckpointError) as e:
+        latest_checkpoint(str(tmp_path))
+    assert str(e.value) == (
+        f"{tmp_path}/latest is missing, but {tmp_path} holds step_000002, step_000003, step_000010 (each a complete "
+        f"checkpoint): to resume from the newest, write its name into that file (echo step_000010 > "
+        f"{tmp_path}/latest), then pass --resume again"
+    )
+    (tmp_path / "latest").write_bytes(b"step_\xff\xfe03\n")
+    with pytest.raises(CheckpointError) as e:
+        latest_checkpoint(str(tmp_path))
+    assert str(e.value) == (
+        f"{tmp_path}/latest is not text (byte 0xff at position 5 is not UTF-8): expected the name of a checkpoint "
+        "directory such as step_000010 (write that name into it)"
+    )
+
+
+def _load(ckpt_root, *args):
+    from conftest import run_workers
+
+    return run_workers(WORKER, 1, "--phase", "load", "--ckpt", ckpt_root, *args)
+
+
+def _one_error_line(res) -> str:
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("CheckpointError: ")]
+    assert len(lines) == 1, res.stdout[-3000:]
+    return lines[0]
+
+
+def test_a_checkpoint_of_another_model_names_a_tensor_and_both_shapes(saved_run):
+    """Was torch's CheckpointException (a BaseException: past every `except Exception`), a 55-line
+    traceback ending in "Global shape mismatch"."""
+    line = _one_error_line(_load(saved_run["root"], "--other-model"))
+    assert re.fullmatch(
+        r"CheckpointError: .*/step_1000000/model_optim: the checkpoint does not fit this model: (\S+) is \[[\d, ]+\] "
+        r"in the checkpoint but \[[\d, ]+\] in the model \(\d+ tensor\(s\) differ\); is model\.hf_dir the model the "
+        r"checkpoint was trained from\?",
+        line,
+    ), line
+    # The shapes named are the two models' own: hidden 64 (saved) against 128.
+    assert "64" in line.split(" in the checkpoint")[0].split(" is ")[-1] and "128" in line.split(" but ")[-1], line
+
+
+def test_unreadable_data_inside_a_shard_names_the_file(saved_run, tmp_path):
+    """Bytes damaged inside one tensor's record (its torch.save header intact): only the load can
+    tell, and it names the shard file and the tensor instead of "Please file an issue"."""
+    import shutil
+
+    from megatron_dppo.megatron.checkpoint import _MetadataUnpickler
+
+    root = tmp_path / "checkpoints"
+    step = root / "step_1000000"
+    shutil.copytree(saved_run["root"] / "step_1000000", step)
+    (root / "latest").write_text("step_1000000\n")
+    model = step / "model_optim"
+    with open(model / ".metadata", "rb") as f:
+        meta = _MetadataUnpickler(f).load()
+    rel, offset, fqn = min(
+        (i.relative_path, i.offset, k.fqn)
+        for k, i in meta.storage_data.items()
+        if hasattr(meta.state_dict_metadata[k.fqn], "size") and i.relative_path == "__0_0.distcp"
+    )
+    with open(model / rel, "r+b") as f:
+        f.seek(offset + 8)
+        f.write(os.urandom(400))
+    line = _one_error_line(_load(root))
+    assert line == (
+        f"CheckpointError: {model / rel} is corrupt: {fqn!r} at byte {offset} cannot be read back (RuntimeError); "
+        "resume from another step_* dir of the run, or from a copy of this one"
+    ), line
+
+
+def test_resume_prints_no_library_warning(saved_run):
+    """Every --resume printed torch's "Please use DTensor instead and we are deprecating
+    ShardedTensor" FutureWarning (through our CPU shim's frame, past quiet.py's module filters)."""
+    res = _load(saved_run["root"])
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    assert "loaded step 1000000" in res.stdout
+    during = res.stderr  # the worker resets the warning filters just before loading (phase_load)
+    assert "ShardedTensor" not in during and "FutureWarning" not in during, during[-3000:]
+
+
+def test_disk_full_during_save_names_the_path(tmp_path):
+    """A full disk was "[Errno 28] No space left on device" naming no path. Every shard write fails
+    as write() does on a full disk; the error names the checkpoint being written, the partial save
+    is gone and `latest` still names the last complete checkpoint."""
+    from conftest import run_workers
+
+    root = tmp_path / "checkpoints"
+    _ok(run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "4"))
+    res = run_workers(WORKER, 1, "--phase", "save-disk-full", "--ckpt", root)
+    assert res.returncode == 4, res.stdout[-2000:] + res.stderr[-4000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("OSError: "))
+    assert line == (
+        "OSError: [Errno 28] No space left on device while saving checkpoint step_000005 (the partial save was "
+        f"removed and {root}/latest still names the previous checkpoint; free space, or set trainer.output_dir to "
+        f"a disk with room): '{root}/.tmp-step_000005'"
+    ), line
+    assert (root / "latest").read_text().strip() == "step_000004"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]
+
+
+def test_checkpoint_exception_from_any_rank_becomes_one_line():
+    """The fallback behind the shape check: torch's CheckpointException carrying Megatron's
+    CheckpointingException (its exact message form, from megatron/core/dist_checkpointing/
+    strategies/torch.py) becomes one line; any other inner error keeps its first sentence."""
+    import torch
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_dppo.megatron.checkpoint import _load_error
+
+    inner = CheckpointingException(
+        f"Global shape mismatch for loaded ({torch.Size([4, 64])}) and expected ((4, 128)) tensor for key dec.w"
+    )
+    e = _load_error(CheckpointException("x", {1: (ValueError("later rank. more"), None), 0: (inner, None)}), "/c/m")
+    assert str(e) == (
+        "/c/m: the checkpoint does not fit this model: dec.w is torch.Size([4, 64]) in the checkpoint but (4, 128) "
+        "in the model"
+    )
+    e = _load_error(CheckpointException("x", {1: (ValueError("it broke. details\nmore"), None)}), "/c/m")
+    assert str(e) == "/c/m: cannot load into this model (ValueError: it broke)"
+
+
+def test_checkpoint_bytes_is_what_the_save_wrote(saved_run):
+    """The save's size the trainer logs (its cost, to weigh trainer.save_every_minutes against)."""
+    from megatron_dppo.megatron.checkpoint import checkpoint_bytes
+
+    step = saved_run["root"] / "step_1000000"
+    on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert checkpoint_bytes(str(step)) == on_disk > 0

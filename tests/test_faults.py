@@ -134,3 +134,63 @@ def test_soak_tool_growth_figures_match_an_independent_fit():
         summary
     )
     assert "step" in log.table().splitlines()[0] and len(log.table().splitlines()) == len(steps) + 1
+
+
+# ---- issue 24: inputs that deleted data, or failed silently or unclearly -------------------------------
+def _cli(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "megatron_dppo.cli", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _files(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("run_name", ["..", ""])
+def test_overwrite_with_a_run_name_that_is_not_one_dir_deletes_nothing(tmp_path, run_name):
+    """`trainer.run_name=.. --overwrite` deleted the PARENT of trainer.output_dir (another project's
+    files in it); an empty run_name wiped the whole output dir, other runs included."""
+    out = tmp_path / "outer" / "runs"
+    (out / "earlier-run").mkdir(parents=True)
+    (out / "earlier-run" / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "outer" / "other-project.txt").write_text("not ours")
+    before = _files(tmp_path)
+    res = _cli(
+        "train", "--config", "examples/tiny/addition.yaml", "--overwrite",
+        f"trainer.output_dir={out}", f"trainer.run_name={run_name}",
+    )  # fmt: skip
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.stderr.strip().splitlines() == [
+        f"error: config key 'trainer.run_name': expected one plain directory name (no '/', not . or ..), got "
+        f"{run_name!r}  (ValueError; --debug shows the traceback)"
+    ], res.stderr[-3000:]
+    assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [("--draws", "expected an integer >= 2, got 0"), ("--num-prompts", "expected an integer >= 2, got 0")],
+)
+def test_verify_unbiased_refuses_zero_draws_or_prompts_in_one_line(arg, message):
+    """Were tensor errors ("stack expects a non-empty TensorList", "index 0 is out of bounds")."""
+    res = _cli("verify-unbiased", arg, "0")
+    assert res.returncode == 2, res.stderr[-2000:]
+    name = "--num-prompts/-B" if arg == "--num-prompts" else arg
+    assert res.stderr.strip().splitlines()[-1] == f"megatron-dppo verify-unbiased: error: argument {name}: {message}"
+    assert "Traceback" not in res.stderr
+
+
+def test_a_tiny_kv_cache_names_rollout_kv_cache_gb():
+    """vLLM's own error advises raising gpu_memory_utilization, which does nothing here: the CPU KV
+    cache is rollout.kv_cache_gb (the trainer passes it as kv_cache_memory_bytes)."""
+    from megatron_dppo.rollout import RolloutEngine
+
+    with pytest.raises(ValueError) as e:
+        RolloutEngine("examples/tiny/model", dtype="float32", max_model_len=32, kv_cache_memory_bytes=200_000)
+    assert str(e.value) == (
+        "rollout.kv_cache_gb=0.0001863 (200000 bytes) leaves vLLM's KV cache too small for one sequence of "
+        "rollout.max_model_len=32 tokens (1536 bytes a token for this model; vLLM allocates whole blocks of tokens, "
+        "one kept in reserve): raise rollout.kv_cache_gb or lower rollout.max_model_len"
+    )
+    # 1536 = K and V x 3 layers x 2 KV heads x head_dim 32 x 4 bytes (float32): examples/tiny/model/config.json.

@@ -44,6 +44,8 @@ metadata classes (see _restricted_metadata_pickle).
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import pickle
@@ -52,6 +54,8 @@ import re
 import shutil
 import tempfile
 import uuid
+import warnings
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -60,10 +64,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dppo.megatron.sharded_state import fit_to_checkpoint  # TE's _extra_state vs local-spec checkpoints
 
@@ -131,12 +139,26 @@ def step_dir_name(step: int) -> str:
 
 
 def latest_checkpoint(root: str) -> str | None:
-    """Path of the newest complete checkpoint under root, or None when there is no `latest`."""
+    """Path of the newest complete checkpoint under root; None when nothing was ever saved there.
+    A `latest` that is missing while step dirs exist, empty, not text, or naming no directory is a
+    CheckpointError naming the file and the step dirs there."""
     path = os.path.join(root, LATEST)
     if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        name = f.read().strip()
+        steps = [d for _, d in _step_dirs(root)]
+        if not steps:
+            return None
+        raise CheckpointError(
+            f"{path} is missing, but {root} holds {', '.join(steps[-3:])} (each a complete checkpoint): to resume "
+            f"from the newest, write its name into that file (echo {steps[-1]} > {path}), then pass --resume again"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            name = f.read().strip()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path} is not text (byte {e.object[e.start]:#04x} at position {e.start} is not UTF-8): expected the "
+            f"name of a checkpoint directory such as {_newest_or_example(root)} (write that name into it)"
+        ) from None
     if not name:
         raise CheckpointError(
             f"{path} is empty: expected the name of a checkpoint directory such as "
@@ -149,6 +171,11 @@ def latest_checkpoint(root: str) -> str | None:
             f"{path} names {name!r}, which is not a directory under {root} (checkpoints there: {have})"
         )
     return full
+
+
+def _newest_or_example(root: str) -> str:
+    steps = _step_dirs(root)
+    return steps[-1][1] if steps else step_dir_name(12)
 
 
 def _step_dirs(root: str) -> list[tuple[int, str]]:
@@ -290,7 +317,54 @@ def save_checkpoint(
 ) -> str:
     """Collective. Writes <root>/step_<step> atomically and points `latest` at it.
     extra_files {name in the checkpoint: source path} are copied in by rank 0 (e.g. the HF
-    config, so that the checkpoint converts back to HF on its own)."""
+    config, so that the checkpoint converts back to HF on its own). A full disk is an OSError
+    (ENOSPC) naming the path, whichever writer thread or DCP wrapper it surfaced through; the
+    partial save is removed (rank 0) so that the disk is not left full."""
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
+    try:
+        return _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files)
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        full = _disk_full_error(e)
+        if full is None and isinstance(e, CheckpointException):
+            raise _save_error(e, tmp) from None
+        if full is None:
+            raise
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device while saving checkpoint {step_dir_name(step)} (the partial save was "
+            f"removed and {os.path.join(root, LATEST)} still names the previous checkpoint; free space, or set "
+            "trainer.output_dir to a disk with room)",
+            full.filename or tmp,
+        ) from None
+
+
+def _disk_full_error(e: BaseException | None, depth: int = 0) -> OSError | None:
+    """The ENOSPC OSError inside e: e itself, its cause/context chain, or a CheckpointException's
+    per-rank failures. Those cross ranks pickled, which drops the chain: a failure whose text
+    carries "[Errno 28]" (Megatron's "Worker failure: [Errno 28] ...") counts too."""
+    if e is None or depth > 8:
+        return None
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return e
+    inner = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else []
+    for sub in [*inner, e.__cause__, e.__context__]:
+        found = _disk_full_error(sub, depth + 1)
+        if found is not None:
+            return found
+    if not isinstance(e, CheckpointException) and f"[Errno {errno.ENOSPC}]" in str(e):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
+
+
+def _save_error(e: CheckpointException, tmp: str) -> CheckpointError:
+    rank, (inner, _) = min(e.failures.items(), key=lambda kv: kv[0]) if e.failures else (None, (e, None))
+    why = " ".join(str(inner).split()).split(". ")[0][:300]
+    return CheckpointError(f"saving {tmp} failed on rank {rank} ({type(inner).__name__}: {why})")
+
+
+def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files) -> str:
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     if _rank() == 0:
@@ -329,6 +403,14 @@ def save_checkpoint(
         _prune_old(root, keep_last, step, _run_id(root))
     _barrier()
     return final
+
+
+def checkpoint_bytes(path: str) -> int:
+    """The size of a saved checkpoint dir (its manifest's files, or a walk without one)."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.exists(manifest):
+        return sum(_read_json(manifest, "checkpoint manifest").get("files", {}).values())
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names)
 
 
 def _write_manifest(ckpt: str) -> None:
@@ -437,6 +519,7 @@ def _check_dist_files(model_dir: str) -> None:
             raise CheckpointError(
                 f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: truncated shard"
             )
+    _check_item_headers(model_dir, storage)
     common = os.path.join(model_dir, "common.pt")
     if not os.path.exists(common) and _common_state_in_shards(metadata):
         if not _READS_COMMON_STATE_SHARD:
@@ -454,7 +537,115 @@ def _check_dist_files(model_dir: str) -> None:
         raise CheckpointError(f"{common}: truncated or corrupt ({type(e).__name__}: {why})") from None
 
 
+_TORCH_SAVE_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive: every item of a shard starts so
+
+
+def _check_item_headers(model_dir: str, storage: dict) -> None:
+    """Every item of every shard starts where `.metadata` says with torch.save's zip header: a shard
+    overwritten with other bytes of the same size is named here, not by torch.load's "Weights only
+    load failed ... Please file an issue" deep inside DCP. One 4-byte read per item. Skipped when no
+    item has the header (a serialization without it) or for transformed (e.g. compressed) items."""
+    by_file: dict[str, list] = {}
+    for index, info in storage.items():
+        if not getattr(info, "transform_descriptors", None):
+            by_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
+    bad, good = None, False
+    for rel, items in sorted(by_file.items()):
+        shard = os.path.join(model_dir, rel)
+        with open(shard, "rb") as f:
+            for offset, fqn in sorted(items):
+                f.seek(offset)
+                if f.read(len(_TORCH_SAVE_MAGIC)) == _TORCH_SAVE_MAGIC:
+                    good = True
+                elif bad is None:
+                    bad = (shard, fqn, offset)
+    if bad and good:
+        shard, fqn, offset = bad
+        raise CheckpointError(
+            f"{shard} is corrupt: the data of {fqn!r} at byte {offset} is not what the save wrote there (no "
+            "torch.save header); resume from another step_* dir of the run, or from a copy of this one"
+        )
+
+
 # ---- load -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet_load_warnings():
+    """torch's "Please use DTensor instead and we are deprecating ShardedTensor" FutureWarning,
+    raised on every load through our CPU shim's frame (so quiet.py's per-module filters miss it):
+    a note to Megatron's authors, not to a user resuming a run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+def _check_global_shapes(sharded: dict, model_dir: str) -> None:
+    """Every tensor the model asks for has the checkpoint's global shape (the checkpoint of another
+    model fails here, naming a tensor and both shapes, before anything is read). Tensors that may
+    differ (Megatron's padded vocabulary at another TP) are left to the load."""
+    saved = FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    diffs = []
+    for t in nested_values(sharded):
+        if not isinstance(t, ShardedTensor) or getattr(t, "allow_shape_mismatch", False):
+            continue
+        have = getattr(saved.get(t.key), "size", None)
+        if have is not None and tuple(have) != tuple(t.global_shape):
+            diffs.append((t.key.startswith("optimizer."), t.key, tuple(have), tuple(t.global_shape)))
+    if diffs:
+        _, key, have, want = min(diffs)  # a model tensor before its optimizer state
+        raise CheckpointError(
+            f"{model_dir}: the checkpoint does not fit this model: {key} is {list(have)} in the checkpoint but "
+            f"{list(want)} in the model ({len(diffs)} tensor(s) differ); is model.hf_dir the model the "
+            "checkpoint was trained from?"
+        )
+
+
+def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
+    """One line for a failed dist_checkpointing.load: the first failing rank's own exception (a
+    CheckpointException holds them with their tracebacks), and for unreadable data the shard file."""
+    inner = e
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = min(e.failures.items(), key=lambda kv: kv[0])
+    text = " ".join(str(inner).split())
+    shape = re.search(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (\S+)", text)
+    if shape:
+        return CheckpointError(
+            f"{model_dir}: the checkpoint does not fit this model: {shape.group(3)} is {shape.group(1)} in the "
+            f"checkpoint but {shape.group(2)} in the model"
+        )
+    if isinstance(inner, (pickle.UnpicklingError, EOFError, zipfile.BadZipFile)) or "PytorchStreamReader" in text:
+        found = _find_unreadable_item(model_dir)
+        if found:
+            shard, fqn, offset = found
+            return CheckpointError(
+                f"{shard} is corrupt: {fqn!r} at byte {offset} cannot be read back ({type(inner).__name__}); "
+                "resume from another step_* dir of the run, or from a copy of this one"
+            )
+    why = text.split(". ")[0][:300]
+    return CheckpointError(f"{model_dir}: cannot load into this model ({type(inner).__name__}: {why})")
+
+
+def _find_unreadable_item(model_dir: str):
+    """(shard path, key, byte offset) of the first tensor item that torch.load cannot read, or None.
+    Reads every tensor item once: only after a load failed on unreadable data."""
+    metadata = FileSystemReader(model_dir).read_metadata()
+    items = sorted(
+        (info.relative_path, info.offset, info.length, index.fqn)
+        for index, info in metadata.storage_data.items()
+        if not getattr(info, "transform_descriptors", None)
+        and hasattr(metadata.state_dict_metadata.get(index.fqn), "size")  # a tensor, not pickled bytes
+    )
+    for rel, offset, length, fqn in items:
+        shard = os.path.join(model_dir, rel)
+        with open(shard, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - whatever torch says, this item is the unreadable one
+            return shard, fqn, offset
+    return None
+
+
 def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     """Collective. Checks the checkpoint (check_checkpoint), loads model (+ optimizer,
     scheduler) into `policy`, whatever TP/PP it was saved at; returns the trainer state (with
@@ -472,11 +663,15 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         # state (exp_avg, exp_avg_sq without 'step'), and the next optimizer step then fails.
         sharded = {"model": policy.model.module.sharded_state_dict()}
     model_dir = os.path.join(path, MODEL_DIR)
-    try:
-        loaded = dist_checkpointing.load(fit_to_checkpoint(sharded, model_dir), model_dir)
-    except Exception as e:  # e.g. a checkpoint of another model: say which checkpoint
-        why = " ".join(str(e).split())[:300]
-        raise CheckpointError(f"{model_dir}: cannot load into this model ({type(e).__name__}: {why})") from e
+    with _quiet_load_warnings():
+        try:
+            fitted = fit_to_checkpoint(sharded, model_dir)
+            _check_global_shapes(fitted, model_dir)
+            loaded = dist_checkpointing.load(fitted, model_dir)
+        except CheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+            raise _load_error(e, model_dir) from None
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:
         policy.optimizer.load_state_dict(loaded["optimizer"])

@@ -74,6 +74,35 @@ def request_seed(*parts) -> int:
     return int.from_bytes(digest, "little")
 
 
+@contextlib.contextmanager
+def _named_kv_cache_errors(model_dir: str, dtype: str, max_model_len: int, kv_bytes: int | None):
+    """vLLM's "No available memory for the cache blocks" / "To serve at least one request ..."
+    ValueErrors advise raising gpu_memory_utilization even where the KV cache size is
+    kv_cache_memory_bytes (CPU: rollout.kv_cache_gb). Name the setting that applies and what one
+    sequence needs; any other error passes through."""
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        if "cache blocks" not in text and "KV cache is needed" not in text:
+            raise
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(model_dir)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * getattr(torch, dtype).itemsize
+        need = f"{per_token} bytes a token for this model; vLLM allocates whole blocks of tokens, one kept in reserve"
+        if kv_bytes is not None:
+            setting = f"rollout.kv_cache_gb={kv_bytes / 2**30:.4g} ({kv_bytes} bytes)"
+            fix = "raise rollout.kv_cache_gb or lower rollout.max_model_len"
+        else:
+            setting, fix = "rollout.gpu_memory_utilization", "raise it or lower rollout.max_model_len"
+        raise ValueError(
+            f"{setting} leaves vLLM's KV cache too small for one sequence of rollout.max_model_len="
+            f"{max_model_len} tokens ({need}): {fix}"
+        ) from None
+
+
 class RolloutEngine:
     """vLLM for rollouts, colocated with the trainer. See the module docstring.
 
@@ -129,7 +158,7 @@ class RolloutEngine:
 
         t0 = time.perf_counter()
         set_num_threads = torch.set_num_threads
-        with self.context():
+        with self.context(), _named_kv_cache_errors(model_dir, dtype, max_model_len, kv_cache_memory_bytes):
             from vllm import LLM
 
             if not on_gpu and tensor_parallel_size > 1:

@@ -6,7 +6,9 @@
 --phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
 --phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
                      with --resume, load the latest checkpoint first (its run continues)
---phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3)
+--phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3);
+                  --other-model: into a model of another shape (hidden 128)
+--phase save-disk-full  save with every shard write failing as on a full disk; print the OSError (exit 4)
 --phase hold-save start a reward pool with a check hung in it, then save with a shard writer
                   that announces itself (touches --out) and blocks: the test SIGKILLs this process
                   there and checks that no process it started survives
@@ -47,8 +49,11 @@ def batch_for_step(model, step, dp_rank, dp_size):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "--phase", required=True, choices=["full", "killed", "resume", "logprobs", "save-steps", "load", "hold-save"]
+        "--phase",
+        required=True,
+        choices=["full", "killed", "resume", "logprobs", "save-steps", "load", "hold-save", "save-disk-full"],
     )
+    ap.add_argument("--other-model", action="store_true")
     ap.add_argument("--save-steps", default="")
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
@@ -64,6 +69,10 @@ def main():
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     cfg, model = hf_model()
+    if args.other_model:
+        from tiny_models import tiny_qwen3_model
+
+        cfg, model = tiny_qwen3_model(0, vocab_size=cfg.vocab_size, hidden_size=128, max_position_embeddings=64)
     policy = MegatronPolicy(
         cfg,
         OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10, decay_style="cosine"),
@@ -71,7 +80,7 @@ def main():
     )
     policy.load_hf_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
 
-    if args.phase in ("save-steps", "load", "hold-save"):
+    if args.phase in ("save-steps", "load", "hold-save", "save-disk-full"):
         globals()["phase_" + args.phase.replace("-", "_")](args, policy)
         destroy_parallel()
         return
@@ -119,12 +128,36 @@ def phase_save_steps(args, policy):
 
 
 def phase_load(args, policy):
+    import warnings
+
+    from megatron_dppo.quiet import quiet_libraries
+
+    warnings.resetwarnings()  # as a user's process has them (run_workers sets PYTHONWARNINGS=ignore)
+    warnings.simplefilter("default")
+    quiet_libraries()  # what the CLI does
+    print("loading", flush=True)
     try:
         state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
     except CheckpointError as e:
         print(f"CheckpointError: {e}", flush=True)
         sys.exit(3)
     print("loaded step", state["step"], "history" if "history_path" in state else "no history", flush=True)
+
+
+def phase_save_disk_full(args, policy):
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def full_disk(*a, **k):  # what a write() on a full disk raises: no file name in it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    filesystem_async._write_item = full_disk
+    try:
+        save_checkpoint(args.ckpt, 5, policy, {})
+    except OSError as e:
+        print(f"OSError: {e}", flush=True)
+        sys.exit(4)
 
 
 def phase_hold_save(args, policy):

@@ -1,0 +1,148 @@
+"""What a run cannot change mid-way, recorded in each checkpoint and compared on --resume.
+
+A resumed run must be the run that was saved: the same model (its architecture, tokenizer and
+weights: `--resume model.hf_dir=<another model>` resumed without a word) and the settings the
+saved state depends on: rollout.group_size (the prompt history's statistics and the advantage
+groups) and pruning.strategy (its saved state: another strategy failed with "greso strategy state
+is malformed (KeyError('p_easy'))"). `resume_metadata(cfg)` is what the trainer stores with a
+checkpoint; `check_resume_compatible(saved, cfg)` refuses a change by name, before anything is
+loaded. Everything else (learning rate, max_steps, layouts: checkpoints load at any TP/PP) may
+change on resume.
+
+The model is identified without reading its weights: config.json's architecture fields, a hash
+of the tokenizer files, and a fingerprint of the safetensors files (their headers, sizes and 64 KiB
+read at 8 places in each, the first and the last bytes included: a fine-tune changes every
+tensor, so two of one architecture differ there; it costs milliseconds for a 32B model). The
+path itself may change (a copy, a moved dir) as long as all three match.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+
+# Config keys a resumed run must keep (see the module docstring for why each).
+FIXED_KEYS = ("rollout.group_size", "pruning.strategy")
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+_SAMPLES, _SAMPLE_BYTES = 8, 64 << 10
+
+
+def _get(cfg, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _sha(chunks) -> str:
+    h = hashlib.sha256()
+    for c in chunks:
+        h.update(c if isinstance(c, bytes) else str(c).encode())
+    return h.hexdigest()[:16]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def tokenizer_hash(hf_dir: str) -> str:
+    names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, n))]
+    return _sha(x for n in names for x in (n, _read(os.path.join(hf_dir, n))))
+
+
+def weights_fingerprint(hf_dir: str) -> str:
+    """A hash of each *.safetensors file's name, size, header and 8 evenly spread 64 KiB reads."""
+    parts = []
+    for path in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
+        size = os.path.getsize(path)
+        parts += [os.path.basename(path), size]
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            parts.append(f.read(min(n, size)))
+            for k in range(_SAMPLES):  # from the first tensor's bytes to the file's last ones
+                f.seek(max(8 + n, (8 + n) + (size - 8 - n - _SAMPLE_BYTES) * k // (_SAMPLES - 1)))
+                parts.append(f.read(_SAMPLE_BYTES))
+    return _sha(parts)
+
+
+def model_identity(hf_dir: str) -> dict:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    return {
+        "hf_dir": os.path.realpath(hf_dir),
+        "architecture": {k: config.get(k) for k in ARCHITECTURE_FIELDS},
+        "tokenizer": tokenizer_hash(hf_dir),
+        "weights": weights_fingerprint(hf_dir),
+    }
+
+
+def resume_metadata(cfg) -> dict:
+    """What the trainer stores in each checkpoint's trainer state under the key "resume"."""
+    return {"settings": {k: _get(cfg, k) for k in FIXED_KEYS}, "model": model_identity(cfg.model.hf_dir)}
+
+
+def resume_differences(saved: dict, cfg) -> list[str]:
+    """What differs between a checkpoint's resume metadata and cfg, one phrase each."""
+    out = []
+    for key, was in saved.get("settings", {}).items():
+        now = _get(cfg, key)
+        if now != was:
+            out.append(f"{key}={now!r}, but the run was trained with {was!r}")
+    model = saved.get("model")
+    if model:
+        mine = model_identity(cfg.model.hf_dir)
+        arch = [
+            f"{k} {model['architecture'].get(k)!r} -> {mine['architecture'].get(k)!r}"
+            for k in ARCHITECTURE_FIELDS
+            if model["architecture"].get(k) != mine["architecture"].get(k)
+        ]
+        if arch:
+            what = f"its config.json differs ({', '.join(arch)})"
+        elif model["tokenizer"] != mine["tokenizer"]:
+            what = "its tokenizer files differ"
+        elif model["weights"] != mine["weights"]:
+            what = "its weights differ"
+        else:
+            what = ""
+        if what:
+            out.append(
+                f"model.hf_dir={cfg.model.hf_dir} is not the model the run was trained from ({model['hf_dir']}): {what}"
+            )
+    return out
+
+
+def check_resume_compatible(saved: dict | None, cfg, checkpoint: str) -> None:
+    """ValueError naming each key that a resumed run changed; saved = the checkpoint's trainer
+    state (a checkpoint of an older version, without "resume", is not compared)."""
+    meta = (saved or {}).get("resume")
+    if not meta:
+        return
+    diffs = resume_differences(meta, cfg)
+    if diffs:
+        raise ValueError(
+            f"--resume from {checkpoint}: " + "; ".join(diffs) + ". A run cannot change these mid-way: resume "
+            "with the run's values, or start a new run (another trainer.run_name)"
+        )

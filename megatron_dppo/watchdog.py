@@ -1,0 +1,261 @@
+"""The stall watchdog: a rank that makes no progress for trainer.stall_timeout_s ends the job, saying
+which rank and phase everyone waits on.
+
+Without it a stopped or hung rank holds the job forever: in a 2-process run with rank 1 SIGSTOPped
+nothing happened for 420 s, rank 0 sitting in a gloo collective (NCCL's own watchdog, on GPUs,
+would give up after its timeout without naming the rank that stopped). Here:
+
+  * the main thread marks progress, `watchdog.phase("rollout", step)`, a few attribute writes;
+  * a daemon thread per rank publishes a heartbeat (phase, step, time of the last progress, time
+    of the beat) every few seconds and at each phase change, under a key of its own in
+    torch.distributed's c10d store, the store every rank of the job already reaches (across
+    nodes too), through a clone of its client (its own connection: a main thread blocked in a
+    store call cannot block the beats);
+  * another daemon thread checks the rank's own progress: once none was marked for the timeout,
+    it reads the other ranks' heartbeats, prints one line per group of ranks (those whose beats
+    stopped, i.e. stopped, dead or hung with the GIL held, first; then those stuck in a phase;
+    then those still moving), the main thread's innermost frames, and exits the process with
+    STALL_EXIT_CODE through os._exit (the main thread is stuck: nothing else would run). torchrun
+    then ends the other ranks. A checkpoint being written stays a .tmp- dir: `latest` keeps
+    naming the last complete one, which --resume continues from.
+
+A rank whose main thread is stuck inside C code that holds the GIL cannot run its checker; its
+heartbeats stop too, so the other ranks' checkers name it when their own waits reach the timeout.
+The timeout must exceed the longest healthy phase: `margin_warning` says when a phase took over
+half of it, and `timing_line` gives the longest phase for the run's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+STALL_EXIT_CODE = 124  # what `timeout(1)` returns: "ran out of time"
+_PREFIX = "megatron_dppo/watchdog/"
+
+
+def default_store():
+    """A clone of torch.distributed's default c10d store (own connection, short timeout), or None
+    when there is no process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store().clone()
+    store.set_timeout(timedelta(seconds=30))
+    return dist.PrefixStore(_PREFIX, store)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """[0, 2, 3, 4, 7] -> 'ranks 0, 2-4, 7'; [1] -> 'rank 1'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+def _where(phase: str, step) -> str:
+    return f"phase {phase}" + (f" at step {step}" if step is not None else "")
+
+
+def describe_ranks(beats: dict, world: int, now: float, timeout_s: float, stale_s: float) -> list[str]:
+    """One line per group of ranks with the same state, the likely culprits first. beats: rank ->
+    heartbeat dict (phase, step, progress, beat: wall-clock seconds) for the ranks that sent one."""
+    groups: dict[tuple, list] = {}
+    for r in range(world):
+        b = beats.get(r)
+        if b is None:
+            key = (0, "never sent a heartbeat", None, None)
+        elif now - b["beat"] > stale_s:
+            key = (1, "stale", b["phase"], b["step"])
+        elif now - b["progress"] >= timeout_s:
+            key = (3, "waits", b["phase"], b["step"])
+        else:
+            key = (2, "moving", b["phase"], b["step"])
+        groups.setdefault(key, []).append((r, now - b["progress"] if b else 0.0, now - b["beat"] if b else 0.0))
+    lines = []
+    for (_, kind, phase, step), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[1][0][0])):
+        who = _ranks([m[0] for m in members])
+        idle, silent = max(m[1] for m in members), max(m[2] for m in members)
+        if kind == "never sent a heartbeat":
+            lines.append(f"{who} never sent a heartbeat (did not start, or died before its first beat)")
+        elif kind == "stale":
+            lines.append(
+                f"{who} last seen in {_where(phase, step)}, {idle:.0f} s ago (no heartbeat for {silent:.0f} s: "
+                "stopped, dead, or stuck holding the GIL)"
+            )
+        elif kind == "waits":
+            lines.append(
+                f"{who} {'waits' if len(members) == 1 else 'wait'} in {_where(phase, step)} "
+                f"(no progress for {idle:.0f} s)"
+            )
+        else:
+            lines.append(
+                f"{who} {'is' if len(members) == 1 else 'are'} in {_where(phase, step)} "
+                f"(last progress {idle:.0f} s ago)"
+            )
+    return lines
+
+
+def _main_thread_frames(limit: int = 2) -> str:
+    """Where the main thread is: its innermost frame and the innermost one of this project."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return ""
+    stack = traceback.extract_stack(frame)
+    ours = [f for f in stack if f"{os.sep}megatron_dppo{os.sep}" in f.filename]
+    picked = [stack[-1]] + ([ours[-1]] if ours and ours[-1] is not stack[-1] else [])
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in picked[:limit])
+
+
+class StallWatchdog:
+    """See the module docstring. timeout_s <= 0 disables it (start() does nothing)."""
+
+    def __init__(self, timeout_s: float, *, rank: int = 0, world: int = 1, store=None, exit=os._exit):
+        self.timeout_s = float(timeout_s)
+        self.rank, self.world, self.store = rank, world, store
+        self.beat_s = max(0.2, min(5.0, self.timeout_s / 4))
+        self.stale_s = 3 * self.beat_s  # three missed beats: that rank's process is not running
+        self._exit = exit
+        self._phase, self._step = "start", None
+        self._progress_mono = time.monotonic()
+        self._progress_wall = time.time()
+        self._phase_started = self._progress_mono
+        self.longest = (0.0, "start", None)  # (seconds, phase, step) of the longest phase so far
+        self._warned = False
+        self._stop = threading.Event()
+        self._changed = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # ---- the main thread's side -------------------------------------------------------------------
+    def phase(self, name: str, step: int | None = None) -> None:
+        """Progress: the previous phase ended, `name` began (at `step`)."""
+        now = time.monotonic()
+        took = now - self._phase_started
+        if took > self.longest[0]:
+            self.longest = (took, self._phase, self._step)
+        self._phase, self._step = name, step
+        self._phase_started = self._progress_mono = now
+        self._progress_wall = time.time()
+        self._changed.set()  # the heartbeat thread publishes it now (no store call on this thread)
+
+    def timing_line(self) -> str:
+        took, phase, step = self.longest
+        return (
+            f"stall watchdog: trainer.stall_timeout_s={self.timeout_s:g}; the longest phase so far took "
+            f"{took:.1f} s ({_where(phase, step)})"
+        )
+
+    def margin_warning(self) -> str | None:
+        """Once: a warning when a phase took over half the timeout (a slower one would end the run)."""
+        took, phase, step = self.longest
+        if self._warned or self.timeout_s <= 0 or took <= self.timeout_s / 2:
+            return None
+        self._warned = True
+        return (
+            f"warning: {_where(phase, step)} took {took:.0f} s, over half of trainer.stall_timeout_s="
+            f"{self.timeout_s:g}: raise trainer.stall_timeout_s, or a slower phase will be taken for a stall"
+        )
+
+    # ---- the threads ---------------------------------------------------------------------------------
+    def start(self) -> StallWatchdog:
+        if self.timeout_s <= 0 or self._threads:
+            return self
+        self.phase("start", None)
+        for target, name in ((self._beat_loop, "stall-heartbeat"), (self._check_loop, "stall-watchdog")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+        for t in self._threads:
+            t.join(timeout=2 * self.beat_s + 1)
+        self._threads = []
+
+    def _heartbeat(self) -> dict:
+        return {
+            "phase": self._phase,
+            "step": self._step,
+            "progress": self._progress_wall,
+            "beat": time.time(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+
+    def _beat_loop(self) -> None:
+        """A beat every beat_s, and one right after each phase change."""
+        while self.store is not None and not self._stop.is_set():
+            self._changed.clear()
+            try:
+                self.store.set(f"hb/{self.rank}", json.dumps(self._heartbeat()))
+            except Exception:  # noqa: BLE001 - a store that went away: the checker still runs
+                pass
+            self._changed.wait(self.beat_s)
+
+    def _check_loop(self) -> None:
+        while not self._stop.wait(min(self.beat_s, 1.0)):
+            idle = time.monotonic() - self._progress_mono
+            if idle >= self.timeout_s:
+                self._report_and_exit(idle)
+                return
+
+    def _read_beats(self) -> dict:
+        """The other ranks' heartbeats, read within a deadline (a store that hangs cannot hold the exit)."""
+        beats: dict = {}
+        if self.store is None:
+            return beats
+
+        def read():
+            for r in range(self.world):
+                try:
+                    if self.store.check([f"hb/{r}"]):
+                        beats[r] = json.loads(self.store.get(f"hb/{r}"))
+                except Exception:  # noqa: BLE001 - unreadable: reported as "never sent a heartbeat"
+                    pass
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout=10)
+        return dict(beats)
+
+    def report_lines(self, idle: float) -> list[str]:
+        beats = self._read_beats()
+        beats[self.rank] = self._heartbeat()  # this rank's own state, fresh
+        where = _main_thread_frames()
+        head = (
+            f"stall watchdog: rank {self.rank} made no progress for {idle:.0f} s (trainer.stall_timeout_s="
+            f"{self.timeout_s:g}) in {_where(self._phase, self._step)}" + (f", at {where}" if where else "")
+        )
+        lines = [head] + [
+            "  " + line for line in describe_ranks(beats, self.world, time.time(), self.timeout_s, self.stale_s)
+        ]
+        lines.append(
+            f"stall watchdog: rank {self.rank} exits with status {STALL_EXIT_CODE} so that the launcher ends "
+            "the job; the last complete checkpoint is kept (--resume continues from it)"
+        )
+        return lines
+
+    def _report_and_exit(self, idle: float) -> None:
+        from megatron_dppo.process import rank_prefix
+
+        try:
+            text = "".join(f"{rank_prefix()}{line}\n" for line in self.report_lines(idle))
+            os.write(2, text.encode())  # not print: the main thread may hold sys.stderr's lock
+        finally:
+            self._exit(STALL_EXIT_CODE)

@@ -1,0 +1,148 @@
+"""Start-up checks across keys and files (issue 24, item 4): each silent or misleading case becomes
+one line naming the keys or files; resume refuses a changed model or fixed setting by name."""
+
+import json
+import shutil
+
+import pytest
+
+from megatron_dppo.config import load_config
+from megatron_dppo.preflight import check_config, check_vocab, config_warnings, load_tokenizer
+from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
+
+TINY = "examples/tiny/model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def cfg_with(*overrides):
+    return load_config("examples/tiny/addition.yaml", list(overrides))
+
+
+def test_ratios_a_strategy_ignores_are_warned_about():
+    assert config_warnings(cfg_with("pruning.strategy=none", "pruning.r_q=0.9", "pruning.r_o=0.9")) == [
+        "warning: pruning.r_q=0.9 is ignored: pruning.strategy=none prunes no prompts (strategies that use "
+        "pruning.r_q: dppo, greso, greso-simple, reverse)",
+        "warning: pruning.r_o=0.9 is ignored: pruning.strategy=none prunes no completions (strategies that use "
+        "pruning.r_o: cppo, cppo-group, dppo, reverse)",
+    ]
+    assert config_warnings(cfg_with("pruning.strategy=dppo", "pruning.r_q=0.9", "pruning.r_o=0.9")) == []
+    assert config_warnings(cfg_with("pruning.strategy=none", "pruning.r_q=0", "pruning.r_o=0")) == []
+
+
+def test_dropping_zero_variance_groups_with_kl_is_refused():
+    with pytest.raises(ValueError) as e:
+        check_config(cfg_with("algorithm.kl_coef=0.1", "pruning.drop_zero_variance=true"))
+    assert str(e.value).startswith(
+        "pruning.drop_zero_variance=true with algorithm.kl_coef=0.1: a zero-variance group still has a KL gradient"
+    )
+    check_config(cfg_with("algorithm.kl_coef=0.1"))  # unset: resolved to off with KL
+    check_config(cfg_with("algorithm.kl_coef=0.1", "pruning.drop_zero_variance=false"))
+    check_config(cfg_with("pruning.drop_zero_variance=true"))  # exact without KL
+
+
+def _model_dir(tmp_path, name, vocab, tokenizer_from=TINY):
+    """A tiny Qwen3 of `vocab` rows with the main job's 21-token tokenizer files."""
+    from tiny_models import tiny_qwen3_model
+
+    _, model = tiny_qwen3_model(0, vocab_size=vocab)
+    path = tmp_path / name
+    model.save_pretrained(path)
+    for f in TOKENIZER_FILES:
+        shutil.copy(f"{tokenizer_from}/{f}", path / f)
+    return path
+
+
+def test_tokenizer_larger_than_the_config_vocabulary_is_refused(tmp_path):
+    """The run trained with prompt tokens outside the embedding table, exit 0 (issue 24)."""
+    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+
+    path = _model_dir(tmp_path, "small-vocab", vocab=15)
+    model_dir = check_hf_model_dir(str(path))
+    tokenizer = load_tokenizer(str(path))
+    with pytest.raises(ValueError) as e:
+        check_vocab(model_dir, tokenizer)
+    assert str(e.value) == (
+        f"the tokenizer of {path} has 21 tokens, more than {path}/config.json's vocab_size 15: token ids from 15 up "
+        "would index past the embedding table (use the model's own tokenizer, or a config and weights with a "
+        "vocabulary that covers it)"
+    )
+    check_vocab(check_hf_model_dir(TINY), load_tokenizer(TINY))  # the main job's model is consistent
+
+
+def test_config_vocabulary_other_than_the_weights_rows_is_refused(tmp_path):
+    """config.json says 15 tokens, the safetensors hold 21 rows: vLLM's loader raised a bare
+    AssertionError. Found from the header alone."""
+    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+
+    path = tmp_path / "model"
+    shutil.copytree(TINY, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, vocab_size=15)))
+    with pytest.raises(ValueError) as e:
+        check_vocab(check_hf_model_dir(str(path)), load_tokenizer(str(path)))
+    assert str(e.value) == (
+        f"{path}/config.json says vocab_size 15, but {path}/model.safetensors holds model.embed_tokens.weight with "
+        "21 rows: the config and the weights are of different models (fix vocab_size or use the matching weights)"
+    )
+
+
+def test_missing_tokenizer_files_are_named(tmp_path):
+    """transformers builds an empty tokenizer from config.json alone: every prompt became [] and vLLM
+    said "The decoder prompt cannot be empty"."""
+    path = tmp_path / "model"
+    shutil.copytree(TINY, path)
+    for f in TOKENIZER_FILES:
+        (path / f).unlink()
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(path))("12+34=").input_ids == []  # what happened before
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(path))
+    assert str(e.value) == (
+        f"model.hf_dir {path} has no tokenizer files (one of tokenizer.json, vocab.json, tokenizer.model, vocab.txt, "
+        "spiece.model): copy the model's tokenizer files into it"
+    )
+    assert load_tokenizer(TINY)("12+34=").input_ids == [1, 5, 6, 14, 7, 8, 18]
+
+
+# ---- resume compares what a run cannot change -------------------------------------------------------
+def _saved_state(cfg):
+    return {"step": 3, "resume": resume_metadata(cfg)}
+
+
+def test_resume_refuses_a_changed_group_size_or_strategy_by_name():
+    saved = _saved_state(cfg_with())
+    check_resume_compatible(saved, cfg_with("optim.lr=1e-4", "trainer.max_steps=9"), "ck/step_000003")  # may change
+    with pytest.raises(ValueError) as e:
+        check_resume_compatible(saved, cfg_with("rollout.group_size=4", "pruning.strategy=greso"), "ck/step_000003")
+    assert str(e.value) == (
+        "--resume from ck/step_000003: rollout.group_size=4, but the run was trained with 8; pruning.strategy="
+        "'greso', but the run was trained with 'dppo'. A run cannot change these mid-way: resume with the run's "
+        "values, or start a new run (another trainer.run_name)"
+    )
+    check_resume_compatible({"step": 3}, cfg_with("rollout.group_size=4"), "ck")  # an older checkpoint: no record
+
+
+def test_resume_refuses_another_model_but_not_a_copy(tmp_path):
+    saved = _saved_state(cfg_with())
+    copy = tmp_path / "copy"
+    shutil.copytree(TINY, copy)
+    check_resume_compatible(saved, cfg_with(f"model.hf_dir={copy}"), "ck")  # moved or copied: the same model
+    # Same architecture and tokenizer, other weights (a fine-tune of the same base).
+    other = tmp_path / "finetune"
+    shutil.copytree(TINY, other)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v * 1.001 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError,
+        match=r"model.hf_dir=.*/finetune is not the model the run was trained from .*: "
+        r"its weights differ",
+    ):
+        check_resume_compatible(saved, cfg_with(f"model.hf_dir={other}"), "ck")
+    # Another architecture.
+    bigger = _model_dir(tmp_path, "bigger", vocab=21)
+    with pytest.raises(ValueError) as e:
+        check_resume_compatible(saved, cfg_with(f"model.hf_dir={bigger}"), "ck")
+    assert "its config.json differs (hidden_size 128 -> 64, num_hidden_layers 3 -> 4, " in str(e.value), str(e.value)
