@@ -18,7 +18,6 @@ import gc
 import json
 import math
 import os
-import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -27,12 +26,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dppo import distributed as mdist
-from megatron_dppo import packing
+from megatron_dppo import packing, preflight
 from megatron_dppo.algorithms import batch
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.algorithms.pruning import get_strategy
+from megatron_dppo.checkpoint_cadence import save_cost_line, should_save
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data import PromptDataset, PromptRenderer
 from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_validation
@@ -40,15 +40,23 @@ from megatron_dppo.process import malloc_trim, rank_prefix
 from megatron_dppo.profiling import PHASES
 from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
 from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, stack_rewards
+from megatron_dppo.run_dir import CHECKPOINTS, make_run_dir, plan_run_dir
+from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
 from megatron_dppo.run_log import RunLogger, phase_summary
+from megatron_dppo.watchdog import StallWatchdog, default_store
 
 
 class PhaseTimer:
-    def __init__(self):
+    """Seconds per phase of a step; entering a phase is progress for the stall watchdog."""
+
+    def __init__(self, watchdog=None, step=None):
         self.times = {}
+        self.watchdog, self.step = watchdog, step
 
     @contextmanager
     def __call__(self, name):
+        if self.watchdog is not None:
+            self.watchdog.phase(name, self.step)
         t0 = time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
@@ -109,7 +117,10 @@ class Trainer:
         initialize_parallel(
             pc.tp, pc.pp, seed=cfg.trainer.seed, ep=pc.ep, etp=pc.etp, timeout_minutes=pc.timeout_minutes
         )
-        self._claim_run_dir(resume, overwrite)
+        self._claim_run_dir()
+        self.watchdog = StallWatchdog(
+            cfg.trainer.stall_timeout_s, rank=self.rank, world=self.world, store=default_store()
+        ).start()
         self._place_ranks()
         self.policy = self._build_policy()
         self.strategy = get_strategy(cfg.pruning.strategy)
@@ -122,6 +133,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
+        self.watchdog.phase("load weights")
         self._load_weights(resume)
         self._check_finite("the starting weights", grads=False)
         self._sync_weights()
@@ -137,16 +149,17 @@ class Trainer:
     def _load_inputs(self, cfg: Config) -> None:
         """The model dir, tokenizer and prompts, each checked with a one-line error; prompts that
         cannot fit next to max_new_tokens are found now, naming the record."""
-        from transformers import AutoTokenizer
-
         from megatron_dppo.megatron.hf_load import check_hf_model_dir
 
         tc, rc = cfg.trainer, cfg.rollout
+        preflight.check_config(cfg)
+        self.config_warnings = preflight.config_warnings(cfg)
         if tc.threads:  # loading and the policy's build run with the configured threads too
             torch.set_num_threads(tc.threads)
         self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        self.tokenizer = preflight.load_tokenizer(cfg.model.hf_dir)
+        preflight.check_vocab(self.model_dir, self.tokenizer)
         self.renderer = PromptRenderer(
             self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
         )
@@ -189,24 +202,37 @@ class Trainer:
             threads=torch.get_num_threads(),
         )
         self.cfg = cfg
-        self.run_dir = os.path.join(cfg.trainer.output_dir, cfg.trainer.run_name)
-        self.ckpt_dir = os.path.join(self.run_dir, "checkpoints")
-        self._run_dir_taken = os.path.exists(self.run_dir) and bool(os.listdir(self.run_dir))
-        if self._run_dir_taken and not (resume or overwrite):
-            raise FileExistsError(
-                f"run dir {self.run_dir} already exists: pass --resume to continue that run, "
-                "or --overwrite to delete it and start again (or set trainer.run_name)"
+        # Every rank looks before any rank writes (rank 0 creates or replaces the dir after the ranks meet).
+        self._run_dir_plan = plan_run_dir(
+            cfg.trainer.output_dir, cfg.trainer.run_name, resume=resume, overwrite=overwrite
+        )
+        self.run_dir = self._run_dir_plan.path
+        self.ckpt_dir = os.path.join(self.run_dir, CHECKPOINTS)
+        self.resume_meta = resume_metadata(cfg)
+        if resume:
+            self._check_resumable()
+
+    def _check_resumable(self) -> None:
+        """Before anything slow: the checkpoint exists, is intact, is not past trainer.max_steps,
+        and was trained with this run's model and fixed settings."""
+        from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint
+
+        path = latest_checkpoint(self.ckpt_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
+        state = check_checkpoint(path)
+        check_resume_compatible(state, self.cfg, path)
+        if state["step"] >= self.cfg.trainer.max_steps:
+            raise ValueError(
+                f"--resume: {path} is at step {state['step']} and trainer.max_steps is "
+                f"{self.cfg.trainer.max_steps}: nothing left to run (raise trainer.max_steps to continue)"
             )
 
-    def _claim_run_dir(self, resume: bool, overwrite: bool) -> None:
+    def _claim_run_dir(self) -> None:
         self.rank, self.world = mdist.world()
         self.is_main = self.rank == 0
-        if overwrite and self._run_dir_taken and not resume:
-            if self.is_main:
-                shutil.rmtree(self.run_dir)
-            mdist.all_reduce_sum([0])  # a barrier: no rank writes into the dir before it is gone
-        if self.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
+        make_run_dir(self._run_dir_plan, self.is_main)
+        mdist.all_reduce_sum([0])  # a barrier: no rank writes into the dir before rank 0 made it
 
     def _curriculum(self):
         """AdaPrefix's per-problem prefixes (algorithm.curriculum=adaprefix), else None."""
@@ -298,7 +324,8 @@ class Trainer:
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.watchdog, step)
+        self.watchdog.phase("prompts", step)
         t_step = time.perf_counter()
         gen = step_generator(tc.seed, step)
         counts = RolloutCounts()
@@ -381,6 +408,7 @@ class Trainer:
         if self.engine_leader and mine:
             with timer("reward"):
                 part = self._score(rnd, mine, prompt_ids, outs, prefix_lens)
+        self.watchdog.phase("gather rollouts", step)
         parts = mdist.all_gather_objects(part)
         errors = [p.error for p in parts if p.error]
         if errors:
@@ -612,10 +640,13 @@ class Trainer:
         )
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self, step: int) -> None:
-        from megatron_dppo.megatron.checkpoint import save_checkpoint
+    def save(self, step: int) -> dict:
+        """Collective. -> the save's cost, as metrics."""
+        from megatron_dppo.megatron.checkpoint import checkpoint_bytes, save_checkpoint
 
-        save_checkpoint(
+        self.watchdog.phase("save", step)
+        t0 = time.perf_counter()
+        path = save_checkpoint(
             self.ckpt_dir,
             step,
             self.policy,
@@ -623,11 +654,18 @@ class Trainer:
                 "data": self.data.state_dict(),
                 "strategy": self.strategy.state_dict(),
                 "adaprefix": self.curriculum.state_dict() if self.curriculum else None,
+                "resume": self.resume_meta,
             },
             self.history,
             keep_last=self.cfg.trainer.keep_checkpoints,
             extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
         )
+        seconds = time.perf_counter() - t0
+        size = checkpoint_bytes(path) if self.is_main else 0
+        if self.is_main and not getattr(self, "_save_cost_logged", False):  # once: what a save costs
+            self.logger.message(save_cost_line(os.path.basename(path), seconds, size))
+            self._save_cost_logged = True
+        return {"time/checkpoint": seconds, "checkpoint/bytes": size}
 
     def save_hf(self, step: int) -> str:
         """<run dir>/hf/step_N/: the policy as an HF model directory (gathered from every TP/PP rank),
@@ -646,11 +684,6 @@ class Trainer:
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
         state = load_checkpoint(path, self.policy)
-        if state["step"] >= self.cfg.trainer.max_steps:
-            raise ValueError(
-                f"--resume: {path} is at step {state['step']} and trainer.max_steps is "
-                f"{self.cfg.trainer.max_steps}: nothing left to run (raise trainer.max_steps to continue)"
-            )
         self.data.load_state_dict(state["data"])
         self.strategy.load_state_dict(state.get("strategy", {}))
         if self.curriculum and state.get("adaprefix") is not None:
@@ -671,12 +704,15 @@ class Trainer:
                 f"run dir {self.run_dir}; {self.world} process(es); "
                 f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
             )
+            for line in self.config_warnings:
+                self.logger.message(line)
         if self.first_step == 1 and tc.eval_every:
             row = {"step": 0, **self.evaluate(0)}
             if len(row) > 1:
                 self.logger.log(row)
                 rows.append(row)
         self.last_step = self.first_step - 1
+        last_save = time.monotonic()
         with _stop_on_signals() as stop:
             for step in range(self.first_step, tc.max_steps + 1):
                 m = self.step(step)
@@ -685,17 +721,24 @@ class Trainer:
                 signalled = mdist.all_reduce_max([stop.requested])[0] > 0  # any rank's signal stops all
                 final = step == tc.max_steps or mdist.agree(out_of_time) or signalled
                 if tc.eval_every and (step % tc.eval_every == 0 or final) and not signalled:
+                    self.watchdog.phase("eval", step)
                     t_eval = time.perf_counter()
                     m.update(self.evaluate(step))
                     m["time/eval"] = time.perf_counter() - t_eval
-                self.logger.log(m)
-                rows.append(m)
+                self.watchdog.phase("log", step)
                 if step % 10 == 0:
                     malloc_trim()
-                if (tc.save_every and step % tc.save_every == 0) or final:
-                    self.save(step)
+                # Rank 0's clock decides (the ranks' clocks differ); save_every and final agree anyway.
+                if mdist.agree(should_save(step, time.monotonic(), last_save, tc, final)):
+                    m.update(self.save(step))
+                    last_save = time.monotonic()
                 if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
                     self.save_hf(step)
+                self.logger.log(m)
+                rows.append(m)
+                margin = self.watchdog.margin_warning()
+                if margin and self.is_main:
+                    self.logger.message(margin)
                 if signalled:
                     self.logger.message(
                         f"stopping after step {step} on {stop.name}: checkpoint saved; continue with --resume"
@@ -707,6 +750,7 @@ class Trainer:
                     break
         if self.is_main:
             self.logger.message(phase_summary(rows))
+            self.logger.message(self.watchdog.timing_line())
         self.logger.close()
         return rows
 
@@ -714,6 +758,8 @@ class Trainer:
         """Safe on a trainer whose start-up failed half-way: closes whatever was started."""
         from megatron_dppo.megatron import destroy_parallel
 
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stop()
         for part in ("scorer", "engine", "logger"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
