@@ -10,8 +10,9 @@ the tiny tokenizer beside it) once under --workdir, then in a fresh process per 
   auto   LLM(load_format="auto"): vLLM reads the checkpoint (the old start-up)
   dummy  LLM(load_format="dummy") + load_weights(the same tensors in 1 GB buckets): the new one,
          the buckets read here from the files as the policy's sync would stream them
-the seconds to a ready engine and the process's peak RSS (VmHWM), and the checkpoint bytes vLLM
-itself read (auto: all of them; dummy: none, the policy's sharded loader reads them once anyway).
+the seconds to a ready engine (and of the sync), the process's peak RSS above the weights it already
+holds (the trainer's policy holds them before its engine starts), and the checkpoint bytes vLLM itself
+read (auto: all of them; dummy: none: the policy's sharded loader has read them once anyway).
 """
 
 from __future__ import annotations
@@ -52,7 +53,23 @@ def make_model(config_path: Path, out: Path) -> int:
     return json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
 
 
+def _reset_peak() -> None:
+    """Start VmHWM again from the current RSS (Linux: writing 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def worker(model_dir: str, mode: str) -> None:
+    """Both modes first hold the weights in memory, as the trainer's policy does before its engine
+    starts; the peak is then measured from there, so it is the engine's own cost."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(REPO))
     import torch.distributed as dist
@@ -61,15 +78,20 @@ def worker(model_dir: str, mode: str) -> None:
     from megatron_dppo.rollout import RolloutEngine
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ckpt = HFCheckpoint(model_dir)
+    policy = {name: ckpt.get(name) for name in sorted(ckpt.weight_map)}  # the policy's weights, resident
+    base = _rss_mib()
+    _reset_peak()
     t0 = time.perf_counter()
     engine = RolloutEngine(
         model_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, load_format=mode
     )
-    if mode == "dummy":  # the sync: every tensor, in buckets of about 1 GB
-        ckpt = HFCheckpoint(model_dir)
+    init_s = time.perf_counter() - t0
+    sync_s = 0.0
+    if mode == "dummy":  # the sync: the resident tensors, in buckets of about 1 GiB as hf_weight_buckets
+        t1 = time.perf_counter()
         bucket, size = [], 0
-        for name in sorted(ckpt.weight_map):
-            t = ckpt.get(name)
+        for name, t in policy.items():
             bucket.append((name, t))
             size += t.numel() * t.element_size()
             if size >= 1 << 30:
@@ -77,9 +99,10 @@ def worker(model_dir: str, mode: str) -> None:
                 bucket, size = [], 0
         if bucket:
             engine.load_weights([bucket])
-    seconds = time.perf_counter() - t0
+        sync_s = time.perf_counter() - t1
     engine.generate([[1, 4, 5]], n=1, max_new_tokens=2, temperature=0.0)  # the engine works
-    print(json.dumps({"mode": mode, "seconds": seconds, "peak_rss_mib": _vm_hwm_mib()}), flush=True)
+    row = {"mode": mode, "init_s": init_s, "sync_s": sync_s, "peak_over_policy_mib": _vm_hwm_mib() - base}
+    print(json.dumps(row), flush=True)
     engine.close()
 
 
@@ -106,8 +129,9 @@ def main() -> None:
         r = rows[-1]
         read = weights if mode == "auto" else 0
         print(
-            f"{mode:5s}  ready in {r['seconds']:6.1f} s  peak RSS {r['peak_rss_mib'] / 1024:5.2f} GiB  "
-            f"checkpoint bytes read by vLLM {read / 2**30:.2f} GiB"
+            f"{mode:5s}  engine {r['init_s']:5.1f} s + sync {r['sync_s']:5.1f} s = {r['init_s'] + r['sync_s']:5.1f} s"
+            f"  peak RSS above the resident policy {r['peak_over_policy_mib'] / 1024:5.2f} GiB"
+            f"  checkpoint bytes read by vLLM {read / 2**30:.2f} GiB"
         )
 
 
