@@ -130,6 +130,11 @@ class Trainer:
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.pad_multiple = packing.thd_pad_multiple(cfg.parallel.tp, 1, cfg.parallel.sequence_parallel)
         self.engine = self._start_engine()
+        if self.method.reweighting == "reco":  # its response weight needs the sampled distribution's log-probs
+            rc = cfg.rollout
+            reco.check_logprobs_mode(
+                self.engine.logprobs_mode, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k
+            )
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1

@@ -82,6 +82,15 @@ def test_vllm_logprobs_equal_megatron_after_weight_sync():
     assert result["after_sync"] < 1e-4, result
 
 
+def test_the_engines_sampling_logprobs_are_the_sampled_distributions():
+    """What ReCo's response weight reads: with temperature 0.7 and top-p 0.9 the trainer's engine
+    mode returns the processed log-probs; vLLM's default raw ones are recognised as raw."""
+    res = run([sys.executable, str(REPO / "tests" / "dist_train" / "processed_logprobs_check.py")])
+    out = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert out["processed_logprobs"] == "processed", out
+    assert "RAW distribution" in out["raw_logprobs"], out
+
+
 def test_killed_run_resumes_and_prompt_pruning_removes_generation(tmp_path):
     # Two mini-batches (optimizer steps) per rollout batch: exercises the old-log-prob pass too.
     base = [
