@@ -66,8 +66,8 @@ def main() -> None:
     ap.add_argument("--methods", default="grpo,bppo,bppo-dppo-0.5,reco,adaprefix,ssopd,ssopd-dppo-0.5-0.5")
     args = ap.parse_args()
     root = Path(args.runs)
-    print("| method | final acc | acc on the start model's wrong problems | length first -> last 10 steps | "
-          "tokens trained / step | aux loss first -> last |")  # fmt: skip
+    head = "| method | final acc | acc on the start model's wrong problems | length first -> last 10 steps | "
+    print(head + "tokens trained / step | aux loss first -> last |")
     print("|---|---:|---:|---:|---:|---:|")
     for method in args.methods.split(","):
         runs = sorted(p for p in root.glob(f"{method}-s*") if (p / "metrics.jsonl").exists())
