@@ -184,10 +184,15 @@ def test_verify_unbiased_refuses_zero_draws_or_prompts_in_one_line(arg, message)
 def test_a_tiny_kv_cache_names_rollout_kv_cache_gb():
     """vLLM's own error advises raising gpu_memory_utilization, which does nothing here: the CPU KV
     cache is rollout.kv_cache_gb (the trainer passes it as kv_cache_memory_bytes)."""
+    import torch
+
     from megatron_dppo.rollout import RolloutEngine
 
+    set_num_threads = torch.set_num_threads
     with pytest.raises(ValueError) as e:
         RolloutEngine("examples/tiny/model", dtype="float32", max_model_len=32, kv_cache_memory_bytes=200_000)
+    # vLLM's CPU worker swaps torch.set_num_threads for a no-op; a failed start must put it back too
+    assert torch.set_num_threads is set_num_threads
     assert str(e.value) == (
         "rollout.kv_cache_gb=0.0001863 (200000 bytes) leaves vLLM's KV cache too small for one sequence of "
         "rollout.max_model_len=32 tokens (1536 bytes a token for this model; vLLM allocates whole blocks of tokens, "

@@ -158,35 +158,37 @@ class RolloutEngine:
 
         t0 = time.perf_counter()
         set_num_threads = torch.set_num_threads
-        with self.context(), _named_kv_cache_errors(model_dir, dtype, max_model_len, kv_cache_memory_bytes):
-            from vllm import LLM
+        try:
+            with self.context(), _named_kv_cache_errors(model_dir, dtype, max_model_len, kv_cache_memory_bytes):
+                from vllm import LLM
 
-            if not on_gpu and tensor_parallel_size > 1:
-                _unique_cpu_shm_names()
-            if not on_gpu:
-                # vLLM's CPU linears cache a oneDNN kernel per batch size (up to 32 per layer): RSS
-                # grew ~0.4 MB a step in RL rollouts of varying sizes (tools/soak.py; 1000 steps
-                # stay flat without it). No environment variable switches it off.
-                import vllm._custom_ops as vllm_ops
+                if not on_gpu and tensor_parallel_size > 1:
+                    _unique_cpu_shm_names()
+                if not on_gpu:
+                    # vLLM's CPU linears cache a oneDNN kernel per batch size (up to 32 per layer): RSS
+                    # grew ~0.4 MB a step in RL rollouts of varying sizes (tools/soak.py; 1000 steps
+                    # stay flat without it). No environment variable switches it off.
+                    import vllm._custom_ops as vllm_ops
 
-                vllm_ops._supports_onednn = False
+                    vllm_ops._supports_onednn = False
 
-            self.llm = LLM(
-                model=model_dir,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend=_executor_backend(tensor_parallel_size),
-                enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
-                enable_sleep_mode=self._sleep_enabled,
-                logprobs_mode=logprobs_mode,
-                use_tqdm_on_load=False,
-                **llm_kwargs,
-            )
-        torch.set_num_threads = set_num_threads
+                self.llm = LLM(
+                    model=model_dir,
+                    dtype=dtype,
+                    max_model_len=max_model_len,
+                    seed=seed,
+                    kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    tensor_parallel_size=tensor_parallel_size,
+                    distributed_executor_backend=_executor_backend(tensor_parallel_size),
+                    enforce_eager=(not on_gpu) if enforce_eager is None else enforce_eager,
+                    enable_sleep_mode=self._sleep_enabled,
+                    logprobs_mode=logprobs_mode,
+                    use_tqdm_on_load=False,
+                    **llm_kwargs,
+                )
+        finally:  # vLLM's CPU worker replaced it by a no-op, also when its start-up fails
+            torch.set_num_threads = set_num_threads
         self.init_seconds = time.perf_counter() - t0
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
