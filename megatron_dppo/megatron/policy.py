@@ -77,6 +77,18 @@ def _moe_overrides(hf_config, algorithm: AlgorithmConfig, backend: str, override
     return out
 
 
+def _experts_apart(model) -> None:
+    """Give the experts their own gradient buffers and optimizer at every EP size, as Megatron
+    does only for EP > 1 (it marks expert weights allreduce=False there): the optimizer is then
+    the same chain (dense, experts) at any EP, so a checkpoint saved at EP=2 resumes at EP=1 and
+    back (a single optimizer's state keys and layout differ from a chain's). The experts' gradients
+    are then reduced over the expert-data-parallel group, which at EP=1 (and expert-TP 1) is the
+    dense data-parallel group times TP: the ranks whose tokens reach a replica of the expert."""
+    for name, p in model.named_parameters():
+        if mapping.expert_index(name) is not None:
+            p.allreduce = False
+
+
 class MegatronPolicy:
     """One rank's share of the policy (and optional frozen reference) model."""
 
@@ -114,6 +126,8 @@ class MegatronPolicy:
         self.vocab_size = hf_config.vocab_size
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
         dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
+        if is_moe(hf_config):
+            _experts_apart(model)
         self.model, self.optimizer, self.scheduler = wrap_for_training(
             model, optim, params_dtype=params_dtype, distributed_optimizer=dist_opt
         )

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from grad_check import B, G, MAX_NEW, make_problem, my_microbatches, reference_grads  # noqa: E402
+from grad_check import MAX_NEW, B, G, make_problem, my_microbatches, reference_grads  # noqa: E402
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
 from megatron_dppo.algorithms import losses  # noqa: E402
@@ -108,7 +108,12 @@ def main():
     loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28)
     samples, lengths, w_q, _ = make_problem(model, 0.5, 0.5, seed=7)
     denom = losses.full_batch_denominator(
-        loss_cfg.loss_agg, num_prompts=B, group_size=G, completion_lengths=lengths, prompt_weight=w_q, max_response_length=MAX_NEW
+        loss_cfg.loss_agg,
+        num_prompts=B,
+        group_size=G,
+        completion_lengths=lengths,
+        prompt_weight=w_q,
+        max_response_length=MAX_NEW,
     )
     z_by_capacity, aux_by_capacity, checked = {}, {}, 0
     for dist_opt in (False, True):
@@ -124,6 +129,8 @@ def main():
         }
         for p in policies.values():
             p.load_hf_state_dict(weights)
+            # dense and expert weights apart at every EP (checkpoints resume across EP sizes)
+            assert len(p.optimizer.chained_optimizers) == 2 and p.model.expert_parallel_buffers
         for capacity in (10_000, 24):  # one micro-batch per rank, then several
             mbs = my_microbatches(samples, capacity, dp_rank, dp_size)
             ref_loss, _, _, ref_imb, ref = reference(model, samples, loss_cfg, denom, capacity, dp_size)
@@ -159,6 +166,14 @@ def main():
                     flush=True,
                 )
     assert checked == 4
+    # A non-finite expert weight is named by its global expert number: EP rank r's local expert 1
+    # is expert r * 8 / ep + 1.
+    p = policies[(0.0, 0.0)]
+    name = "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"
+    with torch.no_grad():
+        dict(p.model.module.named_parameters())[name][0, 0] = float("nan")
+    expert = ps.get_expert_model_parallel_rank() * 8 // args.ep + 1
+    assert p.non_finite() == [f"decoder.layers.2.mlp.experts.local_experts.{expert}.linear_fc2.weight"], p.non_finite()
     assert close(z_by_capacity[10_000], z_by_capacity[24])  # a token mean over the update
     assert not close(aux_by_capacity[10_000], aux_by_capacity[24], 1e-3)  # a Switch loss per micro-batch
     if rank0:
