@@ -4,6 +4,13 @@ DP-reduced gradients under HF names (the layout tests compare them with a refere
 
 A "unit" is the embedding, one decoder layer, or the head (final norm + output layer): streaming
 by unit keeps a large model's export from ever holding the whole model on one rank.
+
+Mixture-of-experts layers: an expert is split over the expert-tensor-parallel group (never over
+TP) and lives on one expert-parallel rank (rank r's local expert e is global expert r E/ep + e),
+so the export merges it over expert-TP and all-gathers it over EP: every rank, and so every vLLM
+engine, gets all experts of the unit, under per-expert HF names (mlp.experts.E.*_proj), which
+vLLM's Qwen3-MoE loader reads. The router and the norms are replicated. Gradients: the DDP
+reduces the experts' over the expert-data-parallel group (expert_parallel_buffers).
 """
 
 from __future__ import annotations
