@@ -42,7 +42,8 @@ def test_make_tiny_moe_is_deterministic(moe_dir, tmp_path):
     again = Path(make_tiny_moe.build(str(tmp_path / "again")))
     assert (again / "model.safetensors").read_bytes() == (moe_dir / "model.safetensors").read_bytes()
     config = json.loads((moe_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_local_experts"] == 4  # transformers 5 writes num_experts so
+    # transformers 5 writes num_experts as num_local_experts
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["num_local_experts"] == 4
 
 
 @pytest.mark.parametrize("ep", [1, 2])
