@@ -3,7 +3,7 @@
 tests/dist_step/moe_grad_check.py: the weights' load and export round trip (at expert-TP 2 too);
 the DPPO gradient of a tiny Qwen3 MoE (hf_grads: experts
 gathered over EP, reduced over expert DP, with and without the distributed optimizer) equals
-transformers' at EP=1, EP=2 (dense DP=2) and DP=2 with replicated experts, and with recomputation;
+transformers' at EP=1, EP=2 (dense DP=2), DP=2 with replicated experts, PP=2 and with recomputation;
 the router terms (algorithm.moe_aux_loss_coeff / moe_z_loss_coeff) equal an independent
 computation from transformers' router logits, and with both off the policy gradient is bitwise
 the dense code path's. tests/dist_train/moe_sync_check.py: after a weight sync vLLM's log-probs
@@ -26,8 +26,8 @@ import make_tiny_moe  # noqa: E402
 
 @pytest.mark.parametrize(
     "nproc,args",
-    [(1, []), (2, ["--ep", "2"]), (2, ["--ep", "1"]), (1, ["--recompute", "selective"])],
-    ids=["ep1", "ep2-dp2", "dp2-replicated-experts", "ep1-selective-recompute"],
+    [(1, []), (2, ["--ep", "2"]), (2, ["--ep", "1"]), (2, ["--pp", "2"]), (1, ["--recompute", "selective"])],
+    ids=["ep1", "ep2-dp2", "dp2-replicated-experts", "pp2", "ep1-selective-recompute"],
 )
 def test_moe_gradient_and_router_terms_equal_reference(torchrun, nproc, args):
     out = torchrun(GRAD, nproc, *args)
