@@ -98,6 +98,75 @@ def close(a: float, b: float, rel: float = TOL) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
+def build_policies(cfg, weights, loss_cfg, args, dist_opt) -> dict:
+    """{(aux, z) coefficients: policy} with the HF weights loaded; checks their round trip."""
+    policies = {
+        coeffs: MegatronPolicy(
+            cfg,
+            OptimConfig(lr=1e-3),
+            AlgorithmConfig(**{**vars(loss_cfg), "moe_aux_loss_coeff": coeffs[0], "moe_z_loss_coeff": coeffs[1]}),
+            recompute=args.recompute,
+            distributed_optimizer=dist_opt,
+        )
+        for coeffs in ((0.0, 0.0), (AUX, Z))
+    }
+    for p in policies.values():
+        p.load_hf_state_dict(weights)
+        # dense and expert weights apart at every EP (checkpoints resume across EP sizes)
+        assert len(p.optimizer.chained_optimizers) == 2 and p.model.expert_parallel_buffers
+        # loaded into this rank's shard and exported (merged over expert-TP, gathered over EP): bitwise
+        exported = p.hf_state_dict()
+        assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+    return policies
+
+
+def check_case(policies, model, problem, capacity, dp_rank, dp_size) -> tuple[dict, str]:
+    """Checks 1 and 2 of the module docstring for one micro-batching; (metrics with the terms on,
+    a line saying what was measured)."""
+    samples, loss_cfg, denom = problem
+    mbs = my_microbatches(samples, capacity, dp_rank, dp_size)
+    ref_loss, _, _, ref_imb, ref = reference(model, samples, loss_cfg, denom, capacity, dp_size)
+    off = policies[(0.0, 0.0)]
+    m0 = off.forward_backward(mbs, denom)
+    g0 = off.hf_grads()
+    err0 = rel_err(g0, ref)
+    assert err0 < TOL and abs(m0["loss"] - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (err0, m0, ref_loss)
+    assert m0["moe_aux_loss"] == 0.0 and m0["moe_z_loss"] == 0.0, m0
+    assert close(m0["moe_load_imbalance"], ref_imb), (m0["moe_load_imbalance"], ref_imb)
+    # The dense code path (router_stats None: no padding mask, no hooks) gives the same bits.
+    stats, off.router_stats = off.router_stats, None
+    off.forward_backward(mbs, denom)
+    plain = off.hf_grads()
+    off.router_stats = stats
+    assert all(torch.equal(plain[n], g0[n]) for n in g0), "router terms off changed the policy gradient"
+
+    _, ref_aux, ref_z, _, ref_on = reference(model, samples, loss_cfg, denom, capacity, dp_size, AUX, Z)
+    m1 = policies[(AUX, Z)].forward_backward(mbs, denom)
+    err1 = rel_err(policies[(AUX, Z)].hf_grads(), ref_on)
+    moved = rel_err(g0, ref_on)  # how far the terms move the gradient: the check can fail
+    assert err1 < TOL < moved, (capacity, err1, moved)
+    assert close(m1["moe_aux_loss"], ref_aux) and close(m1["moe_z_loss"], ref_z), (m1, ref_aux, ref_z)
+    assert close(m1["loss"], m0["loss"]), "the reported policy loss must not include the router terms"
+    line = (
+        f"micro-batches/rank={len(mbs)}: off rel.grad.err={err0:.2e}, on rel.grad.err={err1:.2e} "
+        f"(terms move it {moved:.2e}); aux={m1['moe_aux_loss']:.6e} (ref {ref_aux:.6e}) "
+        f"z={m1['moe_z_loss']:.6e} (ref {ref_z:.6e}) imbalance={m0['moe_load_imbalance']:.4f}"
+    )
+    return m1, line
+
+
+def check_non_finite_names(policy, ps, args) -> None:
+    """A non-finite expert weight is named by its global layer and expert numbers: EP rank r's
+    local expert 1 is expert r * 8 / ep + 1; a stage's local layer L is layer L + stage * 4 / pp."""
+    params = dict(policy.model.module.named_parameters())
+    name = next(n for n in params if n.endswith("local_experts.1.linear_fc2.weight"))
+    with torch.no_grad():
+        params[name][0, 0] = float("nan")
+    layer = int(name.split(".")[2]) + ps.get_pipeline_model_parallel_rank() * 4 // args.pp
+    expert = ps.get_expert_model_parallel_rank() * 8 // args.ep + 1
+    assert policy.non_finite() == [f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
@@ -121,25 +190,9 @@ def main():
         prompt_weight=w_q,
         max_response_length=MAX_NEW,
     )
-    z_by_capacity, aux_by_capacity, checked = {}, {}, 0
+    by_capacity = {}
     for dist_opt in (False, True):
-        policies = {
-            coeffs: MegatronPolicy(
-                cfg,
-                OptimConfig(lr=1e-3),
-                AlgorithmConfig(**{**vars(loss_cfg), "moe_aux_loss_coeff": coeffs[0], "moe_z_loss_coeff": coeffs[1]}),
-                recompute=args.recompute,
-                distributed_optimizer=dist_opt,
-            )
-            for coeffs in ((0.0, 0.0), (AUX, Z))
-        }
-        for p in policies.values():
-            p.load_hf_state_dict(weights)
-            # dense and expert weights apart at every EP (checkpoints resume across EP sizes)
-            assert len(p.optimizer.chained_optimizers) == 2 and p.model.expert_parallel_buffers
-            # loaded into this rank's shard and exported (merged over expert-TP, gathered over EP): bitwise
-            exported = p.hf_state_dict()
-            assert exported.keys() == weights.keys() and all(torch.equal(exported[k], weights[k]) for k in weights)
+        policies = build_policies(cfg, weights, loss_cfg, args, dist_opt)
         if args.etp > 1:
             # Training at expert-TP 2 needs the dispatcher's all-gather of uneven token counts over
             # the expert-TP group, which gloo refuses (CPU): only the weights' round trip here.
@@ -148,49 +201,15 @@ def main():
             destroy_parallel()
             return
         for capacity in (10_000, 24):  # one micro-batch per rank, then several
-            mbs = my_microbatches(samples, capacity, dp_rank, dp_size)
-            ref_loss, _, _, ref_imb, ref = reference(model, samples, loss_cfg, denom, capacity, dp_size)
-            off = policies[(0.0, 0.0)]
-            m0 = off.forward_backward(mbs, denom)
-            g0 = off.hf_grads()
-            err0 = rel_err(g0, ref)
-            assert err0 < TOL and abs(m0["loss"] - ref_loss) <= TOL * max(1.0, abs(ref_loss)), (err0, m0, ref_loss)
-            assert m0["moe_aux_loss"] == 0.0 and m0["moe_z_loss"] == 0.0, m0
-            assert close(m0["moe_load_imbalance"], ref_imb), (m0["moe_load_imbalance"], ref_imb)
-            # The dense code path (router_stats None: no padding mask, no hooks) gives the same bits.
-            stats, off.router_stats = off.router_stats, None
-            off.forward_backward(mbs, denom)
-            plain = off.hf_grads()
-            off.router_stats = stats
-            assert all(torch.equal(plain[n], g0[n]) for n in g0), "router terms off changed the policy gradient"
-
-            _, ref_aux, ref_z, _, ref_on = reference(model, samples, loss_cfg, denom, capacity, dp_size, AUX, Z)
-            m1 = policies[(AUX, Z)].forward_backward(mbs, denom)
-            err1 = rel_err(policies[(AUX, Z)].hf_grads(), ref_on)
-            moved = rel_err(g0, ref_on)  # how far the terms move the gradient: the check can fail
-            assert err1 < TOL < moved, (dist_opt, capacity, err1, moved)
-            assert close(m1["moe_aux_loss"], ref_aux) and close(m1["moe_z_loss"], ref_z), (m1, ref_aux, ref_z)
-            assert close(m1["loss"], m0["loss"]), "the reported policy loss must not include the router terms"
-            z_by_capacity[capacity], aux_by_capacity[capacity] = m1["moe_z_loss"], m1["moe_aux_loss"]
-            checked += 1
+            m1, line = check_case(policies, model, (samples, loss_cfg, denom), capacity, dp_rank, dp_size)
+            by_capacity.setdefault(capacity, []).append(m1)
             if rank0:
-                print(
-                    f"ok ep={args.ep} dp={dp_size} recompute={args.recompute} dist_opt={dist_opt} "
-                    f"micro-batches/rank={len(mbs)}: off rel.grad.err={err0:.2e}, on rel.grad.err={err1:.2e} "
-                    f"(terms move it {moved:.2e}); aux={m1['moe_aux_loss']:.6e} (ref {ref_aux:.6e}) "
-                    f"z={m1['moe_z_loss']:.6e} (ref {ref_z:.6e}) imbalance={m0['moe_load_imbalance']:.4f}",
-                    flush=True,
-                )
-    assert checked == 4
-    # A non-finite expert weight is named by its global layer and expert numbers: EP rank r's local
-    # expert 1 is expert r * 8 / ep + 1; a stage's local layer L is layer L + stage * 4 / pp.
-    p = policies[(0.0, 0.0)]
-    name = next(n for n, _ in p.model.module.named_parameters() if n.endswith("local_experts.1.linear_fc2.weight"))
-    with torch.no_grad():
-        dict(p.model.module.named_parameters())[name][0, 0] = float("nan")
-    layer = int(name.split(".")[2]) + ps.get_pipeline_model_parallel_rank() * 4 // args.pp
-    expert = ps.get_expert_model_parallel_rank() * 8 // args.ep + 1
-    assert p.non_finite() == [f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc2.weight"]
+                print(f"ok ep={args.ep} dp={dp_size} recompute={args.recompute} dist_opt={dist_opt} {line}", flush=True)
+    assert sum(map(len, by_capacity.values())) == 4
+    one, several = by_capacity[10_000][0], by_capacity[24][0]
+    assert close(one["moe_z_loss"], several["moe_z_loss"])  # a token mean over the update
+    assert not close(one["moe_aux_loss"], several["moe_aux_loss"], 1e-3)  # a Switch loss per micro-batch
+    check_non_finite_names(policies[(0.0, 0.0)], ps, args)
     if rank0:
         print("MOE GRAD CHECK PASSED")
     destroy_parallel()
