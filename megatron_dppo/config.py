@@ -128,6 +128,10 @@ class AlgorithmConfig:
     adaprefix: AdaPrefixConfig = field(default_factory=AdaPrefixConfig)
     aux: AuxLoss = "none"  # ssopd: + coef * the self-distillation loss
     ssopd: SSOPDConfig = field(default_factory=SSOPDConfig)
+    # Mixture-of-experts router terms (Megatron's), 0 = off as RL recipes run them; each is a mean
+    # over the update's tokens, outside DPPO's reweighting (docs/algorithm.md, "Mixture of experts").
+    moe_aux_loss_coeff: float = 0.0  # Switch load-balancing loss per micro-batch, summed over MoE layers
+    moe_z_loss_coeff: float = 0.0  # router z-loss (logsumexp of the router logits, squared)
 
 
 @dataclass
@@ -343,6 +347,8 @@ def validate(cfg: Config) -> Config:
         ("algorithm.clip_high", a.clip_high >= 0, "a number >= 0"),
         ("algorithm.kl_coef", a.kl_coef >= 0, "a number >= 0"),
         ("algorithm.max_resample_rounds", a.max_resample_rounds >= 0, "an integer >= 0"),
+        ("algorithm.moe_aux_loss_coeff", a.moe_aux_loss_coeff >= 0, "a number >= 0 (0 = off)"),
+        ("algorithm.moe_z_loss_coeff", a.moe_z_loss_coeff >= 0, "a number >= 0 (0 = off)"),
         ("reward.timeout_s", c.reward.timeout_s > 0, "a number of seconds > 0"),
         ("reward.num_workers", c.reward.num_workers >= 1, "an integer >= 1"),
         ("reward.max_error_frac", 0 <= c.reward.max_error_frac <= 1, "a fraction in [0, 1]"),

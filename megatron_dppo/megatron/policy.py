@@ -30,7 +30,9 @@ from megatron_dppo.megatron.attention_backend import attention_choice
 from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
 from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
 from megatron_dppo.megatron.model import build_gpt_model, current_device
+from megatron_dppo.megatron.moe import is_moe
 from megatron_dppo.megatron.optimizer import wrap_for_training
+from megatron_dppo.megatron.router_stats import RouterStats, padding_mask
 
 
 def _config_overrides(backend: str, tp_size: int, pp_size: int, sequence_parallel: bool, recompute: str) -> dict:
@@ -55,6 +57,36 @@ def _config_overrides(backend: str, tp_size: int, pp_size: int, sequence_paralle
         # model, where it is unused.)
         overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     return overrides
+
+
+def _moe_overrides(hf_config, algorithm: AlgorithmConfig, backend: str, overrides: dict) -> dict:
+    """A mixture-of-experts model's router terms (their per-update scale: megatron/router_stats.py)
+    and the MoE module of selective recomputation; {} for a dense model."""
+    if not is_moe(hf_config):
+        return {}
+    out = dict(
+        moe_aux_loss_coeff=algorithm.moe_aux_loss_coeff,
+        # None, not 0: Megatron computes (and logs divided by) any non-None z coefficient.
+        moe_z_loss_coeff=algorithm.moe_z_loss_coeff or None,
+    )
+    if overrides.get("recompute_granularity") == "selective":
+        # Megatron's "mlp" skips MoE layers. "moe_act" (TE grouped GEMM only) recomputes each
+        # expert's SwiGLU, keeping fc1's output; the local spec's SequentialMLP has no such hook,
+        # so there the whole MoE layer is recomputed ("moe": router, all-to-all and experts again).
+        out["recompute_modules"] = [*overrides["recompute_modules"], "moe_act" if backend == "te" else "moe"]
+    return out
+
+
+def _experts_apart(model) -> None:
+    """Give the experts their own gradient buffers and optimizer at every EP size, as Megatron
+    does only for EP > 1 (it marks expert weights allreduce=False there): the optimizer is then
+    the same chain (dense, experts) at any EP, so a checkpoint saved at EP=2 resumes at EP=1 and
+    back (a single optimizer's state keys and layout differ from a chain's). The experts' gradients
+    are then reduced over the expert-data-parallel group, which at EP=1 (and expert-TP 1) is the
+    dense data-parallel group times TP: the ranks whose tokens reach a replica of the expert."""
+    for name, p in model.named_parameters():
+        if mapping.expert_index(name) is not None:
+            p.allreduce = False
 
 
 class MegatronPolicy:
@@ -87,15 +119,23 @@ class MegatronPolicy:
         )
         self.attention_backend = backend = self.attention.backend
         overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute)
+        overrides.update(_moe_overrides(hf_config, algorithm, backend, overrides))
         build = dict(params_dtype=params_dtype, attention=backend, thd_attention=thd_attention, **overrides)
         model = build_gpt_model(hf_config, **build)
         self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
         self.vocab_size = hf_config.vocab_size
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
         dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
+        if is_moe(hf_config):
+            _experts_apart(model)
         self.model, self.optimizer, self.scheduler = wrap_for_training(
             model, optim, params_dtype=params_dtype, distributed_optimizer=dist_opt
         )
+        # The router terms' scale and the routing statistics of every update (MoE models).
+        self.router_stats = None
+        if is_moe(hf_config):
+            sp = bool(overrides.get("sequence_parallel"))
+            self.router_stats = RouterStats(model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, sp)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, **build)
@@ -143,8 +183,10 @@ class MegatronPolicy:
         # On CPU, the shim's device-rewriting mode runs Python on every torch call; the built
         # model's forward allocates nothing on "cuda", so it runs without it (8% of an addition
         # step's forward_backward, tools/bench_packing.py --sections profile). No-op on GPUs.
+        # An MoE model's routers leave padding out of their auxiliary terms and statistics.
+        moe = {"padding_mask": padding_mask(batch).to(dev)} if self.router_stats is not None else {}
         with suspend_cpu_compat():
-            output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp)
+            output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp, **moe)
         loss = partial(
             micro_batch_loss,
             batch,
@@ -187,7 +229,14 @@ class MegatronPolicy:
         """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        return reduce_reports(self._run(self.model, microbatches, "train", denominator=denominator)).as_dict()
+        if self.router_stats is None:
+            return reduce_reports(self._run(self.model, microbatches, "train", denominator=denominator)).as_dict()
+        # MoE: the router terms scaled to this update's tokens; their values and the expert load
+        # reported beside the policy loss (train/moe_aux_loss, train/moe_z_loss, train/moe_load_imbalance)
+        self.router_stats.set_coefficients(microbatches)
+        with self.router_stats.recording():
+            reports = self._run(self.model, microbatches, "train", denominator=denominator)
+        return {**reduce_reports(reports).as_dict(), **self.router_stats.reduce()}
 
     def optimizer_step(self) -> dict:
         ok, grad_norm, _ = self.optimizer.step()

