@@ -192,8 +192,9 @@ def moe_layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str, et
       4 k f_e        SwiGLU input [gate; up], its output (the routing weight's backward), fc2 input
       (all x MOE_IMBALANCE: the busiest expert rank receives more than its share)
       2 E fp32       the router's logits and probabilities
-    With sequence parallel each TP rank routes its T / tp tokens. Megatron's selective recompute
-    ("mlp" module) skips MoE layers, so `selective` keeps all of it; `full` keeps the layer input."""
+    With sequence parallel each TP rank routes its T / tp tokens. `selective` recomputes the experts'
+    activation ("moe_act" on the TE path, megatron/policy.py): fc1's output stays, the SwiGLU
+    output and fc2's input (2 k f_e) are rebuilt one layer at a time; `full` keeps the layer input."""
     h, d, nq, nkv = arch.hidden, arch.head_dim, arch.heads, arch.kv_heads
     split = tp if sp else 1
     rep = 4 * h / split
@@ -203,6 +204,9 @@ def moe_layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str, et
     full = rep + attn + moe
     if recompute == "full":
         return {"kept": h / split, "work": full}
+    if recompute == "selective":
+        rebuilt = 2 * k * arch.moe_ffn * MOE_IMBALANCE / split
+        return {"kept": full - rebuilt, "work": rebuilt}
     return {"kept": full, "work": 0.0}
 
 

@@ -35,6 +35,14 @@ ARCHITECTURE_FIELDS = (
     "intermediate_size",
     "vocab_size",
     "tie_word_embeddings",
+    # mixture of experts (absent from a dense config.json: None on both sides)
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp_only_layers",
+    "decoder_sparse_step",
 )
 _TOKENIZER_FILES = (
     "tokenizer.json",
