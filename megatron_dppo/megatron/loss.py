@@ -88,62 +88,62 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     mask = batch.loss_mask.to(dev).flatten() > 0
     n_tokens = mask.sum().to(torch.int)
     if mode.startswith("logprob"):
-        out = {"logp": logp.detach().view(batch.labels.shape)}
-        if mode == "logprob+gini":
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-            rows = logits.detach().reshape(-1, logits.size(-1))
-            gini = reco.gini_impurity(
-                rows,
-                vocab_size=vocab_size,
-                temperature=temperature,
-                group=tp_group if parallel_state.get_tensor_model_parallel_world_size() > 1 else None,
-            )
-            out["gini"] = gini.view(batch.labels.shape)
-        return logp.sum() * 0.0, n_tokens, out
+        return logp.sum() * 0.0, n_tokens, _logprob_outputs(batch, logits, logp, mode, vocab_size, temperature)
 
     def picked(t):
         return t.to(dev).flatten()[mask]
 
-    seq_index = picked(batch.seq_index)
     # No old log-probs: the batch is trained right after it was generated, in one optimizer step,
     # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
     # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs the
     # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
     old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
-    a = algorithm
-    if a.reweighting == "reco" and a.reco.token_scale != "none":
-        token_loss, stats = _reco_token_loss(a, logp[mask], old_logp, picked(batch.advantages), batch, picked)
-    else:
-        token_loss, stats = losses.policy_loss(
-            logp[mask],
-            old_logp,
-            picked(batch.advantages),
-            clip_low=a.clip_low,
-            clip_high=a.clip_high,
-            ratio_type=a.ratio_type,
-            seq_index=seq_index,
-            num_seqs=batch.num_seqs,
-            ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
-        )
+    token_loss, stats = _token_loss(algorithm, logp[mask], old_logp, batch, picked)
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
-    coef = losses.token_coefficients(seq_index, seq_weight, seq_len, a.loss_agg, denominator)
+    coef = losses.token_coefficients(picked(batch.seq_index), seq_weight, seq_len, algorithm.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
     report = _report(loss, n_tokens, logp[mask], old_logp, stats)
-    for key in ("aux_loss", "aux_div_sum", "aux_positions"):
-        report[key] = torch.zeros((), dtype=torch.float64, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    report.update(aux_loss=zero, aux_div_sum=zero, aux_positions=zero)
     gap = (logp[mask].detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
-    report["rollout_gap_sum"] = (
-        gap.double().sum() if gap is not None else torch.zeros((), dtype=torch.float64, device=dev)
-    )
-    report["rollout_gap_tokens"] = (
-        n_tokens.double() if gap is not None else torch.zeros((), dtype=torch.float64, device=dev)
-    )
+    report["rollout_gap_sum"] = gap.double().sum() if gap is not None else zero
+    report["rollout_gap_tokens"] = n_tokens.double() if gap is not None else zero
     report["entropy_sum"] = entropy_sum(
         logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
     )
     return loss, n_tokens, report
+
+
+def _logprob_outputs(batch, logits, logp, mode: str, vocab_size: int, temperature: float) -> dict:
+    """The log-prob pass's outputs: per-position log-probs, and with "logprob+gini" ReCo's impurity."""
+    out = {"logp": logp.detach().view(batch.labels.shape)}
+    if mode == "logprob+gini":
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rows = logits.detach().reshape(-1, logits.size(-1))
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        gini = reco.gini_impurity(rows, vocab_size=vocab_size, temperature=temperature, group=group)
+        out["gini"] = gini.view(batch.labels.shape)
+    return out
+
+
+def _token_loss(a, logp, old_logp, batch, picked):
+    """The per-token policy loss of the loss tokens: ReCo's surrogate, or the clipped surrogate
+    (GRPO / DAPO / GSPO settings) with its KL term."""
+    if a.reweighting == "reco" and a.reco.token_scale != "none":
+        return _reco_token_loss(a, logp, old_logp, picked(batch.advantages), batch, picked)
+    return losses.policy_loss(
+        logp,
+        old_logp,
+        picked(batch.advantages),
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        ratio_type=a.ratio_type,
+        seq_index=picked(batch.seq_index),
+        num_seqs=batch.num_seqs,
+        ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+    )
 
 
 def _aux_loss(batch, logits, cfg, vocab_size: int):
