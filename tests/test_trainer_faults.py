@@ -9,21 +9,12 @@ import time
 from pathlib import Path
 
 import psutil
+from test_trainer import SMALL as TRAINER_SMALL
 
 from megatron_dppo.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = [
-    "trainer.prompts_per_step=8",
-    "rollout.group_size=4",
-    "data.train_size=8",
-    "trainer.eval_every=0",
-    "logging.wandb=disabled",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "trainer.threads=1",
-    "trainer.max_time_s=0",
-]
+SMALL = [*TRAINER_SMALL, "data.train_size=8"]  # test_trainer's small runs, one batch of prompts
 
 
 def train_cmd(out, name, *overrides, nproc=1, resume=False):
