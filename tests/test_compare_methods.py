@@ -70,6 +70,18 @@ def test_every_method_is_planned_and_its_config_is_valid(capsys):
     )
 
 
+@pytest.mark.parametrize("config", ["examples/tiny/addition.yaml", "examples/tiny/longtail.yaml"])
+def test_the_seed_methods_are_planned_with_their_task_settings(capsys, config):
+    """BPPO, ReCo, AdaPrefix, SSOPD (and BPPO / SSOPD with DPPO) on both tiny tasks: every config valid,
+    AdaPrefix's reference and step boundaries the task's own."""
+    assert cm.main(["--config", config, "--dry-run", "--methods", cm.SEED_METHOD_NAMES]) == 0
+    out = capsys.readouterr().out
+    assert "14 runs (7 methods x 2 seeds), all configs valid" in out
+    ada = next(line for line in out.splitlines() if line.startswith("adaprefix-s0 "))
+    key = "data.solution_key=answer" if "addition" in config else "data.solution_key=solution"
+    assert key in ada and "algorithm.curriculum=adaprefix" in ada
+
+
 def test_methods_resolve_to_what_their_names_say():
     grpo = _resolved("grpo")
     # The YAML's own choices (DPPO 0.5/0.5, clip_high 0.28, a time budget) are reset to GRPO's.

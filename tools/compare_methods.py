@@ -306,6 +306,12 @@ def select_methods(spec: str | None) -> list[dict]:
     return chosen
 
 
+def task_overrides(m: dict, config: str) -> dict:
+    """A method's settings for this task's data and tokenizer ("by_task", keyed by the config's name)."""
+    by_task = m.get("by_task", {})
+    return {**by_task.get("*", {}), **by_task.get(Path(config).stem, {})}
+
+
 def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> list[Run]:
     """Seed 0 in table order, seed 1 in reverse, seed 2 in order, ...: interleaved, so that with
     --parallel 2 each method gets different partners and GRPO runs both early and late."""
@@ -314,8 +320,7 @@ def plan_runs(args, methods: list[dict], seeds: list[int], out_dir: Path) -> lis
     for k, seed in enumerate(seeds):
         ordered = methods if k % 2 == 0 else list(reversed(methods))
         for m in ordered:
-            by_task = m.get("by_task", {})
-            task = {**by_task.get("*", {}), **by_task.get(Path(args.config).stem, {})}
+            task = task_overrides(m, args.config)
             ov = overrides_list(COMMON) + overrides_list(m["overrides"]) + overrides_list(task) + overrides_list(budget)
             if args.quick:
                 ov += overrides_list(m.get("quick", {}))
@@ -687,7 +692,7 @@ def time_to_target(curve: list[tuple], target: float):
     return None
 
 
-def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_steps: int) -> dict:
+def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_steps: int, config: str = "") -> dict:
     from megatron_dppo.profiling import PHASES
 
     by_method = {m["name"]: [r for r in per_run if r["method"] == m["name"] and r["finished"]] for m in methods}
@@ -710,7 +715,7 @@ def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_st
             {
                 "method": m["name"],
                 "label": m["label"],
-                "overrides": overrides_list(m["overrides"]),
+                "overrides": overrides_list({**m["overrides"], **task_overrides(m, config)}),
                 "seeds_finished": sorted(r["seed"] for r in rs),
                 "seeds_planned": seeds,
                 "train_time_s": _mean([r["train_time_s"] for r in rs]),
@@ -1103,7 +1108,7 @@ def report(args, methods, seeds, runs, out_dir: Path, exec_info: dict | None) ->
 
     cfg = load_config(args.config, runs[0].overrides)
     per_run = [x for x in (summarize_run(r, max_steps) for r in runs) if x is not None]
-    result = aggregate(methods, per_run, seeds, max_steps)
+    result = aggregate(methods, per_run, seeds, max_steps, config=args.config)
     result["settings"] = {
         "config": os.path.relpath(args.config, REPO) if args.config.startswith(str(REPO)) else args.config,
         "steps": max_steps,
