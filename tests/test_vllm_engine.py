@@ -134,6 +134,24 @@ def test_sampling_seeds_n_and_raw_logprobs(engine, tiny):
     assert len({request_seed(7, i) + k for i in range(100) for k in range(16)}) == 1600
 
 
+def test_seeded_prompts_beyond_one_scheduler_step(engine, tiny):
+    """More prompt tokens than one vLLM step admits (4096 on CPU): with chunked prefill on, the
+    prompt that straddles the budget is split and vLLM's CPU runner fails it ("CPU Generator does
+    not use offset", seen first with AdaPrefix's hinted prompts). Queued whole, each prompt still
+    samples from its own seed: the same tokens as when it is generated alone. The prompts are
+    distinct random tokens: shared 32-token prefixes would hit vLLM's prefix cache within the step
+    and shrink its prefill below the budget."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 60, (192, 36), generator=gen).tolist()  # 6912 prompt tokens
+    seeds = [request_seed(7, i) for i in range(len(prompts))]
+    out = engine.generate(prompts, n=1, max_new_tokens=8, temperature=1.0, seeds=seeds)
+    assert [len(r) for r in out] == [1] * len(prompts)
+    for i in (0, 120, 191):
+        alone = engine.generate([prompts[i]], n=1, max_new_tokens=8, temperature=1.0, seeds=[seeds[i]])[0]
+        assert alone[0].token_ids == out[i][0].token_ids
+    assert _max_err(tiny["old"], prompts[:16], [r[0] for r in out[:16]], temperature=1.0) < 1e-4
+
+
 def test_load_weights_syncs_new_weights(engine, tiny):
     old, new = tiny["old"], tiny["new"]
     before = engine.generate([LONG], n=1, max_new_tokens=16, temperature=0.0)[0][0]  # caches LONG's prefix

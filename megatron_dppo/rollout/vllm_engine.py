@@ -103,6 +103,22 @@ def _named_kv_cache_errors(model_dir: str, dtype: str, max_model_len: int, kv_by
         ) from None
 
 
+def _cpu_whole_prefills(llm_kwargs: dict, max_model_len: int, tensor_parallel_size: int) -> dict:
+    """vLLM's CPU runner fails a seeded request whose prefill is split over two scheduler steps
+    ("CPU Generator does not use offset": it rewinds the request's generator, which only CUDA
+    generators allow). Every rollout request is seeded, and a split happens as soon as one step's
+    prompts exceed the token budget (4096 per CPU rank: 256 prompts of 17 tokens). Without chunked
+    prefill the scheduler admits whole prompts only and queues the rest to the next step."""
+    if "enable_chunked_prefill" in llm_kwargs:
+        return llm_kwargs
+    cpu_default_budget = 4096 * tensor_parallel_size  # vLLM's CPU default for the LLM class
+    return {
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(cpu_default_budget, max_model_len),
+        **llm_kwargs,
+    }
+
+
 class RolloutEngine:
     """vLLM for rollouts, colocated with the trainer. See the module docstring.
 
@@ -171,6 +187,7 @@ class RolloutEngine:
                     import vllm._custom_ops as vllm_ops
 
                     vllm_ops._supports_onednn = False
+                    llm_kwargs = _cpu_whole_prefills(llm_kwargs, max_model_len, tensor_parallel_size)
 
                 self.llm = LLM(
                     model=model_dir,
