@@ -74,6 +74,14 @@ class BPPOConfig:
                 ),
             ],
         )
+        if self.schedule == "waves":
+            # next_wave holds the rule; the trainer's rollout draws every group whole in one engine
+            # call, and a group size per prompt reaches the advantages, the DP split and the
+            # unbiasedness check. Refused rather than ignored until that is built.
+            raise ValueError(
+                f"config key '{prefix}.schedule': 'waves' (adaptive completion scheduling) is not built in "
+                "the trainer yet, only its rule (bppo.next_wave); use 'off'"
+            )
         return self
 
 
