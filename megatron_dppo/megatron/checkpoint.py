@@ -29,6 +29,9 @@ child can block forever on a lock another thread held at fork() time, and neithe
 nor the Manager die with a SIGKILLed trainer (one was seen stuck 12 minutes on a futex holding
 600 MB). Here the same files are written by threads of the saving process (_InProcessTorchDistSave):
 file writes release the GIL, so the writes still overlap, and nothing outlives the trainer.
+megatron-core >= 0.17 writes with threads itself, but its writer keeps only the type of a failed
+write ("An error is caught while starting worker 0, error: <class 'OSError'>"): ours keeps the
+exception, so a full disk is still named as one (save_checkpoint) at every version.
 
 Pruning (keep_last) orders checkpoints by step number, not name, and deletes only checkpoints
 of this run (the run_id in trainer_state.json: a fresh id for a new run, the loaded
@@ -47,6 +50,7 @@ import contextlib
 import errno
 import io
 import json
+import math
 import os
 import pickle
 import queue
@@ -263,15 +267,12 @@ class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *args, **kwargs):
         # megatron-core 0.17 added an `async_strategy` argument: pass whatever the caller gave.
         request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args, **kwargs)
-        if request.async_fn is None or _WRITES_IN_THREADS:  # nothing to write / already in-process
+        if request.async_fn is None:  # nothing to write on this rank
             return request
         transforms = [writer.transforms] if hasattr(writer, "transforms") else []
         return request._replace(async_fn=partial(_write_buckets_in_threads, transforms))
 
 
-# megatron-core >= 0.17 writes the buckets with threads of the saving process itself
-# (write_preloaded_data_multithread); 0.16 forks a process per bucket, which the class above replaces.
-_WRITES_IN_THREADS = hasattr(filesystem_async.FileSystemWriterAsync, "write_preloaded_data_multithread")
 # The results-queue factory: public with an mp_mode argument since 0.17, private before
 # (None: neither, so Megatron's own queue is used: it works, with its server process).
 _RESULTS_QUEUE_FACTORY = next(
@@ -519,7 +520,7 @@ def _check_dist_files(model_dir: str) -> None:
             raise CheckpointError(
                 f"{shard} is {have} bytes, but {meta_path} indexes data up to byte {size}: truncated shard"
             )
-    _check_item_headers(model_dir, storage)
+    _check_item_headers(model_dir, metadata)
     common = os.path.join(model_dir, "common.pt")
     if not os.path.exists(common) and _common_state_in_shards(metadata):
         if not _READS_COMMON_STATE_SHARD:
@@ -540,31 +541,37 @@ def _check_dist_files(model_dir: str) -> None:
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive: every item of a shard starts so
 
 
-def _check_item_headers(model_dir: str, storage: dict) -> None:
-    """Every item of every shard starts where `.metadata` says with torch.save's zip header: a shard
-    overwritten with other bytes of the same size is named here, not by torch.load's "Weights only
-    load failed ... Please file an issue" deep inside DCP. One 4-byte read per item. Skipped when no
-    item has the header (a serialization without it) or for transformed (e.g. compressed) items."""
+def _check_item_headers(model_dir: str, metadata) -> None:
+    """Every tensor item that torch.save wrote starts where `.metadata` says with its zip header: a
+    shard overwritten with other bytes of the same size is named here, not by torch.load's "Weights
+    only load failed ... Please file an issue" deep inside DCP. One 4-byte read per item. Which items
+    torch.save wrote is read from the index itself (its stored length differs from the tensor's raw
+    byte size; a raw serialization such as DCP's safetensors format stores exactly that size), so
+    the check holds when every item of every shard is damaged (megatron-core 0.19 saves one shard
+    per rank). Bytes items (no fixed format) and transformed (e.g. compressed) items are not read."""
     by_file: dict[str, list] = {}
-    for index, info in storage.items():
-        if not getattr(info, "transform_descriptors", None):
+    for index, info in metadata.storage_data.items():
+        if not getattr(info, "transform_descriptors", None) and _is_torch_saved_tensor(metadata, index, info):
             by_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
-    bad, good = None, False
     for rel, items in sorted(by_file.items()):
         shard = os.path.join(model_dir, rel)
         with open(shard, "rb") as f:
             for offset, fqn in sorted(items):
                 f.seek(offset)
-                if f.read(len(_TORCH_SAVE_MAGIC)) == _TORCH_SAVE_MAGIC:
-                    good = True
-                elif bad is None:
-                    bad = (shard, fqn, offset)
-    if bad and good:
-        shard, fqn, offset = bad
-        raise CheckpointError(
-            f"{shard} is corrupt: the data of {fqn!r} at byte {offset} is not what the save wrote there (no "
-            "torch.save header); resume from another step_* dir of the run, or from a copy of this one"
-        )
+                if f.read(len(_TORCH_SAVE_MAGIC)) != _TORCH_SAVE_MAGIC:
+                    raise CheckpointError(
+                        f"{shard} is corrupt: the data of {fqn!r} at byte {offset} is not what the save wrote "
+                        "there (no torch.save header); resume from another step_* dir of the run, or from a "
+                        "copy of this one"
+                    )
+
+
+def _is_torch_saved_tensor(metadata, index, info) -> bool:
+    tensor_meta = metadata.state_dict_metadata.get(index.fqn)
+    chunk = next((c for c in getattr(tensor_meta, "chunks", None) or [] if c.offsets == index.offset), None)
+    if chunk is None:
+        return False  # a bytes item, or an index this check does not understand
+    return info.length != math.prod(chunk.sizes) * tensor_meta.properties.dtype.itemsize
 
 
 # ---- load -----------------------------------------------------------------------------------
