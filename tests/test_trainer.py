@@ -480,5 +480,6 @@ def test_each_seed_method_trains_from_the_main_config(tmp_path, method):
         assert all(0 < r["reco/impurity_mean"] < 1 and r["reco/response_weight_mean"] <= 1 for r in steps)
     if method == "adaprefix":  # 8 prompts, 8 a step: revisited prompts get help, withdrawn by the end
         assert steps[1]["adaprefix/prefix_tokens_mean"] > 0 and steps[-1]["adaprefix/f_max"] == 0
+        assert steps[1]["adaprefix/assisted_frac"] > 0 and 0 <= steps[1]["adaprefix/assisted_success"] <= 1
     if method == "ssopd":
         assert sum(r["ssopd/pairs"] for r in steps) > 0 and any(r["train/aux_loss"] > 0 for r in steps)

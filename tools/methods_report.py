@@ -75,11 +75,9 @@ def main() -> None:
             continue
         s = [run_summary(r) for r in runs]
         col = {k: _mean_se([x[k] for x in s]) for k in s[0]}
-        aux = (
-            "-"
-            if col["aux_first"][0] is None
-            else f"{_fmt(col['aux_first'], '{:.4f}')} -> {_fmt(col['aux_last'], '{:.4f}')}"
-        )
+        aux_first, aux_last = _fmt(col["aux_first"], "{:.4f}"), _fmt(col["aux_last"], "{:.4f}")
+        no_aux = col["aux_first"][0] is None or col["aux_first"][0] == col["aux_last"][0] == 0
+        aux = "-" if no_aux else f"{aux_first} -> {aux_last}"
         print(
             f"| {method} ({len(runs)} seeds) | {_fmt(col['final'])} | {_fmt(col['hard'])} | "
             f"{_fmt(col['length_first'], '{:.1f}')} -> {_fmt(col['length_last'], '{:.1f}')} | "

@@ -77,7 +77,12 @@ class PrefixCurriculum:
                 )
         fs = self.fractions.distribution()
         prefix = [g.prefix_len for g in groups]
+        # What the controller steers: the success rate of this step's assisted groups.
+        assisted = [sum(c) / len(c) for g in groups if g.prefix_len > 0 for c in [g.correct()]]
+        success = {"adaprefix/assisted_success": sum(assisted) / len(assisted)} if assisted else {}
         return {
+            **success,
+            "adaprefix/assisted_frac": len(assisted) / len(groups) if groups else 0.0,
             "adaprefix/f_mean": sum(fs) / len(fs) if fs else 0.0,
             "adaprefix/f_nonzero_frac": sum(f > 0 for f in fs) / len(fs) if fs else 0.0,
             "adaprefix/prefix_tokens_mean": sum(prefix) / len(prefix) if prefix else 0.0,
