@@ -417,6 +417,30 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _check_bppo_waves(cfg: Config, strategy) -> None:
+    """BPPO's waves give each prompt its own group size: what reads a group's size as G cannot run."""
+    a, g_max = cfg.algorithm, cfg.algorithm.bppo.max_group_size or cfg.rollout.group_size
+    if a.bppo.wave_size > g_max:
+        raise ValueError(
+            f"config key 'algorithm.bppo.wave_size': a wave of {a.bppo.wave_size} is more than the group's most "
+            f"completions (algorithm.bppo.max_group_size, or rollout.group_size={cfg.rollout.group_size})"
+        )
+    if a.bppo.max_group_size > cfg.rollout.group_size:
+        raise ValueError(
+            f"config key 'algorithm.bppo.max_group_size': {a.bppo.max_group_size} is more than "
+            f"rollout.group_size={cfg.rollout.group_size} (the engine's KV cache and the plan are sized by it)"
+        )
+    for key, value, why in [
+        ("algorithm.aux", a.aux != "none", "ssopd's pairs"),
+        ("pruning.strategy", strategy.name == "greso", "greso's per-step probabilities"),
+    ]:
+        if value:
+            raise ValueError(
+                f"config keys 'algorithm.bppo.schedule' and '{key}': waves give each prompt its own group size, "
+                f"which {why} do not take yet"
+            )
+
+
 def _check_methods(cfg: Config) -> None:
     """The SEED_METHODS.md options: their sections, and the combinations that cannot work."""
     from megatron_dppo.algorithms.pruning import get_strategy
@@ -440,6 +464,8 @@ def _check_methods(cfg: Config) -> None:
                 "config keys 'algorithm.selection' and 'algorithm.reweighting': bppo trains two completions "
                 "per group, reco reweights all of them: choose one"
             )
+        if a.bppo.schedule == "waves":
+            _check_bppo_waves(cfg, strategy)
     if a.aux == "ssopd" and cfg.parallel.pp > 1:
         raise ValueError(
             "config keys 'algorithm.aux' and 'parallel.pp': ssopd's teacher and student share a micro-batch on "

@@ -15,6 +15,7 @@ megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from megatron_dppo import packing, preflight
 from megatron_dppo.algorithms import batch
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
-from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods import bppo, reco
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.checkpoint_cadence import save_cost_line, should_save
 from megatron_dppo.config import Config, resolve, save_config
@@ -39,7 +40,7 @@ from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_valida
 from megatron_dppo.process import malloc_trim, rank_prefix
 from megatron_dppo.profiling import PHASES
 from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
-from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, stack_rewards
+from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
 from megatron_dppo.run_dir import CHECKPOINTS, make_run_dir, plan_run_dir
 from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
 from megatron_dppo.run_log import RunLogger, phase_summary
@@ -345,7 +346,8 @@ class Trainer:
         )
         counts.prompts_drawn = collected.drawn
         if collected.rolled:
-            self.strategy.observe([g.record.id for g in collected.rolled], stack_rewards(collected.rolled))
+            for run in size_runs(collected.rolled):  # one run unless BPPO's waves
+                self.strategy.observe([g.record.id for g in run], stack_rewards(run))
         curriculum_metrics = self.curriculum.observe(collected.rolled, step) if self.curriculum else {}
         self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         # advantages on the FULL group, then completion pruning
@@ -398,7 +400,10 @@ class Trainer:
     def _rollout(self, step, rnd, items, counts: RolloutCounts, timer) -> list[Group]:
         """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
         slice (every rank of an engine the same slice, with the same seeds), its leader scores it,
-        the groups are gathered in slot order and every one is recorded in the prompt history."""
+        the groups are gathered in slot order and every one is recorded in the prompt history.
+        With BPPO's waves (algorithm.bppo.schedule=waves) a prompt gets g0 completions at a time
+        until its group is mixed or full (bppo.next_wave); every rank sees every group after each
+        wave's gather, so all decide the next wave alike."""
         counts.prompts_rolled += len(items)
         per = math.ceil(len(items) / self.num_engines)
         mine = items[self.engine_index * per : (self.engine_index + 1) * per]
@@ -407,12 +412,45 @@ class Trainer:
         if self.curriculum:  # AdaPrefix: the reference's prefix opens the completion (as prompt tokens)
             assisted = [self.curriculum.assisted(rec, ids, step) for (rec, _, _), ids in zip(mine, prompt_ids)]
             prompt_ids, prefix_lens = [ids for ids, _ in assisted], [n for _, n in assisted]
+        bc, group_size = self.method.bppo, self.cfg.rollout.group_size
+        waves = self.method.selection == "bppo" and bc.schedule == "waves"
+        by_slot: dict[int, Group] = {}
+        while True:
+            drawn = {slot: by_slot[slot].group_size if slot in by_slot else 0 for _, slot, _ in items}
+            want = (
+                {
+                    slot: bppo.next_wave(
+                        by_slot[slot].rewards if slot in by_slot else [], bc.wave_size, bc.max_group_size or group_size
+                    )
+                    for slot in drawn
+                }
+                if waves
+                else {slot: group_size if n == 0 else 0 for slot, n in drawn.items()}
+            )
+            if not any(want.values()):
+                break
+            todo = [i for i, (_, slot, _) in enumerate(mine) if want[slot] > 0]
+            for g in self._roll_wave(step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer):
+                if g.slot in by_slot:
+                    by_slot[g.slot].extend(g)
+                else:
+                    by_slot[g.slot] = g
+        groups = sorted(by_slot.values(), key=lambda g: g.slot)
+        for run in size_runs(groups):
+            self.history.update([g.record.id for g in run], stack_rewards(run))
+        return groups
+
+    def _roll_wave(self, step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer) -> list[Group]:
+        """One engine call for this engine's prompts `todo` (indices into mine), want[slot]
+        completions each, continuing their seeds' streams after drawn[slot]; scored by the
+        engine's leader and gathered from every engine."""
+        sub = [mine[i] for i in todo]
         with timer("rollout"):
-            outs = self._generate(step, rnd, mine, prompt_ids)
+            outs = self._generate(step, rnd, sub, [prompt_ids[i] for i in todo], want, drawn)
         part = EnginePart()
-        if self.engine_leader and mine:
+        if self.engine_leader and sub:
             with timer("reward"):
-                part = self._score(rnd, mine, prompt_ids, outs, prefix_lens)
+                part = self._score(rnd, sub, [prompt_ids[i] for i in todo], outs, [prefix_lens[i] for i in todo])
         self.watchdog.phase("gather rollouts", step)
         parts = mdist.all_gather_objects(part)
         errors = [p.error for p in parts if p.error]
@@ -424,36 +462,38 @@ class Trainer:
             counts.reward_checks += p.checks
             counts.add_failures(p.failures, p.first_failures)
             groups += p.groups
-        groups.sort(key=lambda g: g.slot)
-        if groups:
-            self.history.update([g.record.id for g in groups], stack_rewards(groups))
         return groups
 
-    def _generate(self, step, rnd, mine, prompt_ids) -> list:
-        """G completions (rollout.vllm_engine.Completion) for each of this engine's prompts."""
+    def _generate(self, step, rnd, mine, prompt_ids, want, drawn) -> list:
+        """want[slot] completions (rollout.vllm_engine.Completion) for each of this engine's
+        prompts. vLLM gives completion k of a request seed s the seed s + k, so starting a prompt's
+        later wave at s + drawn[slot] continues the stream: its completions are the ones a single
+        call for all of them would have drawn."""
         rc = self.cfg.rollout
         if not mine:
             return []
         return self.engine.generate(
             prompt_ids,
-            n=rc.group_size,
+            n=[want[slot] for _, slot, _ in mine],
             max_new_tokens=rc.max_new_tokens,
             temperature=rc.temperature,
             top_p=rc.top_p,
             top_k=rc.top_k,
             stop=rc.stop or None,
-            seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) for _, slot, _ in mine],
+            seeds=[_rollout_seed(self.cfg.trainer.seed, step, rnd, slot) + drawn[slot] for _, slot, _ in mine],
         )
 
     def _score(self, rnd, mine, prompt_ids, outs, prefix_lens) -> EnginePart:
         """The engine leader's groups for its slice, scored (and shaped: DAPO's soft overlong
         penalty). The verifier reads an AdaPrefix prefix and its continuation as one answer. A
         scorer error travels to every rank (or the others would hang in the gather)."""
-        G, rc, wc = self.cfg.rollout.group_size, self.cfg.rollout, self.cfg.reward
+        rc, wc = self.cfg.rollout, self.cfg.reward
+        sizes = [len(group) for group in outs]
+        starts = [0, *itertools.accumulate(sizes)]
         flat = [c for group in outs for c in group]
-        prefixes = [p[len(p) - n :] if n else [] for p, n in zip(prompt_ids, prefix_lens) for _ in range(G)]
+        prefixes = [p[len(p) - n :] if n else [] for p, n, k in zip(prompt_ids, prefix_lens, sizes) for _ in range(k)]
         texts = [self.tokenizer.decode(pre + c.token_ids, skip_special_tokens=True) for pre, c in zip(prefixes, flat)]
-        recs = [rec for rec, _, _ in mine for _ in range(G)]
+        recs = [rec for (rec, _, _), k in zip(mine, sizes) for _ in range(k)]
         error = None
         try:
             rewards, info = self.scorer.score(texts, [r.answer for r in recs], recs)
@@ -472,11 +512,11 @@ class Trainer:
                 slot,
                 p,
                 [c.token_ids for c in group],
-                [float(x) for x in rewards[q * G : (q + 1) * G]],
+                [float(x) for x in rewards[starts[q] : starts[q + 1]]],
                 prompt_weight=w_q,
                 truncated=[c.finish_reason == "length" for c in group],
                 sampling_logprobs=[list(c.logprobs) for c in group],
-                reward_extras=extras[q * G : (q + 1) * G],
+                reward_extras=extras[starts[q] : starts[q + 1]],
                 prefix_len=prefix_lens[q],
             )
             for q, ((rec, slot, w_q), p, group) in enumerate(zip(mine, prompt_ids, outs))

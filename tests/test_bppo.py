@@ -4,6 +4,7 @@ Python over (length, index) and direct formulas of the loss, never the module's 
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,6 +227,26 @@ def test_config_validate_names_the_key():
         BPPOConfig(max_ratio=0).validate("algorithm.bppo")
     with pytest.raises(ValueError, match=r"'algorithm\.bppo\.wave_size'"):
         BPPOConfig(wave_size=1).validate("algorithm.bppo")
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["algorithm.bppo.wave_size=16"], r"'algorithm\.bppo\.wave_size': a wave of 16 is more than"),
+        (["algorithm.bppo.max_group_size=12"], r"'algorithm\.bppo\.max_group_size': 12 is more than rollout"),
+        (["algorithm.aux=ssopd"], r"'algorithm\.bppo\.schedule' and 'algorithm\.aux': waves give each prompt"),
+        (["pruning.strategy=greso"], r"'algorithm\.bppo\.schedule' and 'pruning\.strategy'"),
+    ],
+)
+def test_waves_refuse_what_reads_one_group_size(overrides, needle):
+    from megatron_dppo.config import load_config
+
+    config = str(Path(__file__).resolve().parents[1] / "examples" / "tiny" / "addition.yaml")
+    waves = ["algorithm.selection=bppo", "pruning.r_o=0", "algorithm.bppo.schedule=waves"]
+    load_config(config, waves)  # g0 = 4, G_max = G = 8: valid
+    with pytest.raises(ValueError, match=needle) as e:
+        load_config(config, waves + overrides)
+    assert "\n" not in str(e.value)
 
 
 def test_histogram_counts_every_trained_prefix():

@@ -89,7 +89,6 @@ def test_choices_are_declared_once():
         ("algorithm.loss_agg=mean", "'algorithm.loss_agg': expected one of"),
         ("pruning.strategy=magic", "'pruning.strategy': expected one of"),
         ("parallel.timeout_minutes=0", "'parallel.timeout_minutes': expected a number of minutes > 0"),
-        ("algorithm.bppo.schedule=waves", "'algorithm.bppo.schedule': 'waves' .* is not built"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -483,3 +483,47 @@ def test_each_seed_method_trains_from_the_main_config(tmp_path, method):
         assert steps[1]["adaprefix/assisted_frac"] > 0 and 0 <= steps[1]["adaprefix/assisted_success"] <= 1
     if method == "ssopd":
         assert sum(r["ssopd/pairs"] for r in steps) > 0 and any(r["train/aux_loss"] > 0 for r in steps)
+
+
+def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp_path):
+    """algorithm.bppo.schedule=waves: 4 completions at a time until the group is mixed or holds 8.
+    Against the same step with all 8 drawn at once (schedule=off, same weights and seeds), every
+    waves group is the first n of that group's completions (the seed stream continues), n is what
+    the rule gives on those rewards (replayed here by hand), and the advantages are GRPO's over
+    the n drawn. A second step trains on the groups of several sizes."""
+    common = ["algorithm.selection=bppo", "pruning.r_o=0", "rollout.group_size=8", "logging.rollouts=true"]
+    run(train_cmd(tmp_path, "whole", "trainer.max_steps=1", *common))
+    run(train_cmd(tmp_path, "waves", "trainer.max_steps=2", *common, "algorithm.bppo.schedule=waves"))
+
+    def groups(name):
+        out = {}
+        with open(tmp_path / name / "rollouts" / "step_000001.jsonl") as f:
+            for row in map(json.loads, f):
+                out.setdefault(row["slot"], []).append(row)
+        return out
+
+    def wanted(rewards):  # SEED_METHODS.md 1.1.9 (a): waves of 4 until mixed (>= 4 drawn) or 8
+        n = 4
+        while n < 8 and not (0 < sum(r >= 1 for r in rewards[:n]) < n):
+            n += 4
+        return n
+
+    whole, waves = groups("whole"), groups("waves")
+    assert sorted(whole) == sorted(waves)
+    sizes = []
+    for slot, rows in waves.items():
+        full = whole[slot]
+        n = wanted([r["reward"] for r in full])
+        assert len(rows) == n, (slot, [r["reward"] for r in full])
+        assert [r["completion_ids"] for r in rows] == [r["completion_ids"] for r in full[:n]]
+        rewards = [r["reward"] for r in rows]
+        mean, sd = sum(rewards) / n, math.sqrt(sum((r - sum(rewards) / n) ** 2 for r in rewards) / (n - 1))
+        for r, row in zip(rewards, rows):
+            assert abs(row["advantage"] - (r - mean) / (sd + 1e-6)) < 1e-5
+        assert sum(row["weight"] > 0 for row in rows) == (2 if 0 < sum(r >= 1 for r in rewards) < n else 0)
+        sizes.append(n)
+    assert 4 in sizes and 8 in sizes, sizes  # both ends of the rule happen in the step
+    m_whole, m_waves = metrics(tmp_path, "whole")[1], metrics(tmp_path, "waves")
+    assert m_waves[1]["tokens/generated"] < m_whole["tokens/generated"]
+    assert m_waves[1]["rollout/group_size"] == sum(sizes) / len(sizes)
+    assert math.isfinite(m_waves[2]["train/loss"]) and m_waves[2]["rollout/group_size"] <= 8

@@ -189,6 +189,20 @@ def test_dp2_one_engine_per_rank_equals_one_process(work, tmp_path):
     assert_same_run(root / "ref", root / "dp2", tmp_path)
 
 
+def test_dp2_bppo_waves_equal_one_process(work, tmp_path):
+    """BPPO's waves at DP=2: each rank's engine draws its prompts' later waves, and every rank
+    decides them from the gathered groups: the same completions, group sizes and update."""
+    root, model = work
+    waves = ["algorithm.selection=bppo", "pruning.r_o=0", "rollout.group_size=8", "algorithm.bppo.schedule=waves"]
+    run(train_cmd(root, "waves1", model, 1, *waves))
+    run(train_cmd(root, "waves-dp2", model, 2, *waves))
+    assert_same_run(root / "waves1", root / "waves-dp2", tmp_path)
+    sizes = {}
+    for row in rollouts(root / "waves1", 1):
+        sizes[row["slot"]] = sizes.get(row["slot"], 0) + 1
+    assert set(sizes.values()) == {4, 8} and len(sizes) == 8, sizes  # both ends of the rule (seeded)
+
+
 def test_tp2_one_engine_over_both_ranks_equals_one_process(work, tmp_path):
     root, model = work
     run(train_cmd(root, "tp2", model, 2, "parallel.tp=2", "parallel.rollout_tp=2", f"trainer.save_hf_every={STEPS}"))

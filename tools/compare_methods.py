@@ -177,6 +177,12 @@ METHODS = [
         "default": False,
         "overrides": {"algorithm.selection": "bppo", **_dppo(0.5, 0.0)},
     },
+    {
+        "name": "bppo-waves",
+        "label": "BPPO, completions in waves of 4 until mixed",
+        "default": False,
+        "overrides": {"algorithm.selection": "bppo", "algorithm.bppo.schedule": "waves"},
+    },
     {"name": "reco", "label": "ReCo", "default": False, "overrides": {"algorithm.reweighting": "reco"}},
     {
         "name": "adaprefix",

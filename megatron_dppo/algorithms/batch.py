@@ -17,6 +17,7 @@ docs/algorithm.md gives the rules and why each denominator keeps the full-batch 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig, SSO
 from megatron_dppo.algorithms.pruning import PromptStats, PruningStrategy, drop_zero_variance_groups
 from megatron_dppo.algorithms.refill import take_until_full
 from megatron_dppo.packing import Sample
-from megatron_dppo.rollout.records import Group, stack_rewards
+from megatron_dppo.rollout.records import Group, size_runs, stack_rewards
 
 # A strategy that replaces what it skips (GRESO) draws until enough prompts survive; when almost
 # every prompt is skipped that would never end. Past this many times the round's target, the
@@ -273,31 +274,19 @@ def weigh_completions(
     method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator
 ) -> dict:
     """Set each group's advantages (on the FULL group) and completion weights w_o (0 = not
-    trained). Returns the step's completion-pruning metrics."""
+    trained). Returns the step's completion-pruning metrics. Groups of one size are weighed as
+    one [P, G] batch; BPPO's waves (a size per prompt) weigh each run of equal sizes the same way."""
     if not groups:
         return {"prune/completions_kept_frac": 0.0, "prune/completions_pruned_frac": 0.0}
-    adv = group_advantages(stack_rewards(groups), method.advantage)
-    if method.selection == "bppo":  # the pair replaces completion pruning (r_o = 0 with it)
-        keep, w_o = _bppo_selection(method, groups)
-    else:
-        keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
-    w_o = w_o * keep
+    parts = [_weigh_groups(method, strategy, run, generator) for run in size_runs(groups)]
+    adv, keep, w_o = (torch.cat([p[i].flatten() for p in parts]) for i in range(3))
     extra = {}
-    if method.reweighting == "reco":  # fixed before any update, from the rollout's own log-probs
-        u = _reco_response_weights(method, groups)
-        w_o, extra["reco/response_weight_mean"] = w_o * u, float(u.mean())
+    if method.reweighting == "reco":
+        u = torch.cat([p[3].flatten() for p in parts])
+        extra["reco/response_weight_mean"] = float(u.mean())
         extra["reco/frequent_frac"] = float((u < 1).float().mean())  # G pi_b(o|x) > 1: u acts
-    if method.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
-        w_o = w_o * drop_zero_variance_groups(adv)[:, None]
-    if method.overlong_filter:  # after the advantages: truncated completions still count in their group's
-        truncated = torch.tensor([g.truncated for g in groups], dtype=torch.bool).reshape(w_o.shape)
-        w_o = w_o * ~truncated
-        for g in groups:  # and their tokens leave the token-mean normaliser of the full batch too
-            g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.loss_lengths())]
-    for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
-        g.advantages, g.completion_weights = a, w
-    seq_w = sequence_weights(groups)
-    trained = seq_w[seq_w > 0]
+    trained = torch.cat([sequence_weights(run).flatten() for run in size_runs(groups)])
+    trained = trained[trained > 0]
     return {
         "prune/completions_kept_frac": float((w_o > 0).float().mean()),
         "prune/completions_pruned_frac": float((~keep).float().mean()),
@@ -308,6 +297,29 @@ def weigh_completions(
         "weight/max": float(trained.max()) if trained.numel() else 0.0,
         **extra,
     }
+
+
+def _weigh_groups(method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator):
+    """weigh_completions for groups of one size: -> (advantages, keep, w_o, ReCo's u or None), [P, G]."""
+    adv = group_advantages(stack_rewards(groups), method.advantage)
+    if method.selection == "bppo":  # the pair replaces completion pruning (r_o = 0 with it)
+        keep, w_o = _bppo_selection(method, groups)
+    else:
+        keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
+    w_o, u = w_o * keep, None
+    if method.reweighting == "reco":  # fixed before any update, from the rollout's own log-probs
+        u = _reco_response_weights(method, groups)
+        w_o = w_o * u
+    if method.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
+        w_o = w_o * drop_zero_variance_groups(adv)[:, None]
+    if method.overlong_filter:  # after the advantages: truncated completions still count in their group's
+        truncated = torch.tensor([g.truncated for g in groups], dtype=torch.bool).reshape(w_o.shape)
+        w_o = w_o * ~truncated
+        for g in groups:  # and their tokens leave the token-mean normaliser of the full batch too
+            g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.loss_lengths())]
+    for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
+        g.advantages, g.completion_weights = a, w
+    return adv, keep, w_o, u
 
 
 # ---- mini-batches: what each optimizer step trains and its full-batch denominator ----------------
@@ -352,6 +364,8 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
     refill: the trained groups' weights (their sum is B when refill succeeds).
     kept:   the kept completions (CPPO normalises over what it kept)."""
     G, agg, lmax = method.group_size, method.loss_agg, method.max_new_tokens
+    if method.denominator == "bppo":  # a sum over groups: over each run of one group size (waves)
+        return sum(_bppo_denominator(method, run) for run in size_runs(groups))
     lengths = torch.tensor([g.loss_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
     weights = torch.tensor([g.train_weight for g in groups], dtype=torch.float64)
     if method.denominator == "kept":
@@ -359,9 +373,6 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
         return losses.kept_denominator(agg, seq_weight, lengths, lmax)
     if method.denominator == "refill":
         return losses.refill_denominator(agg, weights, lengths, G, lmax)
-    if method.denominator == "bppo":
-        seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64).reshape(-1, G)
-        return bppo.denominator_terms(lengths, seq_weight, agg, prompt_weight=weights, max_response_length=lmax)
     return losses.full_batch_denominator(
         agg,
         num_prompts=num_prompts,
@@ -372,13 +383,23 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
     )
 
 
+def _bppo_denominator(method: Method, groups: list[Group]) -> float:
+    lengths = torch.tensor([g.loss_lengths() for g in groups], dtype=torch.float64)
+    seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64)
+    weights = torch.tensor([g.train_weight for g in groups], dtype=torch.float64)
+    return bppo.denominator_terms(
+        lengths, seq_weight, method.loss_agg, prompt_weight=weights, max_response_length=method.max_new_tokens
+    )
+
+
 def plan_minibatches(method: Method, trained: list[Group], num_drawn: int) -> list[MiniBatch]:
     """Each mini-batch's groups, trained samples and denominator. A mini-batch whose completions
     were all pruned (or uninformative) trains nothing: no gradient, no optimizer step."""
     plans = []
     for k in range(method.minibatches):
         groups = [g for g in trained if g.minibatch == k]
-        samples = [s for n, g in enumerate(groups) for s in g.samples(first_seq_id=n * g.group_size)]
+        first = [0, *itertools.accumulate(g.group_size for g in groups)]  # n * G for groups of one size
+        samples = [s for n, g in enumerate(groups) for s in g.samples(first_seq_id=first[n])]
         if not samples:
             continue
         count = prompts_in_minibatch(k, num_drawn, method.minibatches)

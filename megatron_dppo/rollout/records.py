@@ -45,6 +45,16 @@ class Group:
     def group_size(self) -> int:
         return len(self.completions)
 
+    def extend(self, more: Group) -> None:
+        """Append a later wave's completions of the same prompt (BPPO's waves), before planning."""
+        if (more.record.id, more.round, more.slot) != (self.record.id, self.round, self.slot):
+            raise ValueError(f"cannot extend group {self.record.id!r} with one of {more.record.id!r}")
+        self.completions += more.completions
+        self.rewards += more.rewards
+        self.truncated += more.truncated
+        self.sampling_logprobs += more.sampling_logprobs
+        self.reward_extras += more.reward_extras
+
     def completion_lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
 
@@ -114,6 +124,18 @@ def stack_rewards(groups: list[Group]) -> torch.Tensor:
     return torch.tensor([g.rewards for g in groups], dtype=torch.float32).reshape(len(groups), -1)
 
 
+def size_runs(groups: list[Group]) -> list[list[Group]]:
+    """The groups in order, cut where the group size changes: each run stacks into a [P, G] tensor.
+    One run unless BPPO's waves gave prompts their own group sizes."""
+    runs: list[list[Group]] = []
+    for g in groups:
+        if runs and runs[-1][0].group_size == g.group_size:
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    return runs
+
+
 @dataclass
 class RolloutCounts:
     """What a step drew, generated and scored (summed over rounds and ranks)."""
@@ -138,7 +160,8 @@ def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCo
     lengths = [n for g in rolled for n in g.completion_lengths()]
     correct = [c for g in rolled for c in g.correct()]
     truncated = [t for g in rolled for t in g.truncated]
-    G = rolled[0].group_size if rolled else 0
+    sizes = {g.group_size for g in rolled}
+    G = sizes.pop() if len(sizes) == 1 else statistics.fmean(g.group_size for g in rolled) if rolled else 0
     out = {
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward/accuracy": sum(correct) / len(correct) if correct else 0.0,

@@ -213,7 +213,7 @@ class RolloutEngine:
     def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
-        n: int,
+        n: int | Sequence[int],
         max_new_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
@@ -223,7 +223,8 @@ class RolloutEngine:
         stop: Sequence[str] | None = None,
         **sampling_kwargs,
     ) -> list[list[Completion]]:
-        """n completions for each prompt, in prompt order: result[i][k] is completion k of prompt i.
+        """n completions for each prompt (or n[i] for prompt i), in prompt order: result[i][k] is
+        completion k of prompt i.
 
         Completions stop at the tokenizer's eos (kept as the last token) or after
         `max_new_tokens`. Prompt i samples with the request seed `seeds[i]` when given (the
@@ -246,10 +247,13 @@ class RolloutEngine:
             seeds = [request_seed(seed, i) for i in range(len(prompt_token_ids))]
         elif len(seeds) != len(prompt_token_ids):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(prompt_token_ids)} prompts")
+        counts = [n] * len(prompt_token_ids) if isinstance(n, int) else list(n)
+        if len(counts) != len(prompt_token_ids):
+            raise ValueError(f"n has {len(counts)} entries for {len(prompt_token_ids)} prompts")
 
         params = [
             SamplingParams(
-                n=n,
+                n=counts[i],
                 max_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,

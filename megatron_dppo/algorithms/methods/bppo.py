@@ -207,8 +207,8 @@ def next_wave(
 
     Draw `wave_size` (g0) at a time until the group is mixed (one correct and one incorrect) and
     has >= g0 samples, or holds max_group_size (G_max). Advantages then use the completions
-    actually drawn (a group size per prompt). Not wired into the trainer (config error): its step
-    assumes one group size for every prompt (BPPOConfig.validate says where).
+    actually drawn (a group size per prompt). The trainer's rollout (Trainer._rollout) calls it
+    for every prompt after each wave's gather.
     """
     if wave_size < 1 or max_group_size < 1:
         raise ValueError(f"wave_size and max_group_size must be >= 1, got {wave_size}, {max_group_size}")

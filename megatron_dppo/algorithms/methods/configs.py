@@ -54,7 +54,7 @@ class BPPOConfig:
     prefix_fixed: int = 64  # K of prefix_mode=fixed: P_i = min(K, L_i) (our choice)
     max_ratio: float = 1.0  # extra cap P_i <= ceil(max_ratio * L_i), in (0, 1]; 1 = none (our choice)
     class_weight: BPPOClassWeight = "none"  # count: weight c by k and w by G - k (our choice)
-    schedule: BPPOSchedule = "off"  # waves: draw g0 completions at a time until mixed (our choice)
+    schedule: BPPOSchedule = "off"  # waves: draw g0 completions at a time until mixed (our reading)
     wave_size: int = 4  # g0 of schedule=waves
     max_group_size: int = 0  # G_max of schedule=waves; 0 = rollout.group_size
 
@@ -74,14 +74,6 @@ class BPPOConfig:
                 ),
             ],
         )
-        if self.schedule == "waves":
-            # next_wave holds the rule; the trainer's rollout draws every group whole in one engine
-            # call, and a group size per prompt reaches the advantages, the DP split and the
-            # unbiasedness check. Refused rather than ignored until that is built.
-            raise ValueError(
-                f"config key '{prefix}.schedule': 'waves' (adaptive completion scheduling) is not built in "
-                "the trainer yet, only its rule (bppo.next_wave); use 'off'"
-            )
         return self
 
 
