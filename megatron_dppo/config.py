@@ -151,7 +151,8 @@ class RewardConfig:
     # whose data_source is not in by_source (a relative file path is stored absolute)
     kind: str = "exact"
     by_source: dict[str, str] = field(default_factory=dict)  # {data_source: kind}, e.g. {openai/gsm8k: math}
-    batched: bool = False  # user functions get one call per step: fn(completions, answers, records) -> list
+    # user functions get one call per step (per wave with BPPO's waves): fn(completions, answers, records) -> list
+    batched: bool = False
     timeout_s: float = 5.0  # one check (a batched call of m completions: timeout_s * ceil(m / num_workers))
     num_workers: int = 2  # worker processes, shared by all kinds
     max_error_frac: float = 0.5  # stop the run when more checks of a step fail (raise, NaN, timeout...)
@@ -420,6 +421,11 @@ def validate(cfg: Config) -> Config:
 def _check_bppo_waves(cfg: Config, strategy) -> None:
     """BPPO's waves give each prompt its own group size: what reads a group's size as G cannot run."""
     a, g_max = cfg.algorithm, cfg.algorithm.bppo.max_group_size or cfg.rollout.group_size
+    if a.selection != "bppo":
+        raise ValueError(
+            "config keys 'algorithm.bppo.schedule' and 'algorithm.selection': waves schedule BPPO's completions, "
+            f"so they need algorithm.selection=bppo, got {a.selection!r}"
+        )
     if a.bppo.wave_size > g_max:
         raise ValueError(
             f"config key 'algorithm.bppo.wave_size': a wave of {a.bppo.wave_size} is more than the group's most "
@@ -433,6 +439,7 @@ def _check_bppo_waves(cfg: Config, strategy) -> None:
     for key, value, why in [
         ("algorithm.aux", a.aux != "none", "ssopd's pairs"),
         ("pruning.strategy", strategy.name == "greso", "greso's per-step probabilities"),
+        ("algorithm.curriculum", a.curriculum != "none", "the curriculum's success rate per visit"),
     ]:
         if value:
             raise ValueError(
@@ -464,8 +471,8 @@ def _check_methods(cfg: Config) -> None:
                 "config keys 'algorithm.selection' and 'algorithm.reweighting': bppo trains two completions "
                 "per group, reco reweights all of them: choose one"
             )
-        if a.bppo.schedule == "waves":
-            _check_bppo_waves(cfg, strategy)
+    if a.bppo.schedule == "waves":
+        _check_bppo_waves(cfg, strategy)
     if a.aux == "ssopd" and cfg.parallel.pp > 1:
         raise ValueError(
             "config keys 'algorithm.aux' and 'parallel.pp': ssopd's teacher and student share a micro-batch on "

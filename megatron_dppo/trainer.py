@@ -417,11 +417,11 @@ class Trainer:
         by_slot: dict[int, Group] = {}
         while True:
             drawn = {slot: by_slot[slot].group_size if slot in by_slot else 0 for _, slot, _ in items}
+            # BPPO's own verdicts (before reward shaping), as its pair selection reads them
+            verdicts = {slot: [float(c) for c in g.correct()] for slot, g in by_slot.items()}
             want = (
                 {
-                    slot: bppo.next_wave(
-                        by_slot[slot].rewards if slot in by_slot else [], bc.wave_size, bc.max_group_size or group_size
-                    )
+                    slot: bppo.next_wave(verdicts.get(slot, []), bc.wave_size, bc.max_group_size or group_size)
                     for slot in drawn
                 }
                 if waves

@@ -236,6 +236,8 @@ def test_config_validate_names_the_key():
         (["algorithm.bppo.max_group_size=12"], r"'algorithm\.bppo\.max_group_size': 12 is more than rollout"),
         (["algorithm.aux=ssopd"], r"'algorithm\.bppo\.schedule' and 'algorithm\.aux': waves give each prompt"),
         (["pruning.strategy=greso"], r"'algorithm\.bppo\.schedule' and 'pruning\.strategy'"),
+        (["algorithm.curriculum=adaprefix", "data.solution_key=answer"], r"and 'algorithm\.curriculum'"),
+        (["algorithm.selection=all"], r"'algorithm\.bppo\.schedule' and 'algorithm\.selection': waves"),
     ],
 )
 def test_waves_refuse_what_reads_one_group_size(overrides, needle):

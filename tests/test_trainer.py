@@ -490,8 +490,11 @@ def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp
     Against the same step with all 8 drawn at once (schedule=off, same weights and seeds), every
     waves group is the first n of that group's completions (the seed stream continues), n is what
     the rule gives on those rewards (replayed here by hand), and the advantages are GRPO's over
-    the n drawn. A second step trains on the groups of several sizes."""
+    the n drawn. With DAPO's soft overlong penalty on (buffer 5 of 6 tokens: a correct completion of
+    4 tokens is rewarded 0.4), the rule reads BPPO's verdicts, not the shaped rewards. A second
+    step trains on the groups of several sizes."""
     common = ["algorithm.selection=bppo", "pruning.r_o=0", "rollout.group_size=8", "logging.rollouts=true"]
+    common += ["reward.overlong_buffer=5", "reward.overlong_penalty=1.0"]  # max_new_tokens = 6
     run(train_cmd(tmp_path, "whole", "trainer.max_steps=1", *common))
     run(train_cmd(tmp_path, "waves", "trainer.max_steps=2", *common, "algorithm.bppo.schedule=waves"))
 
@@ -502,9 +505,12 @@ def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp
                 out.setdefault(row["slot"], []).append(row)
         return out
 
-    def wanted(rewards):  # SEED_METHODS.md 1.1.9 (a): waves of 4 until mixed (>= 4 drawn) or 8
+    def verdict(row):  # the reward before DAPO's penalty, 0 up to 1 token, then (1 - L) / 5
+        return row["reward"] - max(-1.0, min(0.0, (1 - row["length"]) / 5)) >= 1 - 1e-6
+
+    def wanted(verdicts):  # SEED_METHODS.md 1.1.9 (a): waves of 4 until mixed (>= 4 drawn) or 8
         n = 4
-        while n < 8 and not (0 < sum(r >= 1 for r in rewards[:n]) < n):
+        while n < 8 and not (0 < sum(verdicts[:n]) < n):
             n += 4
         return n
 
@@ -513,14 +519,15 @@ def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp
     sizes = []
     for slot, rows in waves.items():
         full = whole[slot]
-        n = wanted([r["reward"] for r in full])
-        assert len(rows) == n, (slot, [r["reward"] for r in full])
+        n = wanted([verdict(r) for r in full])
+        assert len(rows) == n, (slot, [(r["reward"], r["length"]) for r in full])
         assert [r["completion_ids"] for r in rows] == [r["completion_ids"] for r in full[:n]]
         rewards = [r["reward"] for r in rows]
         mean, sd = sum(rewards) / n, math.sqrt(sum((r - sum(rewards) / n) ** 2 for r in rewards) / (n - 1))
         for r, row in zip(rewards, rows):
             assert abs(row["advantage"] - (r - mean) / (sd + 1e-6)) < 1e-5
-        assert sum(row["weight"] > 0 for row in rows) == (2 if 0 < sum(r >= 1 for r in rewards) < n else 0)
+        mixed = 0 < sum(verdict(row) for row in rows) < n
+        assert sum(row["weight"] > 0 for row in rows) == (2 if mixed else 0)
         sizes.append(n)
     assert 4 in sizes and 8 in sizes, sizes  # both ends of the rule happen in the step
     m_whole, m_waves = metrics(tmp_path, "whole")[1], metrics(tmp_path, "waves")
