@@ -534,3 +534,49 @@ def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp
     assert m_waves[1]["tokens/generated"] < m_whole["tokens/generated"]
     assert m_waves[1]["rollout/group_size"] == sum(sizes) / len(sizes)
     assert math.isfinite(m_waves[2]["train/loss"]) and m_waves[2]["rollout/group_size"] <= 8
+
+
+def test_the_hf_dir_written_while_training_serves_in_vllm_as_the_trained_policy(tmp_path):
+    """trainer.save_hf_every: the dir written at step 2 is a model vLLM loads with no other tool:
+    `megatron-dppo evaluate` on it (a fresh engine reading the dir) gives, answer for answer, the
+    greedy validation the trainer ran at step 2 on its own engine with the synced weights."""
+    run(
+        train_cmd(
+            tmp_path,
+            "hf",
+            "trainer.max_steps=2",
+            "trainer.save_hf_every=2",
+            "trainer.eval_every=2",
+            "trainer.eval_size=24",
+            "optim.lr=1e-4",
+        )
+    )
+    hf = tmp_path / "hf" / "hf" / "step_000002"
+    assert (hf / "config.json").exists() and list(hf.glob("*.safetensors"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_dppo.cli",
+        "evaluate",
+        "--config",
+        str(CONFIG),
+        f"model.hf_dir={hf}",
+        "trainer.eval_size=24",
+        "trainer.threads=1",
+        "logging.wandb=disabled",
+        "--out-dir",
+        str(tmp_path / "ev"),
+    ]
+    run(cmd)
+
+    def answers(path):
+        with open(path) as f:
+            return [(r["prompt_id"], r["completion"], r["reward"]) for r in map(json.loads, f)]
+
+    trained = answers(tmp_path / "hf" / "val" / "step_000002.jsonl")
+    assert len(trained) == 24 and answers(tmp_path / "ev" / "step_000000.jsonl") == trained
+    from safetensors.torch import load_file
+
+    written = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
+    start = load_file(REPO / "examples" / "tiny" / "model" / "model.safetensors")
+    assert written.keys() == start.keys() and any(not (written[k] == start[k]).all() for k in start)  # trained
