@@ -29,14 +29,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _vm_hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def make_model(config_path: Path, out: Path) -> int:
     """A random-weight HF model dir of that architecture (bf16 shards); returns its weight bytes."""
     import torch
@@ -53,26 +45,13 @@ def make_model(config_path: Path, out: Path) -> int:
     return json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
 
 
-def _reset_peak() -> None:
-    """Start VmHWM again from the current RSS (Linux: writing 5 to clear_refs)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def worker(model_dir: str, mode: str) -> None:
     """Both modes first hold the weights in memory, as the trainer's policy does before its engine
     starts; the peak is then measured from there, so it is the engine's own cost."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(REPO))
     import torch.distributed as dist
+    from bench_load_memory import hwm_mib, reset_peak, rss_mib  # tools/: this script's own folder
 
     from megatron_dppo.convert.hf_io import HFCheckpoint
     from megatron_dppo.rollout import RolloutEngine
@@ -80,8 +59,8 @@ def worker(model_dir: str, mode: str) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ckpt = HFCheckpoint(model_dir)
     policy = {name: ckpt.get(name) for name in sorted(ckpt.weight_map)}  # the policy's weights, resident
-    base = _rss_mib()
-    _reset_peak()
+    base = rss_mib()
+    reset_peak()
     t0 = time.perf_counter()
     engine = RolloutEngine(
         model_dir, dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=64 << 20, load_format=mode
@@ -101,7 +80,7 @@ def worker(model_dir: str, mode: str) -> None:
             engine.load_weights([bucket])
         sync_s = time.perf_counter() - t1
     engine.generate([[1, 4, 5]], n=1, max_new_tokens=2, temperature=0.0)  # the engine works
-    row = {"mode": mode, "init_s": init_s, "sync_s": sync_s, "peak_over_policy_mib": _vm_hwm_mib() - base}
+    row = {"mode": mode, "init_s": init_s, "sync_s": sync_s, "peak_over_policy_mib": hwm_mib() - base}
     print(json.dumps(row), flush=True)
     engine.close()
 
