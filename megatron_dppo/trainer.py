@@ -139,6 +139,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
+        self._save_cost_logged = False
         self.watchdog.phase("load weights")
         self._load_weights(resume)
         self._check_finite("the starting weights", grads=False)
@@ -226,8 +227,9 @@ class Trainer:
         path = latest_checkpoint(self.ckpt_dir)
         if path is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
+        self.resume_path = path  # what _resume loads, once the policy is built
         state = check_checkpoint(path)
-        check_resume_compatible(state, self.cfg, path)
+        check_resume_compatible(state, self.cfg, path, current=self.resume_meta)
         if state["step"] >= self.cfg.trainer.max_steps:
             raise ValueError(
                 f"--resume: {path} is at step {state['step']} and trainer.max_steps is "
@@ -412,21 +414,10 @@ class Trainer:
         if self.curriculum:  # AdaPrefix: the reference's prefix opens the completion (as prompt tokens)
             assisted = [self.curriculum.assisted(rec, ids, step) for (rec, _, _), ids in zip(mine, prompt_ids)]
             prompt_ids, prefix_lens = [ids for ids, _ in assisted], [n for _, n in assisted]
-        bc, group_size = self.method.bppo, self.cfg.rollout.group_size
-        waves = self.method.selection == "bppo" and bc.schedule == "waves"
         by_slot: dict[int, Group] = {}
         while True:
             drawn = {slot: by_slot[slot].group_size if slot in by_slot else 0 for _, slot, _ in items}
-            # BPPO's own verdicts (before reward shaping), as its pair selection reads them
-            verdicts = {slot: [float(c) for c in g.correct()] for slot, g in by_slot.items()}
-            want = (
-                {
-                    slot: bppo.next_wave(verdicts.get(slot, []), bc.wave_size, bc.max_group_size or group_size)
-                    for slot in drawn
-                }
-                if waves
-                else {slot: group_size if n == 0 else 0 for slot, n in drawn.items()}
-            )
+            want = self._completions_wanted(by_slot, drawn)
             if not any(want.values()):
                 break
             todo = [i for i, (_, slot, _) in enumerate(mine) if want[slot] > 0]
@@ -439,6 +430,21 @@ class Trainer:
         for run in size_runs(groups):
             self.history.update([g.record.id for g in run], stack_rewards(run))
         return groups
+
+    def _completions_wanted(self, by_slot: dict[int, Group], drawn: dict[int, int]) -> dict[int, int]:
+        """How many more completions each prompt (slot) gets: its whole group in one call, or
+        BPPO's next wave, decided on BPPO's own verdicts (before reward shaping) as its pair is."""
+        bc, group_size = self.method.bppo, self.cfg.rollout.group_size
+        if not (self.method.selection == "bppo" and bc.schedule == "waves"):
+            return {slot: group_size if n == 0 else 0 for slot, n in drawn.items()}
+        return {
+            slot: bppo.next_wave(
+                [float(c) for c in by_slot[slot].correct()] if slot in by_slot else [],
+                bc.wave_size,
+                bc.max_group_size or group_size,
+            )
+            for slot in drawn
+        }
 
     def _roll_wave(self, step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer) -> list[Group]:
         """One engine call for this engine's prompts `todo` (indices into mine), want[slot]
@@ -707,7 +713,7 @@ class Trainer:
         )
         seconds = time.perf_counter() - t0
         size = checkpoint_bytes(path) if self.is_main else 0
-        if self.is_main and not getattr(self, "_save_cost_logged", False):  # once: what a save costs
+        if self.is_main and not self._save_cost_logged:  # once: what a save costs
             self.logger.message(save_cost_line(os.path.basename(path), seconds, size))
             self._save_cost_logged = True
         return {"time/checkpoint": seconds, "checkpoint/bytes": size}
@@ -723,12 +729,9 @@ class Trainer:
         return out
 
     def _resume(self) -> None:
-        from megatron_dppo.megatron.checkpoint import latest_checkpoint, load_checkpoint
+        from megatron_dppo.megatron.checkpoint import load_checkpoint
 
-        path = latest_checkpoint(self.ckpt_dir)
-        if path is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.ckpt_dir} (no 'latest' file)")
-        state = load_checkpoint(path, self.policy)
+        state = load_checkpoint(self.resume_path, self.policy)
         self.data.load_state_dict(state["data"])
         self.strategy.load_state_dict(state.get("strategy", {}))
         if self.curriculum and state.get("adaprefix") is not None:

@@ -278,14 +278,15 @@ def weigh_completions(
     one [P, G] batch; BPPO's waves (a size per prompt) weigh each run of equal sizes the same way."""
     if not groups:
         return {"prune/completions_kept_frac": 0.0, "prune/completions_pruned_frac": 0.0}
-    parts = [_weigh_groups(method, strategy, run, generator) for run in size_runs(groups)]
+    runs = size_runs(groups)
+    parts = [_weigh_groups(method, strategy, run, generator) for run in runs]
     adv, keep, w_o = (torch.cat([p[i].flatten() for p in parts]) for i in range(3))
     extra = {}
     if method.reweighting == "reco":
         u = torch.cat([p[3].flatten() for p in parts])
         extra["reco/response_weight_mean"] = float(u.mean())
         extra["reco/frequent_frac"] = float((u < 1).float().mean())  # G pi_b(o|x) > 1: u acts
-    trained = torch.cat([sequence_weights(run).flatten() for run in size_runs(groups)])
+    trained = torch.cat([sequence_weights(run).flatten() for run in runs])
     trained = trained[trained > 0]
     return {
         "prune/completions_kept_frac": float((w_o > 0).float().mean()),
