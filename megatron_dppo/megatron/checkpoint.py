@@ -360,9 +360,23 @@ def _disk_full_error(e: BaseException | None, depth: int = 0) -> OSError | None:
 
 
 def _save_error(e: CheckpointException, tmp: str) -> CheckpointError:
-    rank, (inner, _) = min(e.failures.items(), key=lambda kv: kv[0]) if e.failures else (None, (e, None))
-    why = " ".join(str(inner).split()).split(". ")[0][:300]
-    return CheckpointError(f"saving {tmp} failed on rank {rank} ({type(inner).__name__}: {why})")
+    rank, inner = _first_failure(e)
+    return CheckpointError(f"saving {tmp} failed on rank {rank} ({type(inner).__name__}: {_first_sentence(inner)})")
+
+
+def _first_failure(e: BaseException) -> tuple[int | None, BaseException]:
+    """(rank, exception) of the lowest failing rank a CheckpointException holds (each rank's own
+    exception, with its traceback); (None, e) for any other exception."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = min(e.failures.items(), key=lambda kv: kv[0])
+        return rank, inner
+    return None, e
+
+
+def _first_sentence(e: BaseException, limit: int = 300) -> str:
+    """An exception's text on one line, up to its first sentence: torch's and Megatron's say there
+    what broke, and go on with advice to their own developers."""
+    return " ".join(str(e).split()).split(". ")[0][:limit]
 
 
 def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files) -> str:
@@ -534,7 +548,7 @@ def _check_dist_files(model_dir: str) -> None:
     try:
         torch.load(common, map_location="cpu", weights_only=True)
     except Exception as e:  # torch's zip reader names no file: name it
-        why = " ".join(str(e).split()).split(". ")[0][:200]  # torch's first sentence says what broke
+        why = _first_sentence(e, 200)
         raise CheckpointError(f"{common}: truncated or corrupt ({type(e).__name__}: {why})") from None
 
 
@@ -550,8 +564,8 @@ def _check_item_headers(model_dir: str, metadata) -> None:
     the check holds when every item of every shard is damaged (megatron-core 0.19 saves one shard
     per rank). Bytes items (no fixed format) and transformed (e.g. compressed) items are not read."""
     by_file: dict[str, list] = {}
-    for index, info in metadata.storage_data.items():
-        if not getattr(info, "transform_descriptors", None) and _is_torch_saved_tensor(metadata, index, info):
+    for index, info in _tensor_items(metadata):
+        if _is_torch_saved_tensor(metadata, index, info):
             by_file.setdefault(info.relative_path, []).append((info.offset, index.fqn))
     for rel, items in sorted(by_file.items()):
         shard = os.path.join(model_dir, rel)
@@ -566,11 +580,20 @@ def _check_item_headers(model_dir: str, metadata) -> None:
                     )
 
 
+def _tensor_items(metadata):
+    """(index, storage info) of every tensor item of a DCP index stored as it is: not pickled
+    bytes, not transformed (e.g. compressed)."""
+    for index, info in metadata.storage_data.items():
+        is_tensor = hasattr(metadata.state_dict_metadata.get(index.fqn), "size")
+        if is_tensor and not getattr(info, "transform_descriptors", None):
+            yield index, info
+
+
 def _is_torch_saved_tensor(metadata, index, info) -> bool:
-    tensor_meta = metadata.state_dict_metadata.get(index.fqn)
-    chunk = next((c for c in getattr(tensor_meta, "chunks", None) or [] if c.offsets == index.offset), None)
+    tensor_meta = metadata.state_dict_metadata[index.fqn]
+    chunk = next((c for c in tensor_meta.chunks if c.offsets == index.offset), None)
     if chunk is None:
-        return False  # a bytes item, or an index this check does not understand
+        return False  # an index this check does not understand
     return info.length != math.prod(chunk.sizes) * tensor_meta.properties.dtype.itemsize
 
 
@@ -609,9 +632,7 @@ def _check_global_shapes(sharded: dict, model_dir: str) -> None:
 def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
     """One line for a failed dist_checkpointing.load: the first failing rank's own exception (a
     CheckpointException holds them with their tracebacks), and for unreadable data the shard file."""
-    inner = e
-    if isinstance(e, CheckpointException) and e.failures:
-        rank, (inner, _) = min(e.failures.items(), key=lambda kv: kv[0])
+    _, inner = _first_failure(e)
     text = " ".join(str(inner).split())
     shape = re.search(r"Global shape mismatch for loaded \((.*?)\) and expected \((.*?)\) tensor for key (\S+)", text)
     if shape:
@@ -627,7 +648,7 @@ def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
                 f"{shard} is corrupt: {fqn!r} at byte {offset} cannot be read back ({type(inner).__name__}); "
                 "resume from another step_* dir of the run, or from a copy of this one"
             )
-    why = text.split(". ")[0][:300]
+    why = _first_sentence(inner)
     return CheckpointError(f"{model_dir}: cannot load into this model ({type(inner).__name__}: {why})")
 
 
@@ -635,12 +656,7 @@ def _find_unreadable_item(model_dir: str):
     """(shard path, key, byte offset) of the first tensor item that torch.load cannot read, or None.
     Reads every tensor item once: only after a load failed on unreadable data."""
     metadata = FileSystemReader(model_dir).read_metadata()
-    items = sorted(
-        (info.relative_path, info.offset, info.length, index.fqn)
-        for index, info in metadata.storage_data.items()
-        if not getattr(info, "transform_descriptors", None)
-        and hasattr(metadata.state_dict_metadata.get(index.fqn), "size")  # a tensor, not pickled bytes
-    )
+    items = sorted((info.relative_path, info.offset, info.length, index.fqn) for index, info in _tensor_items(metadata))
     for rel, offset, length, fqn in items:
         shard = os.path.join(model_dir, rel)
         with open(shard, "rb") as f:
