@@ -97,15 +97,16 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
     # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs the
     # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
-    old_logp = picked(batch.old_logp) if batch.old_logp is not None else logp[mask].detach()
-    token_loss, stats = _token_loss(algorithm, logp[mask], old_logp, batch, picked)
+    lp, seq_index = logp[mask], picked(batch.seq_index)  # the loss tokens' (one gather each)
+    old_logp = picked(batch.old_logp) if batch.old_logp is not None else lp.detach()
+    token_loss, stats = _token_loss(algorithm, lp, old_logp, batch, picked, seq_index)
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
-    coef = losses.token_coefficients(picked(batch.seq_index), seq_weight, seq_len, algorithm.loss_agg, denominator)
+    coef = losses.token_coefficients(seq_index, seq_weight, seq_len, algorithm.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
-    report = _report(loss, n_tokens, logp[mask], old_logp, stats)
+    report = _report(loss, n_tokens, lp, old_logp, stats)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     report.update(aux_loss=zero, aux_div_sum=zero, aux_positions=zero)
-    gap = (logp[mask].detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
+    gap = (lp.detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
     report["rollout_gap_sum"] = gap.double().sum() if gap is not None else zero
     report["rollout_gap_tokens"] = n_tokens.double() if gap is not None else zero
     report["entropy_sum"] = entropy_sum(
@@ -126,7 +127,7 @@ def _logprob_outputs(batch, logits, logp, mode: str, vocab_size: int, temperatur
     return out
 
 
-def _token_loss(a, logp, old_logp, batch, picked):
+def _token_loss(a, logp, old_logp, batch, picked, seq_index):
     """The per-token policy loss of the loss tokens: ReCo's surrogate, or the clipped surrogate
     (GRPO / DAPO / GSPO settings) with its KL term."""
     if a.reweighting == "reco" and a.reco.token_scale != "none":
@@ -138,7 +139,7 @@ def _token_loss(a, logp, old_logp, batch, picked):
         clip_low=a.clip_low,
         clip_high=a.clip_high,
         ratio_type=a.ratio_type,
-        seq_index=picked(batch.seq_index),
+        seq_index=seq_index,
         num_seqs=batch.num_seqs,
         ref_logp=picked(batch.ref_logp) if a.kl_coef else None,
         kl_coef=a.kl_coef,
