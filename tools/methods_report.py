@@ -21,13 +21,12 @@ import math
 import statistics
 from pathlib import Path
 
+from compare_methods import _mean, _se, read_metrics  # tools/: this script's own folder
+
 
 def _mean_se(xs):
     xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return None, None
-    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
-    return statistics.fmean(xs), se
+    return _mean(xs), _se(xs)
 
 
 def _fmt(pair, spec="{:.3f}"):
@@ -38,7 +37,7 @@ def _fmt(pair, spec="{:.3f}"):
 
 
 def run_summary(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run / "metrics.jsonl")
     steps = [r for r in rows if "time/step" in r]
     dumps = sorted((run / "val").glob("step_*.jsonl"))
     start = {r["prompt_id"]: r["correct"] for r in map(json.loads, dumps[0].read_text().splitlines())}
