@@ -126,16 +126,16 @@ class MegatronPolicy:
         self.vocab_size = hf_config.vocab_size
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
         dist_opt = torch.cuda.is_available() if distributed_optimizer is None else distributed_optimizer
+        # MoE: experts apart from the dense parameters (before DDP sees them), and the router
+        # terms' scale and the routing statistics of every update.
+        self.router_stats = None
         if is_moe(hf_config):
             _experts_apart(model)
+            sp = bool(overrides.get("sequence_parallel"))
+            self.router_stats = RouterStats(model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, sp)
         self.model, self.optimizer, self.scheduler = wrap_for_training(
             model, optim, params_dtype=params_dtype, distributed_optimizer=dist_opt
         )
-        # The router terms' scale and the routing statistics of every update (MoE models).
-        self.router_stats = None
-        if is_moe(hf_config):
-            sp = bool(overrides.get("sequence_parallel"))
-            self.router_stats = RouterStats(model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, sp)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, **build)

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_dppo.convert import qwen3 as mapping
+from megatron_dppo.megatron.hf_load import expert_rank_layout, rank_layout
 from megatron_dppo.megatron.model import current_device
 
 
@@ -44,15 +45,9 @@ class _Ranks:
 
     @classmethod
     def current(cls) -> _Ranks:
-        ps = parallel_state
-        return cls(
-            tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_size=ps.get_pipeline_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            ep_size=ps.get_expert_model_parallel_world_size(),
-            ep_rank=ps.get_expert_model_parallel_rank(),
-            etp_size=ps.get_expert_tensor_parallel_world_size(),
-        )
+        _, tp_size, pp_rank, pp_size = rank_layout()
+        ep_rank, ep_size, _, etp_size = expert_rank_layout()
+        return cls(tp_size, pp_size, pp_rank, ep_size, ep_rank, etp_size)
 
     def global_name(self, local: str, layout, ep_rank: int | None = None) -> str:
         """A local name's global one; an expert's as EP rank ep_rank (default: this rank) numbers it."""
@@ -96,18 +91,15 @@ def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
     module (its TP slices, and only its EP rank's experts, split over expert-TP). Holds the whole
     model on every rank: for small models and tests. From an HF directory,
     megatron_dppo.megatron.hf_load reads only this rank's slices."""
-    ps = parallel_state
+    ep_rank, ep_size, etp_rank, etp_size = expert_rank_layout()
     local = mapping.shard_for_rank(
         mapping.hf_to_megatron(hf_sd, layout),
         layout,
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(),
-        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        *rank_layout(),
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        etp_rank=etp_rank,
+        etp_size=etp_size,
     )
     for module in modules:
         own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
