@@ -23,6 +23,8 @@ import hashlib
 import json
 import os
 
+from megatron_dppo.preflight import TOKENIZER_FILES
+
 # Config keys a resumed run must keep (see the module docstring for why each).
 FIXED_KEYS = ("rollout.group_size", "pruning.strategy")
 ARCHITECTURE_FIELDS = (
@@ -44,12 +46,9 @@ ARCHITECTURE_FIELDS = (
     "mlp_only_layers",
     "decoder_sparse_step",
 )
-_TOKENIZER_FILES = (
-    "tokenizer.json",
+# The files a tokenizer is built from (preflight's list), and those that change what it produces.
+_TOKENIZER_FILES = TOKENIZER_FILES + (
     "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
     "merges.txt",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -112,8 +111,10 @@ def resume_metadata(cfg) -> dict:
     return {"settings": {k: _get(cfg, k) for k in FIXED_KEYS}, "model": model_identity(cfg.model.hf_dir)}
 
 
-def resume_differences(saved: dict, cfg) -> list[str]:
-    """What differs between a checkpoint's resume metadata and cfg, one phrase each."""
+def resume_differences(saved: dict, cfg, current: dict | None = None) -> list[str]:
+    """What differs between a checkpoint's resume metadata and cfg, one phrase each. current:
+    resume_metadata(cfg) when the caller has it already (it reads the model's files)."""
+    current = current or resume_metadata(cfg)
     out = []
     for key, was in saved.get("settings", {}).items():
         now = _get(cfg, key)
@@ -121,7 +122,7 @@ def resume_differences(saved: dict, cfg) -> list[str]:
             out.append(f"{key}={now!r}, but the run was trained with {was!r}")
     model = saved.get("model")
     if model:
-        mine = model_identity(cfg.model.hf_dir)
+        mine = current["model"]
         arch = [
             f"{k} {model['architecture'].get(k)!r} -> {mine['architecture'].get(k)!r}"
             for k in ARCHITECTURE_FIELDS
@@ -142,13 +143,14 @@ def resume_differences(saved: dict, cfg) -> list[str]:
     return out
 
 
-def check_resume_compatible(saved: dict | None, cfg, checkpoint: str) -> None:
+def check_resume_compatible(saved: dict | None, cfg, checkpoint: str, current: dict | None = None) -> None:
     """ValueError naming each key that a resumed run changed; saved = the checkpoint's trainer
-    state (a checkpoint of an older version, without "resume", is not compared)."""
+    state (a checkpoint of an older version, without "resume", is not compared); current as in
+    resume_differences."""
     meta = (saved or {}).get("resume")
     if not meta:
         return
-    diffs = resume_differences(meta, cfg)
+    diffs = resume_differences(meta, cfg, current)
     if diffs:
         raise ValueError(
             f"--resume from {checkpoint}: " + "; ".join(diffs) + ". A run cannot change these mid-way: resume "

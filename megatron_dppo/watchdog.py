@@ -110,7 +110,7 @@ def describe_ranks(beats: dict, world: int, now: float, timeout_s: float, stale_
     return lines
 
 
-def _main_thread_frames(limit: int = 2) -> str:
+def _main_thread_frames() -> str:
     """Where the main thread is: its innermost frame and the innermost one of this project."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
@@ -118,7 +118,7 @@ def _main_thread_frames(limit: int = 2) -> str:
     stack = traceback.extract_stack(frame)
     ours = [f for f in stack if f"{os.sep}megatron_dppo{os.sep}" in f.filename]
     picked = [stack[-1]] + ([ours[-1]] if ours and ours[-1] is not stack[-1] else [])
-    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in picked[:limit])
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in picked)
 
 
 class StallWatchdog:
@@ -131,9 +131,8 @@ class StallWatchdog:
         self.stale_s = 3 * self.beat_s  # three missed beats: that rank's process is not running
         self._exit = exit
         self._phase, self._step = "start", None
-        self._progress_mono = time.monotonic()
+        self._progress_mono = time.monotonic()  # when the current phase began: the last progress
         self._progress_wall = time.time()
-        self._phase_started = self._progress_mono
         self.longest = (0.0, "start", None)  # (seconds, phase, step) of the longest phase so far
         self._warned = False
         self._stop = threading.Event()
@@ -144,11 +143,11 @@ class StallWatchdog:
     def phase(self, name: str, step: int | None = None) -> None:
         """Progress: the previous phase ended, `name` began (at `step`)."""
         now = time.monotonic()
-        took = now - self._phase_started
+        took = now - self._progress_mono
         if took > self.longest[0]:
             self.longest = (took, self._phase, self._step)
         self._phase, self._step = name, step
-        self._phase_started = self._progress_mono = now
+        self._progress_mono = now
         self._progress_wall = time.time()
         self._changed.set()  # the heartbeat thread publishes it now (no store call on this thread)
 
