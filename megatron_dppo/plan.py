@@ -20,7 +20,8 @@ in short, for the worst pipeline stage of one GPU:
                intermediates, times an imbalance factor (the busiest expert rank gets more than its
                share), and the router's fp32 logits and probabilities; all-to-all: one layer's
                dispatch send and receive buffers in flight
-  logits       micro-batch tokens x padded vocab / TP x (dtype + 8) bytes on the last stage
+  logits       micro-batch tokens x padded vocab / TP x 2 x dtype bytes (the logits and their
+               gradient) + the log-prob pass's fp32 blocks (5 x 128 MiB at most), last stage
   vLLM         colocated: asleep (KV freed, weights offloaded) while Megatron trains; while it
                generates it owns gpu_memory_utilization x GPU: its weights, runtime and the KV
                cache that is left
@@ -51,6 +52,10 @@ CUDA_OVERHEAD = 2 * GiB  # CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE work
 FRAGMENTATION = 0.10  # caching-allocator slack on the training peak (variable-size packs)
 VLLM_RUNTIME = 2 * GiB  # vLLM's profiled activation peak + CUDA graphs, inside its share
 SYNC_BUCKET = 1 * GiB  # one bucket of the Megatron -> vLLM weight sync in flight
+# The loss's log-probs run over blocks of positions (megatron/logprobs.py): LOGPROB_BLOCK fp32
+# elements a block (its CHUNK_ELEMENTS), at most LOGPROB_BLOCKS blocks alive (the entropy's
+# temporaries beside the scaled block).
+LOGPROB_BLOCK, LOGPROB_BLOCKS = 1 << 25, 5
 MOE_IMBALANCE = 1.5  # tokens the busiest expert rank receives / its even share (no token dropping)
 
 
@@ -320,9 +325,8 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     train["activations"] = (in_flight * kept + work) * T * pbytes
     if any(arch.is_sparse(i) for i in layers):  # one layer's dispatch send + receive in flight
         train["all_to_all"] = (1 + MOE_IMBALANCE) * arch.experts_per_tok * arch.hidden * T * pbytes / (tp if sp else 1)
-    # the model's logits + the fp32 scaled/masked copy the loss keeps (its softmax) + one
-    # fp32 temporary while the next copy or the gradient is made
-    train["logits"] = T * padded_vocab_size(arch.vocab, tp) / tp * (pbytes + 8) if stage in ("only", "last") else 0
+    last = stage in ("only", "last")
+    train["logits"] = logits_bytes(T, padded_vocab_size(arch.vocab, tp) // tp, pbytes) if last else 0
     train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
     gen = dict(resident)
     gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
@@ -337,6 +341,13 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
         "train_total": sum(train.values()),
         "generate_total": sum(gen.values()),
     }
+
+
+def logits_bytes(tokens: int, partition_vocab: int, pbytes: int, block: int = LOGPROB_BLOCK) -> int:
+    """The loss's peak on the last stage: the model's logits (kept for the backward), their
+    gradient, and the log-prob pass's fp32 blocks (no fp32 copy of the whole logits)."""
+    elems = tokens * partition_vocab
+    return 2 * elems * pbytes + LOGPROB_BLOCKS * min(elems, block) * 4
 
 
 def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
@@ -582,7 +593,7 @@ def format_plan(plan: dict) -> str:
         ("reference model", "reference"),
         ("activations", "activations"),
         ("all-to-all buffers (MoE dispatch)", "all_to_all"),
-        ("logits (fp32 loss)", "logits"),
+        ("logits (loss)", "logits"),
         ("vLLM (weights+runtime+KV)", "vllm"),
         ("weight-sync bucket", "weight_sync"),
         ("CUDA ctx/NCCL/fragmentation", "overhead"),

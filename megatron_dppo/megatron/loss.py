@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.methods import reco, ssopd
-from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs
+from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs, token_logprobs_detached_entropy
 from megatron_dppo.megatron.model import current_device
 
 # What each micro-batch reports, summed over its loss tokens (ratio_dev_max is a max instead).
@@ -84,20 +84,28 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     dev = logits.device
     if batch.aux is not None:
         return _aux_loss(batch, logits, algorithm.ssopd, vocab_size)
-    logp = token_logprobs(logits, batch.labels.to(dev), vocab_size=vocab_size, temperature=temperature).flatten()
-    mask = batch.loss_mask.to(dev).flatten() > 0
-    n_tokens = mask.sum().to(torch.int)
+    labels = batch.labels.to(dev)
+    host_index = loss_positions(batch.loss_mask)
+    index = host_index.to(dev)
+    n_tokens = torch.tensor(host_index.numel(), dtype=torch.int, device=dev)
     if mode.startswith("logprob"):
+        logp = token_logprobs(logits, labels, vocab_size=vocab_size, temperature=temperature).flatten()
         return logp.sum() * 0.0, n_tokens, _logprob_outputs(batch, logits, logp, mode, vocab_size, temperature)
+    logp, entropy = token_logprobs_detached_entropy(logits, labels, vocab_size=vocab_size, temperature=temperature)
+    logp = logp.flatten()
 
     def picked(t):
-        return t.to(dev).flatten()[mask]
+        """The loss tokens' entries of a per-position tensor: a host tensor is gathered on the
+        host and only its loss tokens are copied over (no stream sync); a device one there."""
+        if t.device == dev:
+            return t.flatten().index_select(0, index)
+        return t.flatten().index_select(0, host_index).to(dev, non_blocking=True)
 
     # No old log-probs: the batch is trained right after it was generated, in one optimizer step,
     # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
     # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs the
     # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
-    lp, seq_index = logp[mask], picked(batch.seq_index)  # the loss tokens' (one gather each)
+    lp, seq_index = logp.index_select(0, index), picked(batch.seq_index)  # the loss tokens' (one gather each)
     old_logp = picked(batch.old_logp) if batch.old_logp is not None else lp.detach()
     token_loss, stats = _token_loss(algorithm, lp, old_logp, batch, picked, seq_index)
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
@@ -109,10 +117,15 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     gap = (lp.detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
     report["rollout_gap_sum"] = gap.double().sum() if gap is not None else zero
     report["rollout_gap_tokens"] = n_tokens.double() if gap is not None else zero
-    report["entropy_sum"] = entropy_sum(
-        logits, mask.view(batch.labels.shape), vocab_size=vocab_size, temperature=temperature
-    )
+    report["entropy_sum"] = entropy_sum(entropy, index)
     return loss, n_tokens, report
+
+
+def loss_positions(loss_mask) -> torch.Tensor:
+    """The flat positions where loss_mask > 0, found on the host (the batch's masks are host
+    tensors): the loss gathers them with index_select, where a boolean mask would make the
+    device report its count back to the host once per gather."""
+    return torch.nonzero(loss_mask.detach().cpu().flatten() > 0).squeeze(1)
 
 
 def _logprob_outputs(batch, logits, logp, mode: str, vocab_size: int, temperature: float) -> dict:
