@@ -55,6 +55,21 @@ LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 NamedTensor = tuple[str, torch.Tensor]
 
 
+# What vLLM 0.32 keeps resident while asleep unless asked (vllm/config/model.py): the CUDA-graph
+# pool (backed up to host memory with this, restored on wake) and the NCCL communicators' buffers
+# (ncclCommSuspend; vLLM skips it with a warning on NCCL < 2.29.7). Colocated with Megatron's
+# training, both are memory the train phase needs.
+GPU_SLEEP_RELEASE = {"sleep_mode_offload_cudagraph": True, "enable_nccl_comm_suspend": True}
+
+
+def sleep_release_kwargs(on_gpu: bool, sleep_enabled: bool, llm_kwargs: dict) -> dict:
+    """llm_kwargs with GPU_SLEEP_RELEASE added for a sleeping GPU engine (the caller's own
+    values win); unchanged on CPU, where vLLM has neither to release."""
+    if not (on_gpu and sleep_enabled):
+        return llm_kwargs
+    return {**GPU_SLEEP_RELEASE, **llm_kwargs}
+
+
 @dataclass
 class Completion:
     token_ids: list[int]  # finish_reason "stop": ends with eos, or with the tokens of a stop string
@@ -189,6 +204,7 @@ class RolloutEngine:
                     vllm_ops._supports_onednn = False
                     llm_kwargs = _cpu_whole_prefills(llm_kwargs, max_model_len, tensor_parallel_size)
 
+                llm_kwargs = sleep_release_kwargs(on_gpu, self._sleep_enabled, llm_kwargs)
                 self.llm = LLM(
                     model=model_dir,
                     dtype=dtype,
