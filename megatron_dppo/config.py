@@ -58,6 +58,22 @@ class ParallelConfig:
     etp: int = 1  # expert tensor parallel: each expert split over etp ranks (1 = whole experts, the usual choice)
     distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU
     recompute: Recompute = "none"  # activation recomputation
+    # parallel.recompute=selective's Megatron recompute_modules (an MoE layer's module is added:
+    # megatron/policy.py); None: ["core_attn", "mlp"]
+    recompute_modules: list[str] | None = None
+    # GPU performance settings (docs/scaling.md, "GPU defaults"). None: resolved at start-up to what
+    # Megatron-LM's large-model recipes run where it can run (CUDA; the fusions also need the
+    # Transformer Engine path), and to what runs on this CPU otherwise (all off, as before).
+    overlap_grad_reduce: bool | None = None  # DDP reduces each bucket during the backward; None: CUDA
+    # Parameters per DDP bucket, 0 = one bucket; None: Megatron's max(40M, 1M x DP) when
+    # overlapping, else 0 (nothing to overlap: one collective is cheapest).
+    ddp_bucket_size: int | None = None
+    # The distributed optimizer's all-gather hidden behind the next forward. Off: this trainer's
+    # weight sync reads the parameters right after the step, before any next forward.
+    overlap_param_gather: bool = False
+    gradient_accumulation_fusion: bool | None = None  # TE's wgrad GEMM adds into main_grad; None: TE path
+    moe_permute_fusion: bool | None = None  # TE's fused token (un)permutation; None: TE path, MoE model
+    moe_router_fusion: bool | None = None  # TE's fused router top-k / scores; None: TE path, MoE model
     # Every process group's timeout (torch.distributed, Megatron's and vLLM's groups): torch's
     # defaults (NCCL 10, gloo 30 minutes) are shorter than waits that are long by design.
     timeout_minutes: float = 60.0
@@ -406,6 +422,11 @@ def validate(cfg: Config) -> Config:
         ("parallel.ep", c.parallel.ep >= 1, "an integer >= 1"),
         ("parallel.etp", c.parallel.etp >= 1, "an integer >= 1"),
         ("parallel.timeout_minutes", c.parallel.timeout_minutes > 0, "a number of minutes > 0"),
+        (
+            "parallel.recompute_modules",
+            c.parallel.recompute_modules is None or set(c.parallel.recompute_modules) <= RECOMPUTE_MODULES,
+            f"a list of Megatron recompute modules, among {sorted(RECOMPUTE_MODULES)}",
+        ),
         ("parallel.nodes", c.parallel.nodes >= 1, "an integer >= 1"),
         ("parallel.gpus_per_node", c.parallel.gpus_per_node >= 1, "an integer >= 1"),
     ]
@@ -620,10 +641,12 @@ def resolve(
     threads: int,
     num_experts: int = 0,
     moe_ffn_hidden_size: int | None = None,
+    te: bool = False,
 ) -> Config:
     """Fill in every value that depends on the model, the machine or the data, in one place, before
     the config is saved or read by anything else: after this no key is None or means "decide later".
-    The cluster shape is the launch's (torchrun's world and processes per node), not the config's."""
+    The cluster shape is the launch's (torchrun's world and processes per node), not the config's.
+    te: the model runs on the Transformer Engine path (megatron/attention_backend.py's choice)."""
     cfg.parallel.gpus_per_node = local_world_size
     cfg.parallel.nodes = max(world_size // local_world_size, 1)
     check_layout(
@@ -644,6 +667,7 @@ def resolve(
         cfg.pruning.drop_zero_variance = cfg.algorithm.kl_coef == 0
     if cfg.parallel.distributed_optimizer is None:  # shards Adam state over DP; pointless on CPU
         cfg.parallel.distributed_optimizer = cuda
+    resolve_gpu_settings(cfg.parallel, cuda=cuda, te=te, moe=num_experts > 0, world_size=world_size)
     if cfg.optim.decay_steps == 0:
         t = cfg.trainer
         cfg.optim.decay_steps = t.max_steps * t.minibatches_per_step * t.epochs_per_step
@@ -652,6 +676,44 @@ def resolve(
     if cfg.trainer.stall_timeout_s is None:  # the longest healthy phase is minutes on GPUs (watchdog.py)
         cfg.trainer.stall_timeout_s = 1800.0 if cuda else 600.0
     return cfg
+
+
+SELECTIVE_RECOMPUTE_MODULES = ["core_attn", "mlp"]
+# Megatron-Core 0.16's recompute_modules choices (TransformerConfig); layernorm and moe_act need TE.
+RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
+DDP_BUCKET_MIN, DDP_BUCKET_PER_RANK = 40_000_000, 1_000_000  # Megatron DDP's default bucket size rule
+
+
+def resolve_gpu_settings(par: ParallelConfig, *, cuda: bool, te: bool, moe: bool, world_size: int) -> None:
+    """parallel's GPU performance keys: None -> on where they can run (overlap: CUDA; the fusions:
+    the TE path, the MoE ones for an MoE model), off otherwise; a fusion asked for where TE does not
+    run, or overlap_param_gather, is refused naming the key."""
+    if par.overlap_param_gather:
+        raise ValueError(
+            "config key 'parallel.overlap_param_gather': expected false; the weight sync reads the parameters "
+            "right after the optimizer step, before the next forward that would finish the overlapped all-gather"
+        )
+    if par.overlap_grad_reduce is None:
+        par.overlap_grad_reduce = cuda
+    if par.ddp_bucket_size is None:
+        dp = max(world_size // (par.tp * par.pp), 1)
+        par.ddp_bucket_size = max(DDP_BUCKET_MIN, DDP_BUCKET_PER_RANK * dp) if par.overlap_grad_reduce else 0
+    if par.ddp_bucket_size < 0:
+        raise ValueError(f"config key 'parallel.ddp_bucket_size': expected an integer >= 0, got {par.ddp_bucket_size}")
+    for key, wanted in (
+        ("gradient_accumulation_fusion", te),
+        ("moe_permute_fusion", te and moe),
+        ("moe_router_fusion", te and moe),
+    ):
+        if getattr(par, key) is None:
+            setattr(par, key, wanted)
+        elif getattr(par, key) and not te:
+            raise ValueError(
+                f"config key 'parallel.{key}': expected false (or unset) here; it needs the Transformer Engine "
+                "path (model.attention resolving to te: a GPU with transformer_engine)"
+            )
+    if par.recompute_modules is None and par.recompute == "selective":  # else unused (not saved)
+        par.recompute_modules = list(SELECTIVE_RECOMPUTE_MODULES)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -730,6 +792,8 @@ def unused_keys(cfg: Config) -> list[str]:
     out += [f"algorithm.{name}" for name, off in unused.items() if off]
     if a.curriculum != "adaprefix":
         out.append("data.solution_key")
+    if cfg.parallel.recompute != "selective":
+        out.append("parallel.recompute_modules")
     return out
 
 

@@ -163,7 +163,12 @@ def stage_expert_params(arch: Arch, ep: int, etp: int, pp: int) -> dict:
     }
 
 
-def layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str) -> dict:
+DEFAULT_RECOMPUTE_MODULES = ("core_attn", "mlp")  # config.SELECTIVE_RECOMPUTE_MODULES
+
+
+def layer_activation_elems(
+    arch: Arch, tp: int, sp: bool, recompute: str, modules: tuple = DEFAULT_RECOMPUTE_MODULES
+) -> dict:
     """Elements one layer keeps for backward per token on one TP rank (fused GPU path: flash
     attention keeps no s x s scores, SwiGLU fused). Returns {'kept': per layer, 'work': the
     extra a recomputed layer rebuilds during its own backward (held for one layer only)}.
@@ -183,13 +188,19 @@ def layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str) -> dic
     full = rep + attn + mlp
     if recompute == "none":
         return {"kept": full, "work": 0.0}
-    if recompute == "selective":  # Megatron recompute_modules=["core_attn", "mlp"]: MLP rebuilt
-        return {"kept": rep + attn, "work": mlp}
+    if recompute == "selective":
+        # "mlp" rebuilds the MLP; "core_attn" saves nothing here: flash attention keeps only q, k, v
+        # and its output, which the layer keeps anyway ("layernorm": the TE path's dense norms are
+        # fused into the linears, so there is no norm output to drop)
+        rebuilt = mlp if "mlp" in modules else 0.0
+        return {"kept": full - rebuilt, "work": rebuilt}
     # full: each layer keeps only its input hidden states (sequence-sharded with SP)
     return {"kept": h / (tp if sp else 1), "work": full}
 
 
-def moe_layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str, etp: int, pbytes: int) -> dict:
+def moe_layer_activation_elems(
+    arch: Arch, tp: int, sp: bool, recompute: str, etp: int, pbytes: int, modules: tuple = DEFAULT_RECOMPUTE_MODULES
+) -> dict:
     """layer_activation_elems for a sparse (MoE) layer, per token of the micro-batch on one rank.
     Attention and norms as a dense layer's; the MoE MLP keeps, per token routed to k experts:
 
@@ -210,17 +221,28 @@ def moe_layer_activation_elems(arch: Arch, tp: int, sp: bool, recompute: str, et
     if recompute == "full":
         return {"kept": h / split, "work": full}
     if recompute == "selective":
-        rebuilt = 2 * k * arch.moe_ffn * MOE_IMBALANCE / split
+        # "moe" rebuilds the whole MoE MLP; "layernorm" the unfused pre-MLP norm's output (h)
+        rebuilt = moe if "moe" in modules else 2 * k * arch.moe_ffn * MOE_IMBALANCE / split
+        rebuilt += h / split if "layernorm" in modules else 0.0
         return {"kept": full - rebuilt, "work": rebuilt}
     return {"kept": full, "work": 0.0}
 
 
-def stage_activation_elems(arch: Arch, layers: range, tp: int, sp: bool, recompute: str, etp: int, pbytes: int):
+def stage_activation_elems(
+    arch: Arch,
+    layers: range,
+    tp: int,
+    sp: bool,
+    recompute: str,
+    etp: int,
+    pbytes: int,
+    modules: tuple = DEFAULT_RECOMPUTE_MODULES,
+):
     """(kept elements per token summed over a stage's layers, the largest recompute working set)."""
     per = [
-        moe_layer_activation_elems(arch, tp, sp, recompute, etp, pbytes)
+        moe_layer_activation_elems(arch, tp, sp, recompute, etp, pbytes, modules)
         if arch.is_sparse(i)
-        else layer_activation_elems(arch, tp, sp, recompute)
+        else layer_activation_elems(arch, tp, sp, recompute, modules)
         for i in layers
     ]
     return sum(a["kept"] for a in per), max((a["work"] for a in per), default=0.0)
@@ -320,7 +342,8 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
         "reference": n * pbytes if cfg.algorithm.kl_coef > 0 else 0,
     }
     sp = lay["sequence_parallel"]
-    kept, work = stage_activation_elems(arch, layers, tp, sp, par.recompute, par.etp, pbytes)
+    modules = tuple(lay["gpu_settings"]["recompute_modules"])
+    kept, work = stage_activation_elems(arch, layers, tp, sp, par.recompute, par.etp, pbytes, modules)
     train = dict(resident)
     train["activations"] = (in_flight * kept + work) * T * pbytes
     if any(arch.is_sparse(i) for i in layers):  # one layer's dispatch send + receive in flight
@@ -372,6 +395,22 @@ def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
     )
 
 
+def gpu_settings(par, arch: Arch, world: int) -> dict:
+    """parallel's GPU performance keys as a GPU run with Transformer Engine resolves them
+    (config.resolve_gpu_settings; the plan models the fused GPU path). Their memory is in the
+    rows already: DDP's buckets are views into the fp32 gradient buffer ('gradients'), and the
+    wgrad temporaries that gradient_accumulation_fusion saves are left to the fragmentation term."""
+    from megatron_dppo.config import resolve_gpu_settings
+
+    resolved = dataclasses.replace(par, recompute_modules=par.recompute_modules and list(par.recompute_modules))
+    resolve_gpu_settings(resolved, cuda=True, te=True, moe=arch.experts > 0, world_size=world)
+    keys = ("overlap_grad_reduce", "ddp_bucket_size", "overlap_param_gather", "gradient_accumulation_fusion")
+    keys += ("moe_permute_fusion", "moe_router_fusion")
+    out = {k: getattr(resolved, k) for k in keys}
+    out["recompute_modules"] = list(resolved.recompute_modules or DEFAULT_RECOMPUTE_MODULES)
+    return out
+
+
 def memory_plan(cfg, fixes: bool = True) -> dict:
     """Bytes per GPU for both phases of a step, the verdict and (fixes=True) the knobs that
     would fix a refused layout. Raises ValueError naming the field when the layout does not
@@ -400,6 +439,8 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         micro_batch_tokens=cfg.trainer.max_tokens_per_microbatch,
         reference=cfg.algorithm.kl_coef > 0,
     )
+    lay["gpu_settings"] = gpu_settings(par, arch, world)
+    modules = tuple(lay["gpu_settings"]["recompute_modules"])
     dense, experts = stage_params(arch, tp, pp), stage_expert_params(arch, par.ep, par.etp, pp)
     layers = _stage_layers(arch, pp)
     stages = {k: _stage_bytes(cfg, arch, k, layers[k], dense[k], experts[k], lay) for k in dense}
@@ -407,9 +448,9 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
     pbytes = _dtype_bytes(cfg.model.dtype)
     first_layer = layers[worst][0]
     per_layer = (
-        moe_layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, par.etp, pbytes)
+        moe_layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, par.etp, pbytes, modules)
         if arch.is_sparse(first_layer)
-        else layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute)
+        else layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, modules)
     )
     plan = {
         "model": dict(
@@ -575,6 +616,21 @@ def _model_line(m: dict) -> str:
     )
 
 
+def _gpu_settings_line(lay: dict) -> str:
+    g = lay["gpu_settings"]
+
+    def on(key):
+        return f"{key} {'on' if g[key] else 'off'}"
+
+    bucket = f"buckets of {g['ddp_bucket_size'] / 1e6:.0f}M params" if g["ddp_bucket_size"] else "one bucket"
+    parts = [f"{on('overlap_grad_reduce')} ({bucket})", on("overlap_param_gather"), on("gradient_accumulation_fusion")]
+    if lay["ep"] > 1 or g["moe_permute_fusion"]:
+        parts += [on("moe_permute_fusion"), on("moe_router_fusion")]
+    if lay["recompute"] == "selective":
+        parts.append(f"recompute_modules {g['recompute_modules']}")
+    return "; ".join(parts) + " (memory: in the rows below)"
+
+
 def format_plan(plan: dict) -> str:
     m, lay, v = plan["model"], plan["layout"], plan["vllm"]
     experts = f"; experts: EP {lay['ep']} x ETP {lay['etp']} x expert DP {lay['edp']}" if m["experts"] else ""
@@ -585,6 +641,7 @@ def format_plan(plan: dict) -> str:
         f"distributed optimizer {'on' if lay['distributed_optimizer'] else 'off'}; recompute {lay['recompute']}; "
         f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines)",
         f"activations: {plan['activation_bytes_per_token_layer'] / 1024:.1f} KiB per token per layer kept",
+        "GPU settings: " + _gpu_settings_line(lay),
     ]
     rows = [
         ("weights", "weights"),

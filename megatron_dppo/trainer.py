@@ -46,6 +46,8 @@ from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
 from megatron_dppo.run_log import RunLogger, phase_summary
 from megatron_dppo.watchdog import StallWatchdog, default_store
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class PhaseTimer:
     """Seconds per phase of a step; entering a phase is progress for the stall watchdog."""
@@ -190,6 +192,14 @@ class Trainer:
         )
         self.eval_sets = load_eval_sets(cfg, self.renderer, **limit)
 
+    @staticmethod
+    def _attention_backend(cfg: Config) -> str:
+        """The policy's backend (te or local) for this config: the fusions' resolution needs it."""
+        from megatron_dppo.megatron.attention_backend import attention_choice
+
+        sp = cfg.parallel.sequence_parallel and cfg.parallel.tp > 1
+        return attention_choice(cfg.model.attention, dtype=_DTYPES[cfg.model.dtype], sequence_parallel=sp).backend
+
     def _resolve(self, cfg: Config, resume: bool, overwrite: bool) -> None:
         """One resolution step: from here on the config is complete and is what runs."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -207,6 +217,7 @@ class Trainer:
             num_train_records=len(self.data),
             cuda=torch.cuda.is_available(),
             threads=torch.get_num_threads(),
+            te=self._attention_backend(cfg) == "te",
         )
         self.cfg = cfg
         # Every rank looks before any rank writes (rank 0 creates or replaces the dir after the ranks meet).
@@ -267,6 +278,7 @@ class Trainer:
         self.engine_leader = self.rank % rtp == 0
 
     def _build_policy(self):
+        from megatron_dppo.megatron.model import GpuSettings
         from megatron_dppo.megatron.policy import MegatronPolicy
 
         cfg, pc = self.cfg, self.cfg.parallel
@@ -275,13 +287,14 @@ class Trainer:
             cfg.optim,
             cfg.algorithm,
             temperature=cfg.rollout.temperature,
-            params_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype],
+            params_dtype=_DTYPES[cfg.model.dtype],
             attention=cfg.model.attention,
             thd_attention=cfg.model.thd_attention,
             with_reference=cfg.algorithm.kl_coef > 0,
             sequence_parallel=pc.sequence_parallel,
             recompute=pc.recompute,
             distributed_optimizer=pc.distributed_optimizer,
+            gpu_settings=GpuSettings.from_config(pc),
         )
 
     def _start_engine(self):

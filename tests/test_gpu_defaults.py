@@ -2,8 +2,13 @@
 libraries' own names so a rename upstream fails here rather than on a lent GPU."""
 
 import dataclasses
+from pathlib import Path
+
+import pytest
 
 from megatron_dppo.rollout import vllm_engine
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_sleeping_gpu_engines_release_cuda_graphs_and_nccl_buffers():
@@ -17,8 +22,69 @@ def test_sleeping_gpu_engines_release_cuda_graphs_and_nccl_buffers():
         "block_size": 16,
     }
     # the caller's own choice wins; a CPU engine or one that never sleeps gets nothing added
-    assert vllm_engine.sleep_release_kwargs(True, True, {"enable_nccl_comm_suspend": False})[
-        "enable_nccl_comm_suspend"
-    ] is False
+    assert (
+        vllm_engine.sleep_release_kwargs(True, True, {"enable_nccl_comm_suspend": False})["enable_nccl_comm_suspend"]
+        is False
+    )
     assert vllm_engine.sleep_release_kwargs(False, True, {}) == {}
     assert vllm_engine.sleep_release_kwargs(True, False, {}) == {}
+
+
+def test_overlapped_grad_reduce_gives_the_same_gradients_dp2(launch):
+    res = launch(HERE / "dist" / "overlap_worker.py", 2)
+    assert res.returncode == 0 and "OVERLAP GRAD REDUCE OK" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def _resolved(overrides=(), **facts):
+    from test_config import FACTS, TINY
+
+    from megatron_dppo.config import load_config, resolve
+
+    return resolve(load_config(TINY, list(overrides)), **{**FACTS, **facts}).parallel
+
+
+def test_cpu_resolves_the_gpu_settings_to_the_behaviour_before_them():
+    from megatron_dppo.megatron.model import GpuSettings
+    from megatron_dppo.megatron.policy import _config_overrides
+
+    par = _resolved()
+    assert (par.overlap_grad_reduce, par.ddp_bucket_size, par.overlap_param_gather) == (False, 0, False)
+    assert not (par.gradient_accumulation_fusion or par.moe_permute_fusion or par.moe_router_fusion)
+    assert par.recompute_modules is None  # recompute none: unused, left out of the saved config
+    assert GpuSettings.from_config(par) == GpuSettings()
+    # the TransformerConfig overrides the CPU policy builds, as they were before the keys existed
+    assert _config_overrides("local", 1, 1, False, "selective", GpuSettings.from_config(par)) == dict(
+        calculate_per_token_loss=True, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]
+    )
+    assert _resolved(["parallel.recompute=selective"]).recompute_modules == ["core_attn", "mlp"]
+
+
+def test_gpu_resolution_follows_megatron_lm_recipes():
+    from megatron_dppo.megatron.model import GpuSettings
+    from megatron_dppo.megatron.policy import _config_overrides
+
+    moe = _resolved(cuda=True, te=True, num_experts=4, moe_ffn_hidden_size=64, world_size=16, local_world_size=8)
+    assert moe.overlap_grad_reduce and moe.ddp_bucket_size == 40_000_000  # max(40M, 1M x DP=16)
+    assert moe.gradient_accumulation_fusion and moe.moe_permute_fusion and moe.moe_router_fusion
+    wide = _resolved(cuda=True, te=True, world_size=64, local_world_size=8)
+    assert wide.ddp_bucket_size == 64_000_000 and not wide.moe_permute_fusion  # dense: no MoE fusions
+    local = _resolved(cuda=True, te=False)  # a GPU without TE: overlap yes, TE fusions no
+    assert local.overlap_grad_reduce and not local.gradient_accumulation_fusion
+    assert _resolved(["parallel.overlap_grad_reduce=false"], cuda=True).ddp_bucket_size == 0
+    over = _config_overrides("te", 1, 1, False, "none", GpuSettings.from_config(moe))
+    assert over["gradient_accumulation_fusion"] and over["moe_permute_fusion"] and over["moe_router_fusion"]
+
+
+@pytest.mark.parametrize(
+    "override, facts, match",
+    [
+        ("parallel.overlap_param_gather=true", {"cuda": True, "te": True}, r"'parallel\.overlap_param_gather'"),
+        ("parallel.gradient_accumulation_fusion=true", {}, r"'parallel\.gradient_accumulation_fusion'.*Transformer"),
+        ("parallel.moe_router_fusion=true", {"cuda": True}, r"'parallel\.moe_router_fusion'"),
+        ("parallel.ddp_bucket_size=-1", {}, r"'parallel\.ddp_bucket_size'"),
+        ("parallel.recompute_modules=[mlp,attention]", {}, r"'parallel\.recompute_modules'"),
+    ],
+)
+def test_a_gpu_setting_that_cannot_run_is_refused_naming_its_key(override, facts, match):
+    with pytest.raises(ValueError, match=match):
+        _resolved([override], **facts)

@@ -10,6 +10,8 @@ has decoder.layers.L.{input,pre_mlp}_layernorm.weight, the TE spec folds them in
 linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight.
 """
 
+from __future__ import annotations
+
 import dataclasses
 
 import torch
@@ -42,6 +44,30 @@ def current_device() -> torch.device:
 def module_device(module: torch.nn.Module) -> torch.device:
     """Where a model's parameters live: the device its inputs must be moved to."""
     return next(module.parameters()).device
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSettings:
+    """parallel's GPU performance keys as the policy applies them (config.resolve_gpu_settings
+    resolves them per machine). The defaults are the CPU's: the behaviour before the keys existed."""
+
+    overlap_grad_reduce: bool = False  # DDP reduces each bucket during the backward
+    ddp_bucket_size: int = 0  # parameters per DDP bucket, 0 = one bucket
+    gradient_accumulation_fusion: bool = False  # TE linears add their wgrad into main_grad
+    moe_permute_fusion: bool = False
+    moe_router_fusion: bool = False
+    recompute_modules: tuple[str, ...] = ("core_attn", "mlp")  # parallel.recompute=selective's
+
+    @classmethod
+    def from_config(cls, par) -> GpuSettings:
+        """From a resolved ParallelConfig (recompute_modules is unset unless recompute=selective)."""
+        values = {f.name: getattr(par, f.name) for f in dataclasses.fields(cls) if f.name != "recompute_modules"}
+        return cls(**values, recompute_modules=tuple(par.recompute_modules or cls.recompute_modules))
+
+    def transformer_overrides(self) -> dict:
+        """The TransformerConfig fusions that are on (none on the CPU: its config is unchanged)."""
+        fusions = ("gradient_accumulation_fusion", "moe_permute_fusion", "moe_router_fusion")
+        return {name: True for name in fusions if getattr(self, name)}
 
 
 def _rope_theta(hf_config) -> float:

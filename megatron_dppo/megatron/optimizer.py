@@ -15,15 +15,27 @@ def _finalize_grads_unscaled(model, num_tokens=None, *args, **kwargs):
     return finalize_model_grads(model, None, *args, **kwargs)
 
 
-def wrap_for_training(model, optim, *, params_dtype, distributed_optimizer: bool):
+def wrap_for_training(
+    model, optim, *, params_dtype, distributed_optimizer: bool, overlap_grad_reduce: bool = False, bucket_size: int = 0
+):
     """-> (DDP-wrapped model, optimizer, LR scheduler). Gradients are summed over DP ranks
     (gradient_scaling_factor 1, no averaging) and finalized unscaled: the loss's coefficients
-    carry the whole normalisation (megatron/loss.py)."""
+    carry the whole normalisation (megatron/loss.py).
+
+    overlap_grad_reduce: each bucket of `bucket_size` parameters (0 = one bucket) is reduced as
+    soon as the last micro-batch's backward has produced its gradients; the schedule then runs
+    the other micro-batches under DDP's no_sync, as Megatron-LM's training loop sets it up."""
     model.config.finalize_model_grads_func = _finalize_grads_unscaled
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=distributed_optimizer,
+        bucket_size=bucket_size or None,
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    if overlap_grad_reduce:
+        model.config.no_sync_func = ddp.no_sync
+        model.config.grad_sync_func = ddp.start_grad_sync
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",

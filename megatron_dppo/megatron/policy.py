@@ -29,14 +29,17 @@ from megatron_dppo.megatron.attention import packed_seq_params
 from megatron_dppo.megatron.attention_backend import attention_choice
 from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
 from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
-from megatron_dppo.megatron.model import build_gpt_model, current_device
+from megatron_dppo.megatron.model import GpuSettings, build_gpt_model, current_device
 from megatron_dppo.megatron.moe import is_moe
 from megatron_dppo.megatron.optimizer import wrap_for_training
 from megatron_dppo.megatron.router_stats import RouterStats, padding_mask
 
 
-def _config_overrides(backend: str, tp_size: int, pp_size: int, sequence_parallel: bool, recompute: str) -> dict:
+def _config_overrides(
+    backend: str, tp_size: int, pp_size: int, sequence_parallel: bool, recompute: str, gpu: GpuSettings | None = None
+) -> dict:
     """TransformerConfig settings that follow from the run's layout and memory options."""
+    gpu = gpu or GpuSettings()
     overrides = dict(calculate_per_token_loss=True)
     if sequence_parallel and tp_size > 1:
         if backend != "te":
@@ -46,11 +49,12 @@ def _config_overrides(backend: str, tp_size: int, pp_size: int, sequence_paralle
             )
         overrides["sequence_parallel"] = True
     if recompute == "selective":  # recompute attention and MLP internals in backward
-        overrides.update(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+        overrides.update(recompute_granularity="selective", recompute_modules=list(gpu.recompute_modules))
     elif recompute == "full":  # keep only each layer's input
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute != "none":
         raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+    overrides.update(gpu.transformer_overrides())
     if pp_size > 1:
         # Packs differ in length: let the pipeline send each activation's shape first.
         # (TransformerConfig insists on the alltoall MoE dispatcher for that, even for a dense
@@ -106,6 +110,7 @@ class MegatronPolicy:
         sequence_parallel: bool = False,
         recompute: str = "none",
         distributed_optimizer: bool | None = None,
+        gpu_settings: GpuSettings | None = None,
     ):
         """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
         sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
@@ -118,7 +123,8 @@ class MegatronPolicy:
             attention, dtype=params_dtype, sequence_parallel=sequence_parallel and self.tp_size > 1
         )
         self.attention_backend = backend = self.attention.backend
-        overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute)
+        gpu = gpu_settings or GpuSettings()
+        overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute, gpu)
         overrides.update(_moe_overrides(hf_config, algorithm, backend, overrides))
         build = dict(params_dtype=params_dtype, attention=backend, thd_attention=thd_attention, **overrides)
         model = build_gpt_model(hf_config, **build)
@@ -134,7 +140,12 @@ class MegatronPolicy:
             sp = bool(overrides.get("sequence_parallel"))
             self.router_stats = RouterStats(model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, sp)
         self.model, self.optimizer, self.scheduler = wrap_for_training(
-            model, optim, params_dtype=params_dtype, distributed_optimizer=dist_opt
+            model,
+            optim,
+            params_dtype=params_dtype,
+            distributed_optimizer=dist_opt,
+            overlap_grad_reduce=gpu.overlap_grad_reduce,
+            bucket_size=gpu.ddp_bucket_size,
         )
         self.reference = None
         if with_reference:
