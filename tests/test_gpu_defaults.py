@@ -88,3 +88,25 @@ def test_gpu_resolution_follows_megatron_lm_recipes():
 def test_a_gpu_setting_that_cannot_run_is_refused_naming_its_key(override, facts, match):
     with pytest.raises(ValueError, match=match):
         _resolved([override], **facts)
+
+
+def test_plan_shows_the_gpu_settings_and_follows_the_recompute_modules():
+    from test_plan import QWEN3_32B, _cfg
+
+    from megatron_dppo.plan import Arch, format_plan, layer_activation_elems, memory_plan, moe_layer_activation_elems
+
+    arch = Arch(vocab=1000, hidden=1024, layers=4, heads=16, kv_heads=16, head_dim=64, ffn=4096, tied=True)
+    none = layer_activation_elems(arch, 1, False, "none")["kept"]
+    assert layer_activation_elems(arch, 1, False, "selective")["kept"] == none - 12 * 1024  # the MLP's 3f
+    assert layer_activation_elems(arch, 1, False, "selective", ("core_attn",))["kept"] == none
+    moe = dataclasses.replace(arch, experts=8, experts_per_tok=2, moe_ffn=512, sparse=(True,) * 4)
+    act = moe_layer_activation_elems(moe, 1, False, "selective", 1, 2)["kept"]
+    assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("layernorm",))["kept"] == act - 1024
+    assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("moe",))["kept"] < act
+
+    default, lean = memory_plan(_cfg()), memory_plan(_cfg(QWEN3_32B, "parallel.recompute_modules=[core_attn]"))
+    assert default["layout"]["gpu_settings"]["overlap_grad_reduce"] is True  # planned as a GPU run with TE
+    assert default["layout"]["gpu_settings"]["recompute_modules"] == ["core_attn", "mlp"]
+    first = default["stages"]["first"]["train"]["activations"]
+    assert lean["stages"]["first"]["train"]["activations"] > 2 * first
+    assert "GPU settings: overlap_grad_reduce on (buckets of 40M params)" in format_plan(default)
