@@ -29,6 +29,28 @@ def batch_logprobs(model, ids):
     return token_logprobs_and_entropy(logits, ids[:, 1:], vocab_size=common.VOCAB)
 
 
+def check_blocks(model, ids):
+    """megatron/logprobs.py's blocks of positions: 5-position blocks (several rounds of the TP
+    all-reduces) give the values and gradients of one block, bit for bit, and the entropy the
+    loss reports (no gradient, same pass) is the differentiable entropy's."""
+    from megatron_dppo.megatron.logprobs import token_logprobs_detached_entropy
+
+    pos = torch.arange(ids.size(1)).expand_as(ids)
+    logits = model(ids, pos, None)[:, :-1].detach()
+    weight = torch.randn(ids.size(0), ids.size(1) - 1, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, chunk in (("one", 1 << 25), ("small", 5 * logits.size(-1))):
+        leaf = logits.clone().requires_grad_()
+        logp, ent = token_logprobs_detached_entropy(leaf, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.8,
+                                                    chunk_elements=chunk)
+        (logp * weight).sum().backward()
+        out[name] = logp.detach(), ent, leaf.grad
+    _, ent_ref = token_logprobs_and_entropy(logits, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.8)
+    same = [torch.equal(a, b) for a, b in zip(out["one"], out["small"])] + [torch.equal(out["one"][1], ent_ref)]
+    common.log(f"blocked log-probs (1 vs {-(-logits[..., 0].numel() // 5)} blocks): equal {same}")
+    assert all(same), same
+
+
 def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
     """Log-probs and grads of every sequence of a packed row equal the sequence run alone, for
     ragged long-tailed lengths, with padding after each sequence (pad_multiple 4, as under
@@ -106,6 +128,7 @@ def main():
     )
     common.log("TP=2 vs TP=1:", {k: f"{v:.2e}" for k, v in errs.items()})
     assert all(v < TOL for v in errs.values()), errs
+    check_blocks(model, ids)
     check_packing(model)
     destroy_parallel()
     common.log("OK")
