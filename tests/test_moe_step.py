@@ -78,3 +78,11 @@ def test_vllm_logprobs_equal_megatron_after_moe_weight_sync(torchrun, request, e
         assert r["before_sync"] > 1e-2, r  # the check can fail: stale engine weights are seen
         assert r["after_sync"] < 1e-4, r
         assert r["names_match"] and r["experts_synced"] == 8, r  # 4 experts in each of 2 sparse layers
+
+
+def test_policy_and_reference_on_the_device_without_distributed_optimizer(torchrun):
+    """The policy and the KL reference are moved to current_device() before the DDP wrapper (a
+    fake device catches what stays behind, as on a GPU), and the step with
+    parallel.distributed_optimizer=false and a reference model runs (tests/dist_step/device_placement_check.py)."""
+    out = torchrun(REPO / "tests" / "dist_step" / "device_placement_check.py", 1)
+    assert "ok fake device" in out and "DEVICE PLACEMENT CHECK PASSED" in out, out[-3000:]
