@@ -86,3 +86,12 @@ def test_policy_and_reference_on_the_device_without_distributed_optimizer(torchr
     parallel.distributed_optimizer=false and a reference model runs (tests/dist_step/device_placement_check.py)."""
     out = torchrun(REPO / "tests" / "dist_step" / "device_placement_check.py", 1)
     assert "ok fake device" in out and "DEVICE PLACEMENT CHECK PASSED" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["pp2", "ep2", "tp2"])
+def test_weight_sync_peak_is_within_the_plan(torchrun, layout):
+    """The sync's measured peak (torch's CPU allocator, tests/dist_step/sync_peak_check.py) is at
+    most plan.sync_peak_bytes' trainer side, and (PP=2, EP=2) most of it. The old export held the
+    previous unit (and bucket) while it gathered the next: 794 kB at PP=2 against the plan's 560 kB."""
+    out = torchrun(REPO / "tests" / "dist_step" / "sync_peak_check.py", 2, "--layout", layout)
+    assert out.count("PEAK {") == 4 and "SYNC PEAK CHECK PASSED" in out, out[-3000:]
