@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 CUDA_OVERHEAD = 2 * GiB  # CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE workspaces
 FRAGMENTATION = 0.10  # caching-allocator slack on the training peak (variable-size packs)
 VLLM_RUNTIME = 2 * GiB  # vLLM's profiled activation peak + CUDA graphs, inside its share
-SYNC_BUCKET = 1 * GiB  # one bucket of the Megatron -> vLLM weight sync in flight
+SYNC_BUCKET = 1 << 30  # the weight sync's bucket (MegatronPolicy.hf_weight_buckets' default)
 # The loss's log-probs run over blocks of positions (megatron/logprobs.py): LOGPROB_BLOCK fp32
 # elements a block (its CHUNK_ELEMENTS), at most LOGPROB_BLOCKS blocks alive (the entropy's
 # temporaries beside the scaled block).
@@ -164,6 +164,41 @@ def stage_expert_params(arch: Arch, ep: int, etp: int, pp: int) -> dict:
 
 
 DEFAULT_RECOMPUTE_MODULES = ("core_attn", "mlp")  # config.SELECTIVE_RECOMPUTE_MODULES
+
+
+def sync_peak_bytes(arch: Arch, pbytes: int, *, tp: int, ep: int, etp: int, rollout_tp: int, bucket: int = SYNC_BUCKET):
+    """The weight sync's peak on one GPU, above the resident state (megatron/weights.py's
+    hf_weight_buckets into RolloutEngine.load_weights; tests/dist_step/sync_peak_check.py measures
+    the trainer's side against this on CPU):
+
+      trainer   max(bucket, largest unit) + 2 x the largest copy. A unit (one decoder layer with
+                all its experts, the head, the embedding) is gathered whole, TP-merged, over every
+                PP stage; a bucket holds whole units up to `bucket` (a larger unit alone), the
+                previous one let go before the next is gathered. A copy is what one tensor's
+                conversion adds beside the unit: split_qkv's q/k/v while the fused QKV is alive;
+                at TP > 1 a row / fc1 tensor's merged copy beside its gather buffer; at EP > 1 one
+                linear's local experts stacked for their one gather (at expert-TP > 1 twice). Two
+                of them: the process group keeps the previous collective's input referenced until
+                the next one completes.
+      vLLM      its layer-wise reload holds one layer's weights on a vLLM rank (1 / rollout_tp of
+                them) materialized and once more while they are processed into the kernel layout.
+    Returns {"trainer", "vllm", "total"} in bytes."""
+    h, d, nq, nkv = arch.hidden, arch.head_dim, arch.heads, arch.kv_heads
+    vocab = padded_vocab_size(arch.vocab, tp) * h
+    layers = [
+        arch.layer_params(1, arch.is_sparse(i)) + (arch.expert_params() if arch.is_sparse(i) else 0)
+        for i in range(arch.layers)
+    ]
+    units = [vocab, *layers, h + (0 if arch.tied else vocab)]
+    copies = [(nq + 2 * nkv) * d * h]  # split_qkv
+    if tp > 1:  # o_proj, and a dense layer's fc1 [gate; up] and fc2
+        dense = any(not arch.is_sparse(i) for i in range(arch.layers))
+        copies += [nq * d * h] + ([2 * arch.ffn * h, arch.ffn * h] if dense else [])
+    if arch.experts and (ep > 1 or etp > 1):
+        copies.append(arch.experts // ep * 2 * arch.moe_ffn * h * (2 if etp > 1 else 1))
+    trainer = max(bucket, max(units) * pbytes) + 2 * max(copies) * pbytes
+    vllm = 2 * max(layers) * pbytes / rollout_tp
+    return {"trainer": trainer, "vllm": vllm, "total": trainer + vllm}
 
 
 def layer_activation_elems(
@@ -353,7 +388,9 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
     gen = dict(resident)
     gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
-    gen["weight_sync"] = SYNC_BUCKET
+    gen["weight_sync"] = sync_peak_bytes(arch, pbytes, tp=tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)[
+        "total"
+    ]
     gen["overhead"] = CUDA_OVERHEAD
     return {
         "params": n,
@@ -652,7 +689,7 @@ def format_plan(plan: dict) -> str:
         ("all-to-all buffers (MoE dispatch)", "all_to_all"),
         ("logits (loss)", "logits"),
         ("vLLM (weights+runtime+KV)", "vllm"),
-        ("weight-sync bucket", "weight_sync"),
+        ("weight sync (largest unit in flight)", "weight_sync"),
         ("CUDA ctx/NCCL/fragmentation", "overhead"),
     ]
     for name, s in plan["stages"].items():

@@ -139,3 +139,69 @@ def test_conversion_round_trip_is_bitwise_at_ep2_and_tp2(moe_hf, tmp_path, launc
         assert len(r["experts_owned"]) == (4 if flag == "--ep" else 8)
     _ok(launch(TO_HF, 1, "--megatron-dir", root, "--out-dir", back))  # root: found via `latest`
     _assert_same_weights(moe_hf, back)
+
+
+class _Group:
+    """What megatron-core's sequence-parallel split reads of a process group: its size and rank."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def _megatron_first_stage_split(mask, tp_size, tp_rank):
+    """GPTModel._preprocess's cut of the [b, s] mask on the first stage under sequence parallelism:
+    scatter_to_sequence_parallel_region's forward (split along the first dim) of its transpose."""
+    from megatron.core.tensor_parallel.mappings import _split_along_first_dim
+
+    return _split_along_first_dim(mask.transpose(0, 1).contiguous(), _Group(tp_size, tp_rank)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_later_stages_get_the_padding_mask_of_their_sequence_parallel_tokens(tp_size, sequence_parallel):
+    """Every stage's routers see the mask entries of the tokens they route: the first stage's
+    GPTModel cuts the whole mask itself, later stages need it cut as that cut does."""
+    from megatron_dppo.megatron.router_stats import stage_padding_mask
+
+    mask = torch.rand(1, 24, generator=torch.Generator().manual_seed(0)) < 0.3
+    for tp_rank in range(tp_size):
+        layout = dict(sequence_parallel=sequence_parallel, tp_rank=tp_rank, tp_size=tp_size)
+        # the first stage: GPTModel cuts it, so it is passed whole
+        assert torch.equal(stage_padding_mask(mask, first_stage=True, **layout), mask)
+        later = stage_padding_mask(mask, first_stage=False, **layout)
+        # the tokens a later stage's rank holds: those the first stage's cut gave it
+        want = _megatron_first_stage_split(mask, tp_size, tp_rank) if sequence_parallel else mask
+        assert torch.equal(later, want), (tp_rank, later, want)
+        assert later.shape[1] == (24 // tp_size if sequence_parallel else 24)
+
+
+def test_policy_passes_later_stages_their_sequence_parallel_mask(monkeypatch):
+    """MegatronPolicy's forward step gives a stage >= 1 rank under SP its slice of the mask."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_dppo.megatron.policy import MegatronPolicy
+
+    seq_index = torch.tensor([[0, 0, 0, 1, 1, -1, -1, -1]])  # two sequences, then padding
+    batch = SimpleNamespace(seq_index=seq_index)
+    policy = SimpleNamespace(sequence_parallel=True, tp_size=2)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 1)
+    for first, want in ((True, seq_index < 0), (False, seq_index[:, 4:] < 0)):
+        monkeypatch.setattr(parallel_state, "is_pipeline_first_stage", lambda *a, first=first, **k: first)
+        assert torch.equal(MegatronPolicy._padding_mask(policy, batch), want)
+
+
+def test_uneven_sequence_parallel_mask_is_a_named_error():
+    from megatron_dppo.megatron.router_stats import stage_padding_mask
+
+    with pytest.raises(ValueError, match="10 positions does not split over 4 sequence-parallel ranks"):
+        stage_padding_mask(
+            torch.zeros(1, 10, dtype=torch.bool), first_stage=False, sequence_parallel=True, tp_rank=0, tp_size=4
+        )

@@ -18,6 +18,7 @@ from megatron_dppo.plan import (
     load_hf_config,
     memory_plan,
     plan_main,
+    sync_peak_bytes,
 )
 from megatron_dppo.vocab import padded_vocab_size
 
@@ -423,11 +424,13 @@ def test_expert_state_is_per_ep_rank_and_sharded_over_expert_dp():
 
 def test_moe_presets_fit_and_one_node_is_refused(capsys):
     """Qwen3-30B-A3B fits two nodes of 8 x 80 GB; on one node it is refused by memory (its fp32
-    gradients and Adam state alone exceed the GPU), naming both phases; 235B-A22B fits its plan."""
-    for path in (A3B, A22B):
-        plan = memory_plan(load_config(str(path)))
-        assert plan["fits"], format_plan(plan)
-        assert plan["vllm"]["seqs_fit"] >= plan["vllm"]["seqs_needed"] or path == A3B
+    gradients and Adam state alone exceed the GPU), naming both phases. 235B-A22B on its 64 nodes
+    is refused at generation since the weight-sync row is the sync's peak (issue 28 item 3: one
+    MoE layer of 128 experts, 4.6 GiB, in flight, not a 1 GiB bucket): its layout is open."""
+    plan = memory_plan(load_config(str(A3B)))
+    assert plan["fits"], format_plan(plan)
+    big = memory_plan(load_config(str(A22B)))
+    assert not big["fits"] and all("generation needs" in p for p in big["problems"]), format_plan(big)
     assert plan_main(["--config", str(A3B)]) == 0
     assert "experts: EP 8 x ETP 1 x expert DP 1" in capsys.readouterr().out
     one = memory_plan(_cfg(A3B, "parallel.nodes=1", "parallel.pp=1"))
@@ -488,3 +491,28 @@ def test_plan_refuses_every_model_the_trainer_refuses(tmp_path, edit, message, c
     assert str(trainer_says.value).split(": ", 1)[1] in str(plan_says.value) and "model.hf_dir" in str(plan_says.value)
     assert plan_main(["--config", str(REPO / "examples/presets/qwen3_8b.yaml"), f"model.hf_dir={tmp_path}"]) == 2
     assert message in capsys.readouterr().out
+
+
+def test_weight_sync_row_is_the_sync_peak():
+    """The generate phase's sync row is sync_peak_bytes: at least the largest unit the export
+    gathers whole (a layer with all its experts, or the padded embedding) plus vLLM's reload of one
+    layer; the bucket size counts only when it is the larger."""
+    for path in (A3B, A22B, QWEN3_32B):
+        cfg = load_config(str(path), check=False)
+        plan = memory_plan(cfg)
+        arch, par = Arch.from_hf(load_hf_config(cfg.model.hf_dir)), cfg.parallel
+        pbytes = 2  # bfloat16, the presets' dtype
+        peak = sync_peak_bytes(arch, pbytes, tp=par.tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)
+        for stage in plan["stages"].values():
+            assert stage["generate"]["weight_sync"] == peak["total"]
+        layer = max(
+            arch.layer_params(1, arch.is_sparse(i)) + arch.expert_params() * arch.is_sparse(i)
+            for i in range(arch.layers)
+        )
+        embedding = padded_vocab_size(arch.vocab, par.tp) * arch.hidden
+        assert peak["trainer"] >= max(layer, embedding) * pbytes
+        assert peak["vllm"] == 2 * layer * pbytes / par.rollout_tp
+    moe = Arch.from_hf(load_hf_config("examples/qwen3_configs/235B-A22B"))
+    small = sync_peak_bytes(moe, 2, tp=4, ep=128, etp=1, rollout_tp=8, bucket=1)
+    large = sync_peak_bytes(moe, 2, tp=4, ep=128, etp=1, rollout_tp=8, bucket=64 << 30)
+    assert large["trainer"] - small["trainer"] == (64 << 30) - (moe.layer_params(1, True) + moe.expert_params()) * 2

@@ -375,6 +375,14 @@ def main(argv=None) -> int:
         result["checks"]["vllm"] = r
         if not r["max_logprob_diff"] <= r["tolerance"]:
             failed.append("vllm")
+        if args.smoke:  # the CPU path of the padded MoE reload runs in tests/test_moe_step.py
+            return
+        with tempfile.TemporaryDirectory(prefix="device_bench_") as work:
+            r = device_checks.padded_moe_vllm_cycle(dtype, Path(work))
+        r["tolerance"] = VLLM_LOGP_TOLERANCE[dtype]
+        result["checks"]["vllm_padded_moe"] = r
+        if not r["max_logprob_diff"] <= r["tolerance"]:
+            failed.append("vllm padded MoE")
 
     def convert():
         cfg = (

