@@ -711,26 +711,77 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def unused_keys(cfg: Config) -> list[str]:
-    """Keys the configured method does not read: the saved config leaves them out, so it shows
-    what ran (a GRPO run has no pruning ratios; no KL, no KL estimator)."""
-    from megatron_dppo.algorithms.pruning import get_strategy
+def inert_keys(cfg: Config) -> dict[str, str]:
+    """Keys (or whole sections) that this config's method does not read -> why, the one rule of
+    "does this key matter here": the saved config leaves them out (so it shows what ran: a GRPO
+    run has no pruning ratios; no KL, no KL estimator), and preflight.config_warnings names each
+    one that is set to other than its default. Rules that need the model, tokenizer or data are
+    preflight.input_warnings'."""
+    from megatron_dppo.algorithms.pruning import STRATEGIES, get_strategy
 
-    strategy = get_strategy(cfg.pruning.strategy)
-    out = [f"pruning.{r}" for r in ("r_q", "r_o") if r not in strategy.ratios]
-    if cfg.pruning.strategy == "none":
-        out.append("pruning.history_ema")
-    if not (cfg.algorithm.dynamic_sampling or strategy.refills):
-        out.append("algorithm.max_resample_rounds")
-    if cfg.algorithm.kl_coef == 0:
-        out.append("algorithm.kl_estimator")
-    a = cfg.algorithm
-    unused = {"bppo": a.selection != "bppo", "reco": a.reweighting != "reco"}
-    unused.update({"adaprefix": a.curriculum != "adaprefix", "ssopd": a.aux != "ssopd"})
-    out += [f"algorithm.{name}" for name, off in unused.items() if off]
+    a, p = cfg.algorithm, cfg.pruning
+    strategy, out = get_strategy(p.strategy), {}
+    what = {"r_q": "prunes no prompts", "r_o": "prunes no completions"}
+    for r in ("r_q", "r_o"):
+        if r not in strategy.ratios:
+            users = sorted(n for n, make in STRATEGIES.items() if r in make().ratios)
+            out[f"pruning.{r}"] = (
+                f"pruning.strategy={p.strategy} {what[r]} (strategies that use pruning.{r}: {', '.join(users)})"
+            )
+    if p.strategy == "none":
+        out["pruning.history_ema"] = "pruning.strategy=none keeps no prompt history"
+    if not (a.dynamic_sampling or strategy.refills):
+        out["algorithm.max_resample_rounds"] = (
+            f"nothing refills the batch (algorithm.dynamic_sampling=false, pruning.strategy={p.strategy})"
+        )
+    if a.kl_coef == 0:
+        out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
+    for section, switch, method in _METHOD_SWITCHES:
+        chosen = getattr(a, switch)
+        if chosen != method:
+            out[f"algorithm.{section}"] = (
+                f"algorithm.{switch}={chosen} (they are {method}'s: algorithm.{switch}={method})"
+            )
+    if a.selection == "bppo":
+        bc = a.bppo
+        for name, mode in (("prefix_ratio", "ratio"), ("prefix_fixed", "fixed")):
+            if bc.prefix_mode != mode:
+                out[f"algorithm.bppo.{name}"] = (
+                    f"algorithm.bppo.prefix_mode={bc.prefix_mode} (it is prefix_mode={mode}'s)"
+                )
+        if bc.schedule != "waves":
+            for name in ("wave_size", "max_group_size"):
+                out[f"algorithm.bppo.{name}"] = f"algorithm.bppo.schedule={bc.schedule} (it is schedule=waves')"
+    if a.aux == "ssopd":
+        for name, div in (("tau", "fkl_clip"), ("jsd_beta", "jsd")):
+            if a.ssopd.div != div:
+                out[f"algorithm.ssopd.{name}"] = f"algorithm.ssopd.div={a.ssopd.div} (it is div={div}'s)"
     if a.curriculum != "adaprefix":
-        out.append("data.solution_key")
+        out["data.solution_key"] = f"algorithm.curriculum={a.curriculum} shows no reference solution"
+    if cfg.data.prompt_mode == "raw":
+        out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"
     return out
+
+
+# (section of AlgorithmConfig, the key that selects it, the value that selects it)
+_METHOD_SWITCHES = (
+    ("bppo", "selection", "bppo"),
+    ("reco", "reweighting", "reco"),
+    ("adaprefix", "curriculum", "adaprefix"),
+    ("ssopd", "aux", "ssopd"),
+)
+
+
+def unused_keys(cfg: Config) -> list[str]:
+    """The keys of inert_keys (dotted; a section stands for all its fields)."""
+    return list(inert_keys(cfg))
+
+
+def _drop_key(data: dict, key: str) -> None:
+    *sections, name = key.split(".")
+    for s in sections:
+        data = data[s]
+    data.pop(name, None)
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -742,8 +793,7 @@ def save_config(cfg: Config, path: str) -> None:
         if not data[section][name]:
             del data[section][name]
     for key in unused_keys(cfg):
-        section, name = key.split(".")
-        del data[section][name]
+        _drop_key(data, key)
     unresolved = [f"{s}.{k}" for s, sec in data.items() for k, v in sec.items() if v is None]
     if unresolved:
         raise ValueError(f"config keys {unresolved} are unresolved: call config.resolve() before saving")

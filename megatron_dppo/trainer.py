@@ -189,6 +189,11 @@ class Trainer:
             answer_key=cfg.data.answer_key,
         )
         self.eval_sets = load_eval_sets(cfg, self.renderer, **limit)
+        sets = [self.data.records, *(s.records for s in self.eval_sets)]
+        sources = [r.data_source for records in sets for r in records]
+        self.config_warnings += self.data.warnings + preflight.input_warnings(
+            cfg, self.tokenizer, self.hf_config, sources
+        )
 
     def _resolve(self, cfg: Config, resume: bool, overwrite: bool) -> None:
         """One resolution step: from here on the config is complete and is what runs."""
