@@ -684,6 +684,18 @@ def parse_override(text: str):
         ) from None
 
 
+def _override_path(cfg: Config, key: str) -> list[str]:
+    """An override's key split into its sections and field; below a mapping field the rest is one
+    entry's name, dots and all (reward.by_source.my.source=math: the data_source 'my.source')."""
+    parts, obj = key.split("."), cfg
+    for i, part in enumerate(parts):
+        value = getattr(obj, part, None) if dataclasses.is_dataclass(obj) else None
+        if isinstance(value, dict) and i + 2 < len(parts):
+            return parts[: i + 1] + [".".join(parts[i + 1 :])]
+        obj = value
+    return parts
+
+
 def load_config(path: str | None = None, overrides=(), check: bool = True) -> Config:
     cfg = Config()
     if path:
@@ -701,7 +713,7 @@ def load_config(path: str | None = None, overrides=(), check: bool = True) -> Co
     for text in overrides:
         key, value = parse_override(text)
         nested: dict = value
-        for part in reversed(key.split(".")):
+        for part in reversed(_override_path(cfg, key)):
             nested = {part: nested}
         _apply(cfg, nested)
     return validate(cfg) if check else cfg

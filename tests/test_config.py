@@ -133,3 +133,14 @@ def test_layouts_that_do_not_divide_name_the_key(overrides, world, message):
 def test_vllm_kv_heads_may_be_replicated():
     cfg = load_config(TINY, ["parallel.rollout_tp=4", "parallel.gpus_per_node=4"])
     check_layout(cfg, world_size=4, num_heads=4, num_kv_heads=2, num_layers=3)  # KV heads replicated x2
+
+
+def test_an_override_below_a_mapping_takes_the_rest_of_the_key_as_one_entry():
+    """A data_source with a dot ('my.source'), as an override: one entry of reward.by_source (it
+    was read as a section 'my' holding {source: math}: "expected str, got {'source': 'math'}")."""
+    cfg = load_config(TINY, ["reward.by_source.my.source=math", "reward.by_source.openai/gsm8k=exact"])
+    assert cfg.reward.by_source == {"my.source": "math", "openai/gsm8k": "exact"}
+    chat = load_config(TINY, ["data.prompt_mode=chat", "data.chat_template_kwargs.a.b=1"])
+    assert chat.data.chat_template_kwargs == {"a.b": 1}
+    with pytest.raises(ValueError, match="unknown config key 'reward.by_sourc'"):
+        load_config(TINY, ["reward.by_sourc.my.source=math"])
