@@ -108,6 +108,24 @@ def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
 
 
+def check_context(max_model_len: int, hf_dir: str) -> None:
+    """rollout.max_model_len against the model's context (config.json's max_position_embeddings):
+    past it the rotary positions were never trained and vLLM refuses it in a long pydantic error."""
+    import json
+
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            context = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # an unreadable config.json is check_hf_model_dir's error, named there
+    if isinstance(context, int) and max_model_len > context:
+        raise ValueError(
+            f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "
+            f"max_position_embeddings {context} in {path}: lower rollout.max_model_len to at most {context}"
+        )
+
+
 def load_tokenizer(hf_dir: str):
     """The model dir's tokenizer, refusing a dir without tokenizer files (transformers then builds
     an empty tokenizer from config.json alone, whose every prompt is empty)."""

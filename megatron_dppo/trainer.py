@@ -165,6 +165,7 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
+        preflight.check_context(rc.max_model_len, cfg.model.hf_dir)
         self.tokenizer = preflight.load_tokenizer(cfg.model.hf_dir)
         preflight.check_vocab(self.model_dir, self.tokenizer)
         self.renderer = PromptRenderer(

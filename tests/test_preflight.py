@@ -215,3 +215,19 @@ def test_a_system_prompt_in_raw_mode_is_warned_about():
         "system turn"
     ]
     assert config_warnings(cfg_with("data.system_prompt=be brief", "data.prompt_mode=chat")) == []
+
+
+def test_a_max_model_len_past_the_model_context_is_named_before_vllm_starts():
+    """The tiny model's context is 64 (config.json): 65 was vLLM's pydantic error naming an
+    environment variable; the engine now refuses it before vLLM is imported."""
+    from megatron_dppo.preflight import check_context
+    from megatron_dppo.rollout.vllm_engine import RolloutEngine
+
+    check_context(64, TINY)
+    expected = (
+        "config key 'rollout.max_model_len': 65 is more than the model's context, max_position_embeddings 64 in "
+        f"{TINY}/config.json: lower rollout.max_model_len to at most 64"
+    )
+    with pytest.raises(ValueError) as e:
+        RolloutEngine(TINY, dtype="float32", max_model_len=65)
+    assert str(e.value) == expected
