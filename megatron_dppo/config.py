@@ -806,22 +806,22 @@ def inert_keys(cfg: Config) -> dict[str, str]:
         chosen = getattr(a, switch)
         if chosen != method:
             out[f"algorithm.{section}"] = (
-                f"algorithm.{switch}={chosen} (they are {method}'s: algorithm.{switch}={method})"
+                f"algorithm.{switch}={chosen} (algorithm.{section}.* act with algorithm.{switch}={method})"
             )
     if a.selection == "bppo":
         bc = a.bppo
         for name, mode in (("prefix_ratio", "ratio"), ("prefix_fixed", "fixed")):
             if bc.prefix_mode != mode:
                 out[f"algorithm.bppo.{name}"] = (
-                    f"algorithm.bppo.prefix_mode={bc.prefix_mode} (it is prefix_mode={mode}'s)"
+                    f"algorithm.bppo.prefix_mode={bc.prefix_mode} (it acts with prefix_mode={mode})"
                 )
         if bc.schedule != "waves":
             for name in ("wave_size", "max_group_size"):
-                out[f"algorithm.bppo.{name}"] = f"algorithm.bppo.schedule={bc.schedule} (it is schedule=waves')"
+                out[f"algorithm.bppo.{name}"] = f"algorithm.bppo.schedule={bc.schedule} (it acts with schedule=waves)"
     if a.aux == "ssopd":
         for name, div in (("tau", "fkl_clip"), ("jsd_beta", "jsd")):
             if a.ssopd.div != div:
-                out[f"algorithm.ssopd.{name}"] = f"algorithm.ssopd.div={a.ssopd.div} (it is div={div}'s)"
+                out[f"algorithm.ssopd.{name}"] = f"algorithm.ssopd.div={a.ssopd.div} (it acts with div={div})"
     if a.curriculum != "adaprefix":
         out["data.solution_key"] = f"algorithm.curriculum={a.curriculum} shows no reference solution"
     if cfg.data.prompt_mode == "raw":

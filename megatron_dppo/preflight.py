@@ -105,6 +105,9 @@ def _get(cfg, key: str):
 
 
 def _show(value) -> str:
+    """A value as a command-line override would write it (0.9, true, 'text')."""
+    if isinstance(value, bool):
+        return str(value).lower()
     return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
 
 

@@ -231,3 +231,10 @@ def test_a_max_model_len_past_the_model_context_is_named_before_vllm_starts():
     with pytest.raises(ValueError) as e:
         RolloutEngine(TINY, dtype="float32", max_model_len=65)
     assert str(e.value) == expected
+
+
+def test_a_warning_writes_the_value_as_an_override_would():
+    assert config_warnings(cfg_with("algorithm.reco.renorm=true")) == [
+        "warning: algorithm.reco.renorm=true is ignored: algorithm.reweighting=none (algorithm.reco.* act with "
+        "algorithm.reweighting=reco)"
+    ]
