@@ -112,20 +112,32 @@ def _show(value) -> str:
 
 
 def check_context(max_model_len: int, hf_dir: str) -> None:
-    """rollout.max_model_len against the model's context (config.json's max_position_embeddings):
-    past it the rotary positions were never trained and vLLM refuses it in a long pydantic error."""
+    """rollout.max_model_len against the model's context (config.json's max_position_embeddings,
+    times rope_scaling's factor where it has one, as vLLM derives it: a yarn model's original
+    positions times the factor, never less than max_position_embeddings): past it vLLM refuses
+    the length in a long pydantic error that suggests an environment variable."""
     import json
 
     path = os.path.join(hf_dir, "config.json")
     try:
         with open(path) as f:
-            context = json.load(f).get("max_position_embeddings")
+            config = json.load(f)
     except (OSError, ValueError):
         return  # an unreadable config.json is check_hf_model_dir's error, named there
-    if isinstance(context, int) and max_model_len > context:
+    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(context, int):
+        return
+    what = f"max_position_embeddings {context}"
+    scaling = config.get("rope_scaling")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        base = scaling.get("original_max_position_embeddings", context)
+        context = max(context, int(base * factor))
+        what += f", rope_scaling factor {factor:g}: {context} positions"
+    if max_model_len > context:
         raise ValueError(
             f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "
-            f"max_position_embeddings {context} in {path}: lower rollout.max_model_len to at most {context}"
+            f"{what} in {path}: lower rollout.max_model_len to at most {context}"
         )
 
 

@@ -238,3 +238,14 @@ def test_a_warning_writes_the_value_as_an_override_would():
         "warning: algorithm.reco.renorm=true is ignored: algorithm.reweighting=none (algorithm.reco.* act with "
         "algorithm.reweighting=reco)"
     ]
+
+
+def test_a_rope_scaled_context_is_the_positions_times_the_factor(tmp_path):
+    from megatron_dppo.preflight import check_context
+
+    config = json.loads(open(f"{TINY}/config.json").read())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_context(128, str(tmp_path))  # 32 x 4: what vLLM allows
+    with pytest.raises(ValueError, match="max_position_embeddings 64, rope_scaling factor 4: 128 positions"):
+        check_context(129, str(tmp_path))
