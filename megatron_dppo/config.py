@@ -553,27 +553,43 @@ def check_layout(
     ffn_hidden_size: int | None = None,
     num_experts: int = 0,
     moe_ffn_hidden_size: int | None = None,
+    cuda: bool = True,
 ) -> None:
     """The parallel layout against the world and the model: ValueError naming every key to change.
-    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node).
-    num_experts / moe_ffn_hidden_size: a mixture-of-experts model's (0 / None for a dense one)."""
-    par, problems = cfg.parallel, []
-    tp, pp, rtp = par.tp, par.pp, par.rollout_tp
-    problems += _expert_layout_problems(par, world_size, num_experts, moe_ffn_hidden_size)
-    if world_size % (tp * pp):
-        problems.append(f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the world size {world_size}")
-    if num_heads % tp or num_kv_heads % tp:
-        problems.append(
-            f"parallel.tp={tp} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
-        )
-    if ffn_hidden_size is not None and ffn_hidden_size % tp:
-        problems.append(f"parallel.tp={tp} must divide intermediate_size {ffn_hidden_size}")
-    if num_layers % pp:
-        problems.append(f"parallel.pp={pp} must divide num_hidden_layers {num_layers}")
+    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node);
+    its model rules (model_layout_problems) by the conversion tools and megatron/parallel.py.
+    num_experts / moe_ffn_hidden_size: a mixture-of-experts model's (0 / None for a dense one);
+    cuda: NCCL's collectives (False: gloo's, on CPU)."""
+    par = cfg.parallel
+    tp, rtp = par.tp, par.rollout_tp
+    problems = model_layout_problems(
+        tp=tp,
+        pp=par.pp,
+        ep=par.ep,
+        etp=par.etp,
+        world_size=world_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_layers=num_layers,
+        ffn_hidden_size=ffn_hidden_size,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
+        cuda=cuda,
+    )
     if par.gpus_per_node % tp:
         problems.append(
             f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
             "group stays inside a node"
+        )
+    if num_experts and par.gpus_per_node % par.etp:
+        problems.append(
+            f"parallel.etp={par.etp} must divide parallel.gpus_per_node={par.gpus_per_node}: an "
+            "expert-tensor-parallel group stays inside a node"
+        )
+    if num_experts and tp > 1 and not par.sequence_parallel:
+        problems.append(
+            f"parallel.tp={tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
+            "(Megatron-Core's MoE layer refuses to train under TP without it)"
         )
     # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
     kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
@@ -585,6 +601,8 @@ def check_layout(
         )
     if ffn_hidden_size is not None and ffn_hidden_size % rtp:
         problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {ffn_hidden_size}")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % rtp:  # vLLM splits each expert over its TP ranks
+        problems.append(f"parallel.rollout_tp={rtp} must divide moe_intermediate_size {moe_ffn_hidden_size}")
     if par.gpus_per_node % rtp:
         problems.append(
             f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
@@ -594,35 +612,70 @@ def check_layout(
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
 
-def _expert_layout_problems(par: ParallelConfig, world_size: int, num_experts: int, moe_ffn: int | None) -> list:
-    """Megatron-Core's initialize_model_parallel lays the expert groups (EP x expert-TP x
-    expert-DP x PP) over the same world as the dense ones (TP x DP x PP), pipeline stages
-    shared: ep x etp x pp must divide the world as tp x pp does; expert DP is what is left."""
-    ep, etp, pp = par.ep, par.etp, par.pp
+def config_key(name: str, value) -> str:
+    """How model_layout_problems names a parallel size by default: the config key and its value."""
+    return f"parallel.{name}={value}"
+
+
+def model_layout_problems(
+    *,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    etp: int = 1,
+    world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    ffn_hidden_size: int | None = None,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int | None = None,
+    cuda: bool = True,
+    show=config_key,
+) -> list[str]:
+    """What Megatron-Core needs of a TP x PP (x EP x expert-TP) layout on this world and model, one
+    problem per rule broken; show(name, value) names a size ("parallel.tp=3", or a tool's "--tp 3").
+
+    Megatron-Core's initialize_model_parallel lays the expert groups (EP x expert-TP x expert-DP x
+    PP) over the same world as the dense ones (TP x DP x PP), pipeline stages shared: ep x etp x pp
+    must divide the world as tp x pp does; expert DP is what is left. Its alltoall token dispatcher
+    all-gathers the tokens of an expert-TP group's ranks in each rank's own count (ranks of different
+    data-parallel replicas hold different packs), which NCCL's all_gather does and gloo's refuses
+    ("ProcessGroupGloo::allgather: invalid tensor size"): on CPU, etp is 1."""
     problems = []
+    if min(tp, pp, ep, etp) < 1:
+        return [f"{show('tp', tp)}, {show('pp', pp)}, {show('ep', ep)} and {show('etp', etp)} must be >= 1"]
+    if world_size % (tp * pp):
+        problems.append(f"{show('tp', tp)} x {show('pp', pp)} must divide the world size {world_size}")
+    if num_heads % tp or num_kv_heads % tp:
+        problems.append(
+            f"{show('tp', tp)} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
+        )
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        problems.append(f"{show('tp', tp)} must divide intermediate_size {ffn_hidden_size}")
+    if num_layers % pp:
+        problems.append(f"{show('pp', pp)} must divide num_hidden_layers {num_layers}")
     if (ep > 1 or etp > 1) and not num_experts:
-        problems.append(f"parallel.ep={ep} / parallel.etp={etp} need a mixture-of-experts model (this one is dense)")
+        sizes = " and ".join(show(k, v) for k, v in (("ep", ep), ("etp", etp)) if v > 1)
+        problems.append(
+            f"{sizes} need{'s' if ' and ' not in sizes else ''} a mixture-of-experts model (this one is dense)"
+        )
+        return problems
+    if not num_experts:
         return problems
     if world_size % (ep * etp * pp):
         problems.append(
-            f"parallel.ep x parallel.etp x parallel.pp = {ep} x {etp} x {pp} does not divide the world size "
-            f"{world_size}"
+            f"{show('ep', ep)} x {show('etp', etp)} x {show('pp', pp)} must divide the world size {world_size}"
         )
     if num_experts % ep:
-        problems.append(f"parallel.ep={ep} must divide num_experts {num_experts}")
-    if moe_ffn is not None and moe_ffn % etp:
-        problems.append(f"parallel.etp={etp} must divide moe_intermediate_size {moe_ffn}")
-    if moe_ffn is not None and moe_ffn % par.rollout_tp:  # vLLM splits each expert over its TP ranks
-        problems.append(f"parallel.rollout_tp={par.rollout_tp} must divide moe_intermediate_size {moe_ffn}")
-    if par.gpus_per_node % etp:
+        problems.append(f"{show('ep', ep)} must divide num_experts {num_experts}")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
+        problems.append(f"{show('etp', etp)} must divide moe_intermediate_size {moe_ffn_hidden_size}")
+    if etp > 1 and not cuda:
         problems.append(
-            f"parallel.etp={etp} must divide parallel.gpus_per_node={par.gpus_per_node}: an expert-tensor-parallel "
-            "group stays inside a node"
-        )
-    if num_experts and par.tp > 1 and not par.sequence_parallel:
-        problems.append(
-            f"parallel.tp={par.tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
-            "(Megatron-Core's MoE layer refuses to train under TP without it)"
+            f"{show('etp', etp)} cannot run on CPU: Megatron-Core's token dispatcher all-gathers the "
+            "expert-TP group's tokens in each rank's own count, which gloo's all_gather refuses (split "
+            "the experts with parallel.ep instead, and keep parallel.etp=1)"
         )
     return problems
 
@@ -658,6 +711,7 @@ def resolve(
         ffn_hidden_size=ffn_hidden_size,
         num_experts=num_experts,
         moe_ffn_hidden_size=moe_ffn_hidden_size,
+        cuda=cuda,
     )
     if cfg.data.train_size == 0 or cfg.data.train_size > num_train_records:
         cfg.data.train_size = num_train_records
@@ -746,6 +800,18 @@ def parse_override(text: str):
         ) from None
 
 
+def _override_path(cfg: Config, key: str) -> list[str]:
+    """An override's key split into its sections and field; below a mapping field the rest is one
+    entry's name, dots and all (reward.by_source.my.source=math: the data_source 'my.source')."""
+    parts, obj = key.split("."), cfg
+    for i, part in enumerate(parts):
+        value = getattr(obj, part, None) if dataclasses.is_dataclass(obj) else None
+        if isinstance(value, dict) and i + 2 < len(parts):
+            return parts[: i + 1] + [".".join(parts[i + 1 :])]
+        obj = value
+    return parts
+
+
 def load_config(path: str | None = None, overrides=(), check: bool = True) -> Config:
     cfg = Config()
     if path:
@@ -763,7 +829,7 @@ def load_config(path: str | None = None, overrides=(), check: bool = True) -> Co
     for text in overrides:
         key, value = parse_override(text)
         nested: dict = value
-        for part in reversed(key.split(".")):
+        for part in reversed(_override_path(cfg, key)):
             nested = {part: nested}
         _apply(cfg, nested)
     return validate(cfg) if check else cfg
@@ -773,28 +839,81 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def unused_keys(cfg: Config) -> list[str]:
-    """Keys the configured method does not read: the saved config leaves them out, so it shows
-    what ran (a GRPO run has no pruning ratios; no KL, no KL estimator)."""
-    from megatron_dppo.algorithms.pruning import get_strategy
+def inert_keys(cfg: Config) -> dict[str, str]:
+    """Keys (or whole sections) that this config's method does not read -> why, the one rule of
+    "does this key matter here": the saved config leaves them out (so it shows what ran: a GRPO
+    run has no pruning ratios; no KL, no KL estimator), and preflight.config_warnings names each
+    one that is set to other than its default. Rules that need the model, tokenizer or data are
+    preflight.input_warnings'."""
+    from megatron_dppo.algorithms.pruning import STRATEGIES, get_strategy
 
-    strategy = get_strategy(cfg.pruning.strategy)
-    out = [f"pruning.{r}" for r in ("r_q", "r_o") if r not in strategy.ratios]
-    if cfg.pruning.strategy == "none":
-        out.append("pruning.history_ema")
-    if not (cfg.algorithm.dynamic_sampling or strategy.refills):
-        out.append("algorithm.max_resample_rounds")
-    if cfg.algorithm.kl_coef == 0:
-        out.append("algorithm.kl_estimator")
-    a = cfg.algorithm
-    unused = {"bppo": a.selection != "bppo", "reco": a.reweighting != "reco"}
-    unused.update({"adaprefix": a.curriculum != "adaprefix", "ssopd": a.aux != "ssopd"})
-    out += [f"algorithm.{name}" for name, off in unused.items() if off]
+    a, p = cfg.algorithm, cfg.pruning
+    strategy, out = get_strategy(p.strategy), {}
+    what = {"r_q": "prunes no prompts", "r_o": "prunes no completions"}
+    for r in ("r_q", "r_o"):
+        if r not in strategy.ratios:
+            users = sorted(n for n, make in STRATEGIES.items() if r in make().ratios)
+            out[f"pruning.{r}"] = (
+                f"pruning.strategy={p.strategy} {what[r]} (strategies that use pruning.{r}: {', '.join(users)})"
+            )
+    if p.strategy == "none":
+        out["pruning.history_ema"] = "pruning.strategy=none keeps no prompt history"
+    if not (a.dynamic_sampling or strategy.refills):
+        out["algorithm.max_resample_rounds"] = (
+            f"nothing refills the batch (algorithm.dynamic_sampling=false, pruning.strategy={p.strategy})"
+        )
+    if a.kl_coef == 0:
+        out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
+    for section, switch, method in _METHOD_SWITCHES:
+        chosen = getattr(a, switch)
+        if chosen != method:
+            out[f"algorithm.{section}"] = (
+                f"algorithm.{switch}={chosen} (algorithm.{section}.* act with algorithm.{switch}={method})"
+            )
+    if a.selection == "bppo":
+        bc = a.bppo
+        for name, mode in (("prefix_ratio", "ratio"), ("prefix_fixed", "fixed")):
+            if bc.prefix_mode != mode:
+                out[f"algorithm.bppo.{name}"] = (
+                    f"algorithm.bppo.prefix_mode={bc.prefix_mode} (it acts with prefix_mode={mode})"
+                )
+        if bc.schedule != "waves":
+            for name in ("wave_size", "max_group_size"):
+                out[f"algorithm.bppo.{name}"] = f"algorithm.bppo.schedule={bc.schedule} (it acts with schedule=waves)"
+    if a.aux == "ssopd":
+        for name, div in (("tau", "fkl_clip"), ("jsd_beta", "jsd")):
+            if a.ssopd.div != div:
+                out[f"algorithm.ssopd.{name}"] = f"algorithm.ssopd.div={a.ssopd.div} (it acts with div={div})"
     if a.curriculum != "adaprefix":
-        out.append("data.solution_key")
+        out["data.solution_key"] = f"algorithm.curriculum={a.curriculum} shows no reference solution"
+    if cfg.data.prompt_mode == "raw":
+        out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"
     if cfg.parallel.recompute != "selective":
-        out.append("parallel.recompute_modules")
+        out["parallel.recompute_modules"] = (
+            f"parallel.recompute={cfg.parallel.recompute} (it acts with parallel.recompute=selective)"
+        )
     return out
+
+
+# (section of AlgorithmConfig, the key that selects it, the value that selects it)
+_METHOD_SWITCHES = (
+    ("bppo", "selection", "bppo"),
+    ("reco", "reweighting", "reco"),
+    ("adaprefix", "curriculum", "adaprefix"),
+    ("ssopd", "aux", "ssopd"),
+)
+
+
+def unused_keys(cfg: Config) -> list[str]:
+    """The keys of inert_keys (dotted; a section stands for all its fields)."""
+    return list(inert_keys(cfg))
+
+
+def _drop_key(data: dict, key: str) -> None:
+    *sections, name = key.split(".")
+    for s in sections:
+        data = data[s]
+    data.pop(name, None)
 
 
 def save_config(cfg: Config, path: str) -> None:
@@ -806,8 +925,7 @@ def save_config(cfg: Config, path: str) -> None:
         if not data[section][name]:
             del data[section][name]
     for key in unused_keys(cfg):
-        section, name = key.split(".")
-        del data[section][name]
+        _drop_key(data, key)
     unresolved = [f"{s}.{k}" for s, sec in data.items() for k, v in sec.items() if v is None]
     if unresolved:
         raise ValueError(f"config keys {unresolved} are unresolved: call config.resolve() before saving")

@@ -14,14 +14,17 @@ Record layouts accepted (detected per record, first match wins):
                                                           (or the record's 'answer' field, if set)
 Any other layout: `data.prompt_key` / `data.answer_key` name the fields, as dotted paths into
 nested fields ("reward_model.ground_truth"); a named field is read as it is (no '####' or
-\\boxed{} extraction). An answer is a string or a number (numbers become their text).
+\\boxed{} extraction). An answer is a string or a finite number (its text; an integral float's
+is the integer's: 1458.0 -> "1458").
 `data_source` and `extra_info` (verl's columns; any layout may have them) are kept on the record
 and reach the reward functions; the other (non-null) fields stay in PromptRecord.extra.
 
 Prompt ids are stable across runs, which prompt history (pruning) depends on: the record's `id`
 if it has one, else "<data_source>/<extra_info.index>" when the record carries an index (verl),
 else "p-" + a hash of the prompt text (or of the messages). Explicit ids (the first two kinds)
-must be unique over all the files of a run.
+must be unique over all the files of a run, with one exception: when index ids repeat across
+files (verl train shards, each indexed from 0), every index id of the run is prefixed with its
+file's name, "<file name>:<data_source>/<index>".
 
 Rendering (PromptRenderer): "raw" feeds the prompt text as is (the tokenizer adds its special
 tokens, e.g. the tiny tokenizer's <bos>); "chat" applies the tokenizer's chat template with a
@@ -38,7 +41,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import numbers
+import os
 import random
 import re
 from dataclasses import asdict, dataclass, field
@@ -103,10 +108,15 @@ def dotted_get(row: dict, key: str, config_key: str):
 
 
 def _answer_text(value, key: str) -> str:
+    """A string as it is; a number as its text, an integral float as the integer's: 1458.0 (how
+    pandas writes an int column that holds nulls) -> "1458", the answer verl's math rewards and
+    ours compare with, where "1458.0" would match no completion; 0.5 -> "0.5"."""
     if isinstance(value, str):
         return value
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        return str(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{key!r} must be a finite number or a string, got {value!r}")
+        return str(int(value)) if isinstance(value, numbers.Integral) or float(value).is_integer() else str(value)
     raise ValueError(f"{key!r} must be a string or a number, got {type(value).__name__} {str(value)[:60]!r}")
 
 
@@ -195,44 +205,79 @@ def parse_record(raw: dict, prompt_key: str = "", answer_key: str = "") -> Promp
     return PromptRecord(str(rid), prompt, messages, answer, extra, data_source, extra_info)
 
 
-def explicit_id(raw) -> bool:
-    """Does the row name its own id (an `id`, or verl's extra_info.index)? Those must be unique."""
-    if not isinstance(raw, dict):
-        return False
-    info = raw.get("extra_info")
-    return raw.get("id") not in (None, "") or (isinstance(info, dict) and info.get("index") is not None)
-
-
 def load_records(paths, prompt_key: str = "", answer_key: str = "") -> list[PromptRecord]:
     """All records of one or several files (a path, a list of paths, or comma-separated paths; see
     data_files.py), concatenated in order, each knowing its file and line (or row). A malformed
     record is a one-line ValueError naming the file, the line (or row) and the row's fields; two
-    records with the same explicit id are too (history would mix them), across files as well."""
+    records with the same explicit id are too (history would mix them), across files as well,
+    except index ids repeated across files, which get the file's name (the module docstring)."""
+    paths = data_paths(paths)
+    by_file = [_file_records(path, prompt_key, answer_key) for path in paths]
+    if _index_ids_repeat_across_files(by_file):
+        for path, recs in zip(paths, by_file):
+            for rec, kind in recs:
+                if kind == "index":
+                    rec.id = f"{os.path.basename(os.path.normpath(path))}:{rec.id}"
     records, where_by_id = [], {}
-    for path in data_paths(paths):
-        start = len(records)
-        for where, raw in read_rows(path):
-            loc = f"{path}:{where}"
-            if isinstance(raw, Exception):
-                raise ValueError(f"{loc}: invalid JSON: {raw}") from None
-            try:
-                rec = parse_record(raw, prompt_key, answer_key)
-            except ValueError as e:
-                fields = (
-                    f" (the row has fields {sorted(k for k, v in raw.items() if v is not None)})"
-                    if isinstance(raw, dict)
-                    else ""
-                )
-                raise ValueError(f"{loc}: {e}{fields}") from None
-            rec.source = loc
-            if explicit_id(raw):
+    for recs in by_file:
+        for rec, kind in recs:
+            if kind:
                 if rec.id in where_by_id:
-                    raise ValueError(f"{loc}: duplicate id {rec.id!r} (first at {where_by_id[rec.id]})")
-                where_by_id[rec.id] = loc
+                    first = where_by_id[rec.id]
+                    raise ValueError(f"{rec.source}: duplicate id {rec.id!r} (first at {first}): {_ID_HELP[kind]}")
+                where_by_id[rec.id] = rec.source
             records.append(rec)
-        if len(records) == start:
-            raise ValueError(f"{path}: no records")
     return records
+
+
+_ID_HELP = {
+    "id": "the id is the record's 'id' field; give each record its own",
+    "index": "the id is data_source + '/' + extra_info.index (the file's name is prefixed only when index ids "
+    "repeat across files); give each record of a source its own extra_info.index, or an 'id' field",
+}
+
+
+def _index_ids_repeat_across_files(by_file) -> bool:
+    first_file = {}
+    for n, recs in enumerate(by_file):
+        for rec, kind in recs:
+            if kind == "index" and first_file.setdefault(rec.id, n) != n:
+                return True
+    return False
+
+
+def id_kind(raw) -> str:
+    """How the row names its own id: "id" (an `id` field), "index" (verl's extra_info.index, no
+    `id`), or "" (none: the id is a hash of the prompt). Named ids must be unique."""
+    if not isinstance(raw, dict):
+        return ""
+    if raw.get("id") not in (None, ""):
+        return "id"
+    info = raw.get("extra_info")
+    return "index" if isinstance(info, dict) and info.get("index") is not None else ""
+
+
+def _file_records(path: str, prompt_key: str, answer_key: str) -> list[tuple[PromptRecord, str]]:
+    """One file's records, each with its id_kind."""
+    out = []
+    for where, raw in read_rows(path):
+        loc = f"{path}:{where}"
+        if isinstance(raw, Exception):
+            raise ValueError(f"{loc}: invalid JSON: {raw}") from None
+        try:
+            rec = parse_record(raw, prompt_key, answer_key)
+        except ValueError as e:
+            fields = (
+                f" (the row has fields {sorted(k for k, v in raw.items() if v is not None)})"
+                if isinstance(raw, dict)
+                else ""
+            )
+            raise ValueError(f"{loc}: {e}{fields}") from None
+        rec.source = loc
+        out.append((rec, id_kind(raw)))
+    if not out:
+        raise ValueError(f"{path}: no records")
+    return out
 
 
 def check_prompt_lengths(
@@ -242,6 +287,7 @@ def check_prompt_lengths(
     path,
     skip: bool = False,
     limit_desc: str = "",
+    warnings: list[str] | None = None,
 ) -> tuple[list[PromptRecord], int]:
     """Find prompts longer than max_prompt_tokens when the data loads, not at the step that
     draws them (where the engine would fail without naming the record). -> (records, skipped).
@@ -250,15 +296,23 @@ def check_prompt_lengths(
     limit L (<limit_desc>)". skip=True: they are dropped and counted. limit_desc says where the
     limit comes from, e.g. "rollout.max_model_len 32 - rollout.max_new_tokens 6". A record the
     renderer cannot render (messages in raw mode) is a ValueError naming it too. `path` (the
-    data files) names the data in the errors about all of them.
+    data files) names the data in the errors about all of them. `warnings`, if given, gets a line
+    naming the prompts that are mostly the tokenizer's unknown token (unk_warning).
     """
     if max_prompt_tokens < 1:
         raise ValueError(
             f"the prompt token limit must be >= 1, got {max_prompt_tokens}" + (f" ({limit_desc})" if limit_desc else "")
         )
-    kept, skipped = [], 0
+    kept, skipped, unknown = [], 0, []
+    special = set(getattr(renderer.tokenizer, "all_special_ids", ())) - {renderer.tokenizer.unk_token_id}
     for rec in records:
-        n = len(render_checked(renderer, rec))
+        ids = render_checked(renderer, rec)
+        n = len(ids)
+        if renderer.tokenizer.unk_token_id is not None:
+            text_ids = [t for t in ids if t not in special]
+            n_unk = text_ids.count(renderer.tokenizer.unk_token_id)
+            if 2 * n_unk > len(text_ids):
+                unknown.append((rec, n_unk, len(text_ids)))
         if n <= max_prompt_tokens:
             kept.append(rec)
         elif skip:
@@ -268,12 +322,25 @@ def check_prompt_lengths(
             raise ValueError(
                 f"{rec.source or path} (id {rec.id}): prompt is {n} tokens, over the limit {max_prompt_tokens}{why}"
             )
+    if unknown and warnings is not None:
+        warnings.append(unk_warning(unknown, renderer.tokenizer.unk_token, path))
     if not kept:
         raise ValueError(
             f"{_describe(path)}: every prompt is over the limit of {max_prompt_tokens} tokens"
             + (f" ({limit_desc})" if limit_desc else "")
         )
     return kept, skipped
+
+
+def unk_warning(unknown, unk_token: str, path, shown: int = 3) -> str:
+    """One line for the prompts (rec, unknown tokens, text tokens) that are mostly unk_token:
+    text the tokenizer cannot represent, which the policy would train on as that one token."""
+    first = "; ".join(f"{rec.source or path} (id {rec.id}): {k} of {n} tokens" for rec, k, n in unknown[:shown])
+    more = f"; and {len(unknown) - shown} more" if len(unknown) > shown else ""
+    return (
+        f"warning: {len(unknown)} prompt(s) of {_describe(path)} are mostly the tokenizer's unknown token "
+        f"{unk_token} (characters it has no token for; check the data's language and encoding): {first}{more}"
+    )
 
 
 def render_checked(renderer: PromptRenderer, rec: PromptRecord) -> list[int]:
@@ -433,9 +500,16 @@ class PromptDataset:
         if limit:  # the first `limit` records: a smaller set is revisited more often (prompt history)
             self.records = self.records[:limit]
         self.skipped_long = 0
+        self.warnings: list[str] = []  # start-up warnings about the prompts (unk_warning)
         if renderer is not None and max_prompt_tokens:
             self.records, self.skipped_long = check_prompt_lengths(
-                self.records, renderer, max_prompt_tokens, path, skip=skip_long_prompts, limit_desc=limit_desc
+                self.records,
+                renderer,
+                max_prompt_tokens,
+                path,
+                skip=skip_long_prompts,
+                limit_desc=limit_desc,
+                warnings=self.warnings,
             )
         if len(self.records) < batch_size:
             skipped = f" ({self.skipped_long} skipped as too long)" if self.skipped_long else ""

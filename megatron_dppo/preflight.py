@@ -27,20 +27,118 @@ def check_config(cfg) -> None:
 
 
 def config_warnings(cfg) -> list[str]:
-    """Values that the run ignores, one line each (the caller prints them)."""
-    from megatron_dppo.algorithms.pruning import STRATEGIES
+    """Keys set to other than their default that this config's method does not read
+    (config.inert_keys, the one rule), one line each naming the key and why (the caller prints them)."""
+    from megatron_dppo.config import Config, inert_keys
 
-    p, out = cfg.pruning, []
-    what = {"r_q": "prunes no prompts", "r_o": "prunes no completions"}
-    for key in ("r_q", "r_o"):
-        value = getattr(p, key)
-        if value > 0 and key not in STRATEGIES[p.strategy]().ratios:
-            others = sorted(n for n, make in STRATEGIES.items() if key in make().ratios)
+    defaults, out = Config(), []
+    for key, why in inert_keys(cfg).items():
+        for leaf in _leaf_keys(cfg, key):
+            value = _get(cfg, leaf)
+            if value != _get(defaults, leaf):
+                out.append(f"warning: {leaf}={_show(value)} is ignored: {why}")
+    return out
+
+
+def input_warnings(cfg, tokenizer, hf_config, data_sources) -> list[str]:
+    """Keys that do nothing with this model, tokenizer or data, one line each naming the key and why.
+    data_sources: the data_source values of the training and validation records."""
+    a, out = cfg.algorithm, []
+    if not (getattr(hf_config, "num_experts", 0) or 0):
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(a, key):
+                out.append(
+                    f"warning: algorithm.{key}={getattr(a, key):g} is ignored: model.hf_dir {cfg.model.hf_dir} is a "
+                    "dense model (no router)"
+                )
+    if cfg.data.prompt_mode == "chat" and cfg.data.chat_template_kwargs:
+        read = template_variables(tokenizer.chat_template)
+        for key in sorted(set(cfg.data.chat_template_kwargs) - read):
             out.append(
-                f"warning: pruning.{key}={value:g} is ignored: pruning.strategy={p.strategy} {what[key]} "
-                f"(strategies that use pruning.{key}: {', '.join(others)})"
+                f"warning: data.chat_template_kwargs.{key} is ignored: the chat template of model.hf_dir "
+                f"{cfg.model.hf_dir} never reads a variable {key!r} (it reads: {', '.join(sorted(read)) or 'none'})"
+            )
+    sources = sorted(set(data_sources))
+    for src in sorted(set(cfg.reward.by_source) - set(sources)):
+        out.append(
+            f"warning: reward.by_source.{src} is ignored: no training or validation record has data_source "
+            f"{src!r} (the data's sources: {', '.join(repr(s) for s in sources)})"
+        )
+    if a.curriculum == "adaprefix":
+        from megatron_dppo.algorithms.methods.adaprefix import boundary_token_ids
+
+        texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+        if not boundary_token_ids(texts, a.adaprefix.boundaries):
+            out.append(
+                f"warning: algorithm.adaprefix.boundaries={a.adaprefix.boundaries!r} is inert: no token of the "
+                f"tokenizer of model.hf_dir {cfg.model.hf_dir} ends in one of these characters, so no prefix is "
+                "ever cut (name characters its tokens end in)"
             )
     return out
+
+
+def template_variables(template) -> set[str]:
+    """The variables a chat template (a jinja string, or a {name: template} mapping) reads from
+    its context: jinja2.meta's undeclared variables, what apply_chat_template's kwargs can set."""
+    import jinja2
+    import jinja2.meta
+
+    templates = template.values() if isinstance(template, dict) else [template or ""]
+    env = jinja2.Environment()
+    return set().union(*(jinja2.meta.find_undeclared_variables(env.parse(t)) for t in templates))
+
+
+def _leaf_keys(cfg, key: str) -> list[str]:
+    """A dotted key, or every field of the section it names."""
+    import dataclasses
+
+    value = _get(cfg, key)
+    if dataclasses.is_dataclass(value):
+        return [f"{key}.{f.name}" for f in dataclasses.fields(value)]
+    return [key]
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _show(value) -> str:
+    """A value as a command-line override would write it (0.9, true, 'text')."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
+
+
+def check_context(max_model_len: int, hf_dir: str) -> None:
+    """rollout.max_model_len against the model's context (config.json's max_position_embeddings,
+    times rope_scaling's factor where it has one, as vLLM derives it: a yarn model's original
+    positions times the factor, never less than max_position_embeddings): past it vLLM refuses
+    the length in a long pydantic error that suggests an environment variable."""
+    import json
+
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # an unreadable config.json is check_hf_model_dir's error, named there
+    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(context, int):
+        return
+    what = f"max_position_embeddings {context}"
+    scaling = config.get("rope_scaling")
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        base = scaling.get("original_max_position_embeddings", context)
+        context = max(context, int(base * factor))
+        what += f", rope_scaling factor {factor:g}: {context} positions"
+    if max_model_len > context:
+        raise ValueError(
+            f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "
+            f"{what} in {path}: lower rollout.max_model_len to at most {context}"
+        )
 
 
 def load_tokenizer(hf_dir: str):

@@ -167,6 +167,7 @@ class Trainer:
             torch.set_num_threads(tc.threads)
         self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
+        preflight.check_context(rc.max_model_len, cfg.model.hf_dir)
         self.tokenizer = preflight.load_tokenizer(cfg.model.hf_dir)
         preflight.check_vocab(self.model_dir, self.tokenizer)
         self.renderer = PromptRenderer(
@@ -191,6 +192,11 @@ class Trainer:
             answer_key=cfg.data.answer_key,
         )
         self.eval_sets = load_eval_sets(cfg, self.renderer, **limit)
+        sets = [self.data.records, *(s.records for s in self.eval_sets)]
+        sources = [r.data_source for records in sets for r in records]
+        self.config_warnings += self.data.warnings + preflight.input_warnings(
+            cfg, self.tokenizer, self.hf_config, sources
+        )
 
     @staticmethod
     def _attention_backend(cfg: Config) -> str:

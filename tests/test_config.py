@@ -116,7 +116,7 @@ def test_a_section_written_twice_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     "overrides, world, message",
     [
-        ({"tp": 2}, 1, "does not divide the world size 1"),
+        ({"tp": 2}, 1, "parallel.tp=2 x parallel.pp=1 must divide the world size 1"),
         ({"tp": 3, "gpus_per_node": 3}, 3, "parallel.tp=3 must divide num_attention_heads"),
         ({"rollout_tp": 3}, 3, "parallel.rollout_tp=3 must divide"),
         ({"tp": 4, "gpus_per_node": 6}, 12, "a tensor-parallel group stays inside a node"),
@@ -130,6 +130,36 @@ def test_layouts_that_do_not_divide_name_the_key(overrides, world, message):
         check_layout(cfg, world_size=world, num_heads=4, num_kv_heads=2, num_layers=3)
 
 
+def test_expert_tensor_parallel_on_cpu_is_refused_naming_the_rule():
+    """parallel.etp=2 without EP on 2 processes passed this check, then failed at step 1 inside
+    Megatron's token dispatcher: "ProcessGroupGloo::allgather: invalid tensor size at index 1
+    (expected (2044, 128), got (1356, 128))" (the tiny MoE model, rerun on 2 CPU processes)."""
+    cfg = load_config(TINY, ["parallel.etp=2"])
+    moe = dict(world_size=2, num_heads=4, num_kv_heads=2, num_layers=3, num_experts=4, moe_ffn_hidden_size=64)
+    with pytest.raises(ValueError) as e:
+        check_layout(cfg, **moe, cuda=False)
+    assert str(e.value) == (
+        "invalid parallel layout: parallel.etp=2 cannot run on CPU: Megatron-Core's token dispatcher all-gathers "
+        "the expert-TP group's tokens in each rank's own count, which gloo's all_gather refuses (split the experts "
+        "with parallel.ep instead, and keep parallel.etp=1)"
+    )
+    check_layout(cfg, **moe, cuda=True)  # NCCL's all_gather takes per-rank sizes
+    check_layout(load_config(TINY, ["parallel.ep=2"]), **moe, cuda=False)
+    with pytest.raises(ValueError, match="parallel.etp=2 cannot run on CPU"):  # resolve passes the machine
+        resolve(cfg, **{**FACTS, "world_size": 2, "local_world_size": 2}, num_experts=4, moe_ffn_hidden_size=64)
+
+
 def test_vllm_kv_heads_may_be_replicated():
     cfg = load_config(TINY, ["parallel.rollout_tp=4", "parallel.gpus_per_node=4"])
     check_layout(cfg, world_size=4, num_heads=4, num_kv_heads=2, num_layers=3)  # KV heads replicated x2
+
+
+def test_an_override_below_a_mapping_takes_the_rest_of_the_key_as_one_entry():
+    """A data_source with a dot ('my.source'), as an override: one entry of reward.by_source (it
+    was read as a section 'my' holding {source: math}: "expected str, got {'source': 'math'}")."""
+    cfg = load_config(TINY, ["reward.by_source.my.source=math", "reward.by_source.openai/gsm8k=exact"])
+    assert cfg.reward.by_source == {"my.source": "math", "openai/gsm8k": "exact"}
+    chat = load_config(TINY, ["data.prompt_mode=chat", "data.chat_template_kwargs.a.b=1"])
+    assert chat.data.chat_template_kwargs == {"a.b": 1}
+    with pytest.raises(ValueError, match="unknown config key 'reward.by_sourc'"):
+        load_config(TINY, ["reward.by_sourc.my.source=math"])

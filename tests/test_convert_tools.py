@@ -201,9 +201,8 @@ def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
     err = _error(capsys, to_mg, "--hf-dir", hf_models["untied"], "--out-dir", out, "--tp", 3, "--pp", 3)
     for text in [
         "config.json",
-        "num_attention_heads 4 is not divisible by tp=3",
-        "num_key_value_heads (query groups) 2 is not divisible by tp=3",
-        "num_layers 4 is not divisible by pp=3",
+        "--tp 3 must divide num_attention_heads 4 and num_key_value_heads 2",
+        "--pp 3 must divide num_hidden_layers 4",
     ]:
         assert text in err, err
 

@@ -512,3 +512,63 @@ def test_renderer_decodes_completions_as_rewards_see_them(tiny_renderer):
     ids = tok("579", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tiny_renderer.decode(ids) == "579" == tok.decode(ids, skip_special_tokens=True)
     assert tiny_renderer.decode_all([ids, ids[:1]]) == ["579", "5"]
+
+
+def test_numeric_ground_truths_become_the_text_a_reward_compares(tmp_path):
+    """A float ground truth with an integral value (1458.0: pandas' int column with nulls) is read
+    as "1458"; other numbers as their text; NaN is refused naming the field and the row."""
+    import pandas as pd
+
+    add, _ = _tasks(3)
+    rows = as_layout(add, "verl", "addsrc")
+    path = str(tmp_path / "float.parquet")
+    frame = pd.DataFrame(rows)
+    frame["reward_model"] = [{"style": "rule", "ground_truth": v} for v in (1458.0, 0.5, 7)]
+    frame.to_parquet(path)
+    answers = [r.answer for r in load_records(path)]
+    assert answers == ["1458", "0.5", "7"]
+    # the reward that reads them: an exact match of the completion's "1458"
+    assert exact_match("1458", answers[0]) == 1.0
+    bad = _write_jsonl(tmp_path / "nan.jsonl", [{"prompt": "1+1=", "answer": float("nan")}])
+    with pytest.raises(ValueError, match=r"nan\.jsonl:line 1: 'answer' must be a finite number or a string, got nan"):
+        load_records(bad)
+
+
+def test_verl_index_ids_repeated_across_files_get_the_file_name(tmp_path):
+    """Two train shards of one data_source, each indexed 0..n-1 (verl's layout): every index id
+    gets its file's name; a repeat inside one file is an error saying what the id is made of."""
+    add, _ = _tasks(8)
+    a, b = str(tmp_path / "shard0.parquet"), str(tmp_path / "shard1.parquet")
+    write_parquet(as_layout(add[:4], "verl", "addsrc"), a)
+    write_parquet(as_layout(add[4:], "verl", "addsrc"), b)
+    ids = [r.id for r in load_records([a, b])]
+    assert ids == [f"shard0.parquet:addsrc/{i}" for i in range(4)] + [f"shard1.parquet:addsrc/{i}" for i in range(4)]
+    assert [r.id for r in load_records(a)] == [f"addsrc/{i}" for i in range(4)]  # one file: as before
+    same = as_layout(add[:2], "verl", "addsrc")
+    same[1]["extra_info"]["index"] = 0
+    dup = str(tmp_path / "dup.parquet")
+    write_parquet(same, dup)
+    with pytest.raises(ValueError) as e:
+        load_records(dup)
+    assert str(e.value) == (
+        f"{dup}:row 2: duplicate id 'addsrc/0' (first at {dup}:row 1): the id is data_source + '/' + "
+        "extra_info.index (the file's name is prefixed only when index ids repeat across files); give each "
+        "record of a source its own extra_info.index, or an 'id' field"
+    )
+
+
+def test_prompts_that_are_mostly_unknown_tokens_are_a_warning_naming_them(tmp_path, tiny_renderer):
+    rows = [{"id": f"p{i}", "prompt": p, "answer": "1"} for i, p in enumerate(["12+34=", "héllo wörld", "1+é="])]
+    path = _write_jsonl(tmp_path / "unk.jsonl", rows)
+    ds = PromptDataset(path, batch_size=1, renderer=tiny_renderer, max_prompt_tokens=20)
+    # the tiny tokenizer knows digits and + - * / = ( ): "héllo wörld" is 11 <unk> of 11, "1+é=" 1 of 4
+    assert ds.warnings == [
+        f"warning: 1 prompt(s) of {path} are mostly the tokenizer's unknown token <unk> (characters it has no "
+        f"token for; check the data's language and encoding): {path}:line 2 (id p1): 11 of 11 tokens"
+    ]
+    assert (
+        PromptDataset(
+            _write_jsonl(tmp_path / "ok.jsonl", rows[:1]), 1, renderer=tiny_renderer, max_prompt_tokens=20
+        ).warnings
+        == []
+    )

@@ -45,10 +45,10 @@ def test_pp2_equals_single_stage_packs_and_trains(torchrun):
 @pytest.mark.parametrize(
     "layout, expected",
     [
-        (dict(world_size=3, tp=2, pp=1), "world size 3 is not a multiple of tp*pp"),
-        (dict(world_size=8, tp=8, pp=1), "num_attention_heads 4 is not divisible by tp=8"),
-        (dict(world_size=4, tp=4, pp=1), "num_key_value_heads (query groups) 2 is not divisible"),
-        (dict(world_size=6, tp=1, pp=3), "num_layers 4 is not divisible by pp=3"),
+        (dict(world_size=3, tp=2, pp=1), "tp=2 x pp=1 must divide the world size 3"),
+        (dict(world_size=8, tp=8, pp=1), "tp=8 must divide num_attention_heads 4"),
+        (dict(world_size=4, tp=4, pp=1), "tp=4 must divide num_attention_heads 4 and num_key_value_heads 2"),
+        (dict(world_size=6, tp=1, pp=3), "pp=3 must divide num_hidden_layers 4"),
         (dict(world_size=2, tp=0, pp=1), "must be >= 1"),
     ],
 )

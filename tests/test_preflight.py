@@ -146,3 +146,106 @@ def test_resume_refuses_another_model_but_not_a_copy(tmp_path):
     with pytest.raises(ValueError) as e:
         check_resume_compatible(saved, cfg_with(f"model.hf_dir={bigger}"), "ck")
     assert "its config.json differs (hidden_size 128 -> 64, num_hidden_layers 3 -> 4, " in str(e.value), str(e.value)
+
+
+def _inputs(*overrides):
+    from transformers import AutoConfig
+
+    cfg = cfg_with(*overrides)
+    return cfg, load_tokenizer(TINY), AutoConfig.from_pretrained(TINY)
+
+
+def test_router_coefficients_on_a_dense_model_are_warned_about():
+    from megatron_dppo.preflight import input_warnings
+
+    cfg, tok, hf = _inputs("algorithm.moe_aux_loss_coeff=0.01", "algorithm.moe_z_loss_coeff=0.001")
+    assert input_warnings(cfg, tok, hf, [""]) == [
+        f"warning: algorithm.{k}={v} is ignored: model.hf_dir {TINY} is a dense model (no router)"
+        for k, v in (("moe_aux_loss_coeff", "0.01"), ("moe_z_loss_coeff", "0.001"))
+    ]
+    hf.num_experts = 4  # a MoE model reads them
+    assert input_warnings(cfg, tok, hf, [""]) == []
+
+
+def test_chat_template_kwargs_the_template_never_reads_are_warned_about():
+    """Judged by the variables the jinja template references (the tiny template reads
+    enable_thinking): a misspelt one renders the same prompt as none, and is named."""
+    from megatron_dppo.data import PromptRecord, PromptRenderer
+    from megatron_dppo.preflight import input_warnings
+
+    cfg, tok, hf = _inputs("data.prompt_mode=chat", "data.chat_template_kwargs={enable_thinkin: false}")
+    assert input_warnings(cfg, tok, hf, [""]) == [
+        f"warning: data.chat_template_kwargs.enable_thinkin is ignored: the chat template of model.hf_dir {TINY} "
+        "never reads a variable 'enable_thinkin' (it reads: add_generation_prompt, bos_token, enable_thinking, "
+        "messages)"
+    ]
+    rec = PromptRecord("a", "1+1=", None, "2")
+    misspelt = PromptRenderer(tok, "chat", chat_template_kwargs={"enable_thinkin": False}).text(rec)
+    assert misspelt == PromptRenderer(tok, "chat").text(rec)  # what makes it a no-op
+    cfg, tok, hf = _inputs("data.prompt_mode=chat", "data.chat_template_kwargs={enable_thinking: false}")
+    assert input_warnings(cfg, tok, hf, [""]) == []
+
+
+def test_a_by_source_reward_for_no_source_in_the_data_is_warned_about():
+    from megatron_dppo.preflight import input_warnings
+
+    cfg, tok, hf = _inputs("reward.by_source={addsrc: math, adsrc: math}")
+    assert input_warnings(cfg, tok, hf, ["addsrc", "mulsrc", "addsrc"]) == [
+        "warning: reward.by_source.adsrc is ignored: no training or validation record has data_source 'adsrc' "
+        "(the data's sources: 'addsrc', 'mulsrc')"
+    ]
+
+
+def test_adaprefix_boundaries_no_token_ends_in_are_warned_about():
+    """The tiny tokenizer has no "\\n" token: with the default boundaries no prefix is ever cut."""
+    from megatron_dppo.preflight import input_warnings
+
+    cfg, tok, hf = _inputs("algorithm.curriculum=adaprefix")
+    assert input_warnings(cfg, tok, hf, [""]) == [
+        f"warning: algorithm.adaprefix.boundaries='\\n' is inert: no token of the tokenizer of model.hf_dir {TINY} "
+        "ends in one of these characters, so no prefix is ever cut (name characters its tokens end in)"
+    ]
+    cfg, tok, hf = _inputs("algorithm.curriculum=adaprefix", "algorithm.adaprefix.boundaries='+='")
+    assert input_warnings(cfg, tok, hf, [""]) == []
+
+
+def test_a_system_prompt_in_raw_mode_is_warned_about():
+    assert config_warnings(cfg_with("data.system_prompt=be brief")) == [
+        "warning: data.system_prompt='be brief' is ignored: data.prompt_mode=raw applies no chat template, so no "
+        "system turn"
+    ]
+    assert config_warnings(cfg_with("data.system_prompt=be brief", "data.prompt_mode=chat")) == []
+
+
+def test_a_max_model_len_past_the_model_context_is_named_before_vllm_starts():
+    """The tiny model's context is 64 (config.json): 65 was vLLM's pydantic error naming an
+    environment variable; the engine now refuses it before vLLM is imported."""
+    from megatron_dppo.preflight import check_context
+    from megatron_dppo.rollout.vllm_engine import RolloutEngine
+
+    check_context(64, TINY)
+    expected = (
+        "config key 'rollout.max_model_len': 65 is more than the model's context, max_position_embeddings 64 in "
+        f"{TINY}/config.json: lower rollout.max_model_len to at most 64"
+    )
+    with pytest.raises(ValueError) as e:
+        RolloutEngine(TINY, dtype="float32", max_model_len=65)
+    assert str(e.value) == expected
+
+
+def test_a_warning_writes_the_value_as_an_override_would():
+    assert config_warnings(cfg_with("algorithm.reco.renorm=true")) == [
+        "warning: algorithm.reco.renorm=true is ignored: algorithm.reweighting=none (algorithm.reco.* act with "
+        "algorithm.reweighting=reco)"
+    ]
+
+
+def test_a_rope_scaled_context_is_the_positions_times_the_factor(tmp_path):
+    from megatron_dppo.preflight import check_context
+
+    config = json.loads(open(f"{TINY}/config.json").read())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_context(128, str(tmp_path))  # 32 x 4: what vLLM allows
+    with pytest.raises(ValueError, match="max_position_embeddings 64, rope_scaling factor 4: 128 positions"):
+        check_context(129, str(tmp_path))

@@ -378,7 +378,7 @@ def test_tiny_run_accuracy_rises(tmp_path):
 @pytest.mark.parametrize(
     "override,message",
     [
-        ("parallel.tp=3", "parallel.tp x parallel.pp = 3 x 1 does not divide the world size 1"),
+        ("parallel.tp=3", "parallel.tp=3 x parallel.pp=1 must divide the world size 1"),
         ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
         ("pruning.r_o=1.0", "pruning.r_o"),
         ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),

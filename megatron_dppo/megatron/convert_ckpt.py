@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import queue
 import re
@@ -50,6 +51,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from megatron_dppo.config import model_layout_problems
 from megatron_dppo.convert import qwen3
 from megatron_dppo.convert.hf_io import (
     HFCheckpoint,
@@ -64,7 +66,6 @@ from megatron_dppo.megatron.checkpoint import (  # also installs the safe metada
     latest_checkpoint,
 )
 from megatron_dppo.megatron.model import build_gpt_model, module_device
-from megatron_dppo.megatron.parallel import validate_layout
 from megatron_dppo.vocab import padded_vocab_size
 
 MODEL_DIR = "model_optim"
@@ -229,17 +230,21 @@ def check_layout_flags(tp: int, pp: int, ep: int = 1) -> None:
 
 def check_model_layout(config_path: str, layout: qwen3.Qwen3Layout, tp: int, pp: int, ep: int = 1) -> None:
     """The model against --tp / --pp / --ep: one ValueError naming the file, the flags and every
-    count that does not divide."""
+    count that does not divide (the trainer's rules, config.model_layout_problems, on the
+    smallest world that holds the layout)."""
     check_layout_flags(tp, pp, ep)
-    problems = []
-    try:
-        validate_layout(tp * pp, tp, pp, layout.num_heads, layout.num_kv_heads, layout.num_layers)
-    except ValueError as e:
-        problems.append(str(e))
-    if ep > 1 and not layout.num_experts:
-        problems.append(f"--ep {ep} needs a mixture-of-experts model (this one has no experts)")
-    elif layout.num_experts % ep:
-        problems.append(f"num_experts {layout.num_experts} is not divisible by --ep {ep}")
+    problems = model_layout_problems(
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        world_size=pp * math.lcm(tp, ep),
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        num_layers=layout.num_layers,
+        ffn_hidden_size=layout.intermediate,
+        num_experts=layout.num_experts,
+        show=lambda flag, value: f"--{flag} {value}",
+    )
     if problems:
         raise ValueError(f"{config_path}: --tp {tp} --pp {pp} --ep {ep} do not fit the model: " + "; ".join(problems))
 

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dppo.config import model_layout_problems
 from megatron_dppo.megatron.cpu_compat import enable_cpu_compat
 
 
@@ -18,30 +19,17 @@ def validate_layout(
     num_query_groups: int,
     num_layers: int,
 ) -> int:
-    """Check that a TP x PP layout fits the world and the model; returns the DP size.
-    Raises ValueError naming what to change."""
-    problems = []
-    if tp < 1 or pp < 1:
-        problems.append(f"tensor and pipeline parallel sizes must be >= 1 (got tp={tp}, pp={pp})")
-    elif world_size % (tp * pp):
-        problems.append(
-            f"world size {world_size} is not a multiple of tp*pp = {tp}*{pp} = {tp * pp}: "
-            f"change the number of processes or choose tp/pp whose product divides {world_size}"
-        )
-    if tp >= 1 and num_attention_heads % tp:
-        problems.append(
-            f"num_attention_heads {num_attention_heads} is not divisible by tp={tp}: "
-            f"choose tp among the divisors of {num_attention_heads}"
-        )
-    if tp >= 1 and num_query_groups % tp:
-        problems.append(
-            f"num_key_value_heads (query groups) {num_query_groups} is not divisible by tp={tp}: "
-            f"choose tp among the divisors of {num_query_groups}"
-        )
-    if pp >= 1 and num_layers % pp:
-        problems.append(
-            f"num_layers {num_layers} is not divisible by pp={pp}: choose pp among the divisors of {num_layers}"
-        )
+    """Check that a TP x PP layout fits the world and the model (config.model_layout_problems, the
+    trainer's rules); returns the DP size. Raises ValueError naming what to change."""
+    problems = model_layout_problems(
+        tp=tp,
+        pp=pp,
+        world_size=world_size,
+        num_heads=num_attention_heads,
+        num_kv_heads=num_query_groups,
+        num_layers=num_layers,
+        show=lambda name, value: f"{name}={value}",
+    )
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
     return world_size // (tp * pp)

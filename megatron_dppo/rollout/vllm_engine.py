@@ -42,6 +42,8 @@ from typing import Literal
 
 import torch
 
+from megatron_dppo import preflight
+
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # vLLM logs every weight reload and cache reset at INFO: one line per training step
@@ -177,6 +179,7 @@ class RolloutEngine:
         context: Callable[[], AbstractContextManager] | None = None,
         **llm_kwargs,
     ):
+        preflight.check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
         on_gpu = torch.cuda.is_available()
         self.context = context or contextlib.nullcontext
         self.tensor_parallel_size = tensor_parallel_size
