@@ -20,7 +20,10 @@ Kinds (a "spec"; spec.py parses them, and names the config key in every error):
   "path/to/r.py:fn"  the same, loaded from a file (verl's form); a relative path is made absolute
                    when the config is read. record is what the caller passed for that completion
                    (the trainer passes the data.PromptRecord; None if nothing was passed); records
-                   must pickle.
+                   must pickle. User code is imported only in the workers (never in the trainer's
+                   process), each under the scorer's startup_timeout_s, and its signature is checked
+                   there, so a reward that hangs or crashes at import, or cannot take the call, is a
+                   one-line error naming its config key before the trainer's engine starts.
 A user function returns a number (the reward) or a dict with a numeric "score" (the reward) and
 extra numbers ({"score": 1.0, "acc": 1.0, "format": 0.5}): info["extras"][i] holds completion
 i's extras, and metrics.reward_metrics_by_source turns them into "reward/<source>/<name>" means.
