@@ -2,6 +2,13 @@
 
 Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step); TensorBoard
 and wandb (offline unless configured) get the same scalars.
+
+A step is written in the order that loses nothing: a step that saves a checkpoint first stages its
+row (PENDING, beside metrics.jsonl), then saves, then appends the row to metrics.jsonl. A resume
+continues after the checkpoint's step and keeps the rows up to it; when the run stopped between
+the save and the append, the staged row of exactly that step is appended (without the save's cost
+keys, which were not known yet), so no step that a checkpoint claims lacks its row and no step is
+written twice.
 """
 
 from __future__ import annotations
@@ -12,16 +19,20 @@ import time
 
 from megatron_dppo.profiling import phase_totals
 
+PENDING = ".metrics-pending.json"  # the row of a step whose checkpoint is being saved
+
 
 class RunLogger:
     def __init__(self, run_dir: str, cfg, total_steps: int, first_step: int = 1, enabled: bool = True):
         self.run_dir, self.enabled = run_dir, enabled
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.pending_path = os.path.join(run_dir, PENDING)
         self.tb = self.wandb = self.bar = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._truncate_after(first_step - 1)  # a resumed run rewrites the steps it repeats
+        self._restore_pending(first_step - 1)
         lc = cfg.logging
         if lc.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -78,12 +89,39 @@ class RunLogger:
             f.writelines(rows)
         os.replace(tmp, self.metrics_path)
 
+    def _restore_pending(self, step: int) -> None:
+        """The staged row of `step` (the checkpoint resumed from) when metrics.jsonl lacks it; a
+        staged row of any other step belongs to a save that did not finish: dropped."""
+        if not os.path.exists(self.pending_path):
+            return
+        try:
+            with open(self.pending_path) as f:
+                row = json.load(f)
+        except (OSError, ValueError):  # a kill while it was written: its checkpoint was not saved either
+            row = None
+        if isinstance(row, dict) and row.get("step") == step and step not in _logged_steps(self.metrics_path):
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.message(f"{self.metrics_path}: step {step}'s row restored (the run stopped after its checkpoint)")
+        os.remove(self.pending_path)
+
+    def stage(self, metrics: dict) -> None:
+        """Before a checkpoint of metrics["step"] is saved: its row, kept until log() writes it."""
+        if not self.enabled:
+            return
+        tmp = self.pending_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(dict(metrics, wall_time=time.time())))
+        os.replace(tmp, self.pending_path)
+
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
         metrics = dict(metrics, wall_time=time.time())
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
+        if os.path.exists(self.pending_path):
+            os.remove(self.pending_path)
         step = metrics["step"]
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
@@ -128,9 +166,28 @@ def phase_summary(rows: list[dict]) -> str:
     return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"
 
 
+def _logged_steps(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    return {row.get("step") for row in read_metrics(path)}
+
+
 def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a partial last line (a kill while it was written) is left out,
+    a bad line anywhere else is a ValueError naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
+    return rows
 
 
 def plot_curves(metrics_path: str, png_path: str) -> None:

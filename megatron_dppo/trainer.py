@@ -214,10 +214,24 @@ class Trainer:
             cfg.trainer.output_dir, cfg.trainer.run_name, resume=resume, overwrite=overwrite
         )
         self.run_dir = self._run_dir_plan.path
+        self._check_hf_export_dir(cfg, self._run_dir_plan)
         self.ckpt_dir = os.path.join(self.run_dir, CHECKPOINTS)
         self.resume_meta = resume_metadata(cfg)
         if resume:
             self._check_resumable()
+
+    @staticmethod
+    def _check_hf_export_dir(cfg: Config, plan) -> None:
+        """trainer.save_hf_every writes <run dir>/hf/step_N: refused now, not at the first export, when
+        hf is there and not a directory (a run dir that --overwrite replaces is not kept)."""
+        hf_exports = os.path.join(plan.path, "hf")
+        if not cfg.trainer.save_hf_every or plan.action == "replace":
+            return
+        if os.path.lexists(hf_exports) and not os.path.isdir(hf_exports):
+            raise ValueError(
+                f"config key 'trainer.save_hf_every': HF exports go to {hf_exports}, which exists and is not a "
+                "directory: move it away, or set trainer.save_hf_every=0"
+            )
 
     def _check_resumable(self) -> None:
         """Before anything slow: the checkpoint exists, is intact, is not past trainer.max_steps,
@@ -691,11 +705,15 @@ class Trainer:
         )
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self, step: int) -> dict:
-        """Collective. -> the save's cost, as metrics."""
+    def save(self, step: int, row: dict) -> dict:
+        """Collective. -> the save's cost, as metrics. The step's metrics `row` (without the save's
+        cost, not known yet) is staged in the run dir first (RunLogger.stage): the loop logs it only
+        after the save, and a run killed in between resumes after this step with the staged row
+        restored, so no step that a checkpoint claims lacks its row."""
         from megatron_dppo.megatron.checkpoint import checkpoint_bytes, save_checkpoint
 
         self.watchdog.phase("save", step)
+        self.logger.stage(row)
         t0 = time.perf_counter()
         path = save_checkpoint(
             self.ckpt_dir,
@@ -725,7 +743,14 @@ class Trainer:
         from megatron_dppo.megatron.weights import save_hf_checkpoint
 
         out = os.path.join(self.run_dir, "hf", step_dir_name(step))
-        save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+        try:
+            save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+        except OSError as e:
+            raise OSError(
+                f"config key 'trainer.save_hf_every': exporting step {step} as an HF model to {out} failed "
+                f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); step {step}'s metrics are "
+                "written and --resume continues after the latest checkpoint"
+            ) from None
         return out
 
     def _resume(self) -> None:
@@ -778,12 +803,12 @@ class Trainer:
                     malloc_trim()
                 # Rank 0's clock decides (the ranks' clocks differ); save_every and final agree anyway.
                 if mdist.agree(should_save(step, time.monotonic(), last_save, tc, final)):
-                    m.update(self.save(step))
+                    m.update(self.save(step, m))
                     last_save = time.monotonic()
-                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
-                    self.save_hf(step)
-                self.logger.log(m)
+                self.logger.log(m)  # after the checkpoint, its row staged before it (save's docstring)
                 rows.append(m)
+                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
+                    self.save_hf(step)  # last: its failure loses neither the step's checkpoint nor its row
                 margin = self.watchdog.margin_warning()
                 if margin and self.is_main:
                     self.logger.message(margin)
