@@ -156,17 +156,13 @@ class Trainer:
     def _load_inputs(self, cfg: Config) -> None:
         """The model dir, tokenizer and prompts, each checked with a one-line error; prompts that
         cannot fit next to max_new_tokens are found now, naming the record."""
-        from megatron_dppo.megatron.hf_load import check_hf_model_dir
-
         tc, rc = cfg.trainer, cfg.rollout
         preflight.check_config(cfg)
         self.config_warnings = preflight.config_warnings(cfg)
         if tc.threads:  # loading and the policy's build run with the configured threads too
             torch.set_num_threads(tc.threads)
-        self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
+        self.model_dir, self.tokenizer = preflight.check_model(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
-        self.tokenizer = preflight.load_tokenizer(cfg.model.hf_dir)
-        preflight.check_vocab(self.model_dir, self.tokenizer)
         self.renderer = PromptRenderer(
             self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
         )
