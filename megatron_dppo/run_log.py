@@ -1,7 +1,8 @@
 """Run output: runs/<name>/{config.yaml, metrics.jsonl, tb/, wandb/, curves.png}, a progress bar.
 
-Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step); TensorBoard
-and wandb (offline unless configured) get the same scalars.
+Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step, strict JSON:
+a value that is not finite, NaN or +-inf, is written as null, which read_metrics reads back as
+NaN); TensorBoard and wandb (offline unless configured) get the same scalars.
 
 A step is written in the order that loses nothing: a step that saves a checkpoint first stages its
 row (PENDING, beside metrics.jsonl), then saves, then appends the row to metrics.jsonl. A resume
@@ -14,12 +15,26 @@ written twice.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 from megatron_dppo.profiling import phase_totals
 
 PENDING = ".metrics-pending.json"  # the row of a step whose checkpoint is being saved
+
+
+def json_row(metrics: dict) -> str:
+    """One metrics row as strict JSON: a non-finite float (NaN, +-inf) becomes null."""
+    return json.dumps(
+        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()},
+        allow_nan=False,
+    )
+
+
+def parse_row(line: str) -> dict:
+    """A metrics.jsonl line -> the row, null read back as NaN (json_row's inverse for numbers)."""
+    return {k: math.nan if v is None else v for k, v in json.loads(line).items()}
 
 
 class RunLogger:
@@ -101,7 +116,7 @@ class RunLogger:
             row = None
         if isinstance(row, dict) and row.get("step") == step and step not in _logged_steps(self.metrics_path):
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json_row(row) + "\n")
             self.message(f"{self.metrics_path}: step {step}'s row restored (the run stopped after its checkpoint)")
         os.remove(self.pending_path)
 
@@ -111,7 +126,7 @@ class RunLogger:
             return
         tmp = self.pending_path + ".tmp"
         with open(tmp, "w") as f:
-            f.write(json.dumps(dict(metrics, wall_time=time.time())))
+            f.write(json_row(dict(metrics, wall_time=time.time())))
         os.replace(tmp, self.pending_path)
 
     def log(self, metrics: dict) -> None:
@@ -119,7 +134,7 @@ class RunLogger:
             return
         metrics = dict(metrics, wall_time=time.time())
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json_row(metrics) + "\n")
         if os.path.exists(self.pending_path):
             os.remove(self.pending_path)
         step = metrics["step"]
@@ -182,7 +197,7 @@ def read_metrics(path: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            rows.append(parse_row(line))
         except json.JSONDecodeError:
             if i == len(lines) and not line.endswith("\n"):
                 break

@@ -402,7 +402,8 @@ class Trainer:
         if counts.first_failures and self.is_main:
             self.logger.message(
                 f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
-                f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures)
+                f"{counts.reward_failures} (reward {self.scorer.describe()}); first: "
+                + " | ".join(counts.first_failures)
             )
         if cfg.logging.rollouts and self.is_main:
             self._write_rollouts(step, collected.rolled)

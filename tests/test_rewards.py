@@ -467,6 +467,34 @@ def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_start(tmp_p
         pass  # (completions, answers, records=None) takes the batched call
 
 
+def huge_reward(completion, answer, record):
+    return {"big": 1e200, "huge-int": 10**400, "ok": 1.0, "dict": {"score": 1.0, "x": -1e39}}[completion]
+
+
+def test_a_reward_float32_cannot_hold_is_named_with_function_record_and_value():
+    """Issue 33: 1e200 is finite in Python and was accepted, then became inf in the float32 rewards
+    ("rewards must be finite: found NaN or inf", naming nothing)."""
+    spec = f"{HERE}:huge_reward"
+    records = [{"id": i} for i in ("a", "b", "c", "d")]
+    with RewardScorer("exact", by_source={"s": spec}, num_workers=1, max_error_frac=1.0) as s:
+        rewards, info = s.score(
+            ["big", "huge-int", "ok", "dict"], [""] * 4, [dict(r, data_source="s") for r in records]
+        )
+    assert rewards == [0.0, 0.0, 1.0, 0.0]
+    assert info["failures_by_kind"] == {"non-finite": 2, "bad-dict": 1}
+    assert info["first_failures"] == [
+        f"record a ({spec}): non-finite: returned 1e+200, beyond float32's range (|x| <= 3.402823e+38)",
+        f"record b ({spec}): non-finite: returned 1{'0' * 59}, beyond float32's range (|x| <= 3.402823e+38)",
+        f"record d ({spec}): bad-dict: extra 'x' is -1e+39, beyond float32's range (|x| <= 3.402823e+38)",
+    ]
+    with RewardScorer(spec, num_workers=1) as s, pytest.raises(RewardFailureError) as e:
+        s.score(["big"], [""], records[:1])
+    assert str(e.value) == (
+        f"reward {spec!r}: 1 of 1 checks failed (100%, over max_error_frac=0.5): non-finite 1; first: "
+        "record a: non-finite: returned 1e+200, beyond float32's range (|x| <= 3.402823e+38)"
+    )
+
+
 def test_from_config_builds_the_configured_scorer(tmp_path):
     cfg = load_config(
         overrides=[

@@ -72,6 +72,7 @@ class _Call:
         self.first: list[str] = []
         self._timeout_s, self._fixed_s = scorer.timeout_s, scorer.call_timeout_s
         self._num_workers, self._times = len(scorer._workers), scorer._check_times
+        self._routed = len(scorer._specs) > 1
         self._singles = sum(len(t.items) for t in tasks if not t.batched)
         self._batches_s = sum(t.timeout_s for t in tasks if t.batched)
         self.t0 = time.monotonic()
@@ -104,7 +105,8 @@ class _Call:
             else:
                 self.by_kind[status] = self.by_kind.get(status, 0) + 1
                 if len(self.first) < MAX_FIRST_FAILURES:
-                    self.first.append(f"record {_record_id(self.records[idx], idx)}: {status}: {value}")
+                    by = f" ({task.spec})" if self._routed else ""  # which function, when there are several
+                    self.first.append(f"record {_record_id(self.records[idx], idx)}{by}: {status}: {value}")
         self.left -= len(task.items)
 
     def fail(self, task: Task, kind: str, why: str) -> None:
@@ -214,7 +216,8 @@ class RewardScorer:
             **kwargs,
         )
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
+        """The scorer's functions, for a message: its kind and its by_source routes."""
         return repr(self.kind) + (f" (by source {self.by_source})" if self.by_source else "")
 
     def spec_of(self, record) -> str:
@@ -245,7 +248,7 @@ class RewardScorer:
     def _importing(self, w: Worker) -> str:
         """Where a worker's start-up is: the spec it is importing, named by its config key."""
         if w.importing is None:
-            return f"reward worker for {self._describe()}, before importing any reward function"
+            return f"reward worker for {self.describe()}, before importing any reward function"
         return f"config key {self._specs[w.importing]!r}: reward worker importing {describe_spec(w.importing)}"
 
     def _check_startup_time(self) -> None:
@@ -256,7 +259,7 @@ class RewardScorer:
             self.close()
             if w.importing is None:
                 raise RuntimeError(
-                    f"reward worker for {self._describe()} did not start within {self.startup_timeout_s:g} s "
+                    f"reward worker for {self.describe()} did not start within {self.startup_timeout_s:g} s "
                     "(before importing any reward function)"
                 )
             raise RuntimeError(
@@ -403,7 +406,7 @@ class RewardScorer:
         if n and failed / n > self.max_error_frac:
             kinds = ", ".join(f"{k} {by_kind[k]}" for k in FAILURE_KINDS if k in by_kind)
             raise RewardFailureError(
-                f"reward {self._describe()}: {failed} of {n} checks failed ({failed / n:.0%}, over "
+                f"reward {self.describe()}: {failed} of {n} checks failed ({failed / n:.0%}, over "
                 f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(info["first_failures"]),
                 info,
             )

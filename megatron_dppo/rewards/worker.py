@@ -59,12 +59,20 @@ def _drop_forkserver_lifeline() -> None:
         forkserver._forkserver._forkserver_alive_fd = None
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards and their metrics are float32 tensors from here on
+
+
 def _check_number(value, what: str = "returned") -> tuple[str, float | str]:
     if not isinstance(value, numbers.Real):  # str "1", None, a tensor, a list: not rewards
         return "non-numeric", f"{what} {type(value).__name__} {str(value)[:60]!r}, expected a real number"
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float64
+        return "non-finite", f"{what} {str(value)[:60]}, beyond float32's range (|x| <= {FLOAT32_MAX:.7g})"
     if not math.isfinite(value):
         return "non-finite", f"{what} {value}"
+    if abs(value) > FLOAT32_MAX:  # finite here, inf once cast
+        return "non-finite", f"{what} {value!r}, beyond float32's range (|x| <= {FLOAT32_MAX:.7g})"
     return "ok", value
 
 
