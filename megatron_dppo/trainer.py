@@ -14,11 +14,13 @@ megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -735,12 +737,18 @@ class Trainer:
 
     def save_hf(self, step: int) -> str:
         """<run dir>/hf/step_N/: the policy as an HF model directory (gathered from every TP/PP rank),
-        loadable by transformers and vLLM with no other tool. Collective."""
+        loadable by transformers and vLLM with no other tool. Collective. A step repeated after a
+        resume replaces its earlier export (as save_checkpoint replaces a re-saved step); a failure is
+        an OSError naming trainer.save_hf_every and the path (the step's row is already written)."""
         from megatron_dppo.megatron.checkpoint import step_dir_name
         from megatron_dppo.megatron.weights import save_hf_checkpoint
 
         out = os.path.join(self.run_dir, "hf", step_dir_name(step))
         try:
+            if self.is_main and os.path.lexists(out):
+                if not os.path.isdir(out) or os.path.islink(out):
+                    raise FileExistsError(errno.EEXIST, "exists and is not a directory", out)
+                shutil.rmtree(out)
             save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
         except OSError as e:
             raise OSError(

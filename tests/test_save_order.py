@@ -27,7 +27,7 @@ def _cfg(tmp_path, **trainer):
     (model / "config.json").write_text("{}")
     overrides = [f"model.hf_dir={model}", "data.train=t.jsonl", f"trainer.output_dir={tmp_path}"]
     overrides += ["logging.wandb=disabled", "logging.tensorboard=false", "logging.progress=false"]
-    settings = dict(max_steps=MAX_STEPS, save_every=1, eval_every=0, **trainer)
+    settings = {"max_steps": MAX_STEPS, "save_every": 1, "eval_every": 0, **trainer}
     overrides += [f"trainer.{k}={v}" for k, v in settings.items()]
     return load_config(overrides=overrides, check=False)
 
@@ -161,3 +161,21 @@ def test_a_file_named_hf_in_the_run_dir_is_refused_at_start_naming_the_key(tmp_p
         "directory: move it away, or set trainer.save_hf_every=0"
     )
     t._check_hf_export_dir(cfg, RunDirPlan(str(run_dir), "replace"))  # --overwrite deletes it anyway
+
+
+def test_a_step_repeated_after_a_resume_replaces_its_hf_export(tmp_path, monkeypatch):
+    """save_every=2, save_hf_every=1: step 1 is exported, step 2 is killed in its checkpoint save, so
+    the resume repeats step 1, whose export is there already (before: [Errno 17] File exists)."""
+    cfg = _cfg(tmp_path, save_every=2, save_hf_every=1)
+    run_dir = tmp_path / cfg.trainer.run_name
+    run_dir.mkdir()
+    monkeypatch.setattr(ckpt_module, "checkpoint_bytes", lambda path: 7)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", _fake_save(kill_at_step=2))
+    _run(cfg, run_dir, 1, raises=Killed)
+    assert _latest(run_dir) == 0 and (run_dir / "hf" / "step_000001" / "config.json").exists()
+    (run_dir / "hf" / "step_000001" / "stale").write_text("from the first attempt")
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", _fake_save())
+    _run(cfg, run_dir, 1)
+    assert _steps(run_dir) == [1, 2, 3]
+    assert sorted(os.listdir(run_dir / "hf")) == ["step_000001", "step_000002", "step_000003"]
+    assert not (run_dir / "hf" / "step_000001" / "stale").exists()
