@@ -506,7 +506,7 @@ def _check_methods(cfg: Config) -> None:
 def _check_reward_specs(rc: RewardConfig) -> None:
     """reward.kind and reward.by_source.<source>: each spec's form, its file if it names one (made
     absolute against the current directory, so a resumed run or a worker loads the same file);
-    reward.batched needs a user function. Importing the functions is RewardScorer's (the trainer's)."""
+    reward.batched needs a user function. Importing the functions is RewardScorer's workers' (under a timeout)."""
     from megatron_dppo.rewards.spec import absolute_spec, batched_specs
 
     rc.kind = absolute_spec(rc.kind, "reward.kind")

@@ -27,14 +27,41 @@ import sys
 from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_validation
 
 
-def _checkpoint_step(checkpoint: str) -> tuple[str, int]:
-    """(the checkpoint dir, its step), checked like the trainer checks one before loading it."""
+def _checkpoint_step(checkpoint: str, cfg) -> tuple[str, int]:
+    """(the checkpoint dir, its step), checked like the trainer checks one before loading it: its
+    files, and its model against model.hf_dir (run_identity.check_checkpoint_model)."""
     from megatron_dppo.megatron.checkpoint import check_checkpoint
     from megatron_dppo.megatron.convert_ckpt import resolve_checkpoint_dir
+    from megatron_dppo.run_identity import check_checkpoint_model
 
+    if not os.path.exists(checkpoint):
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint} does not exist (expected a run's checkpoints/ dir, one of its step_* "
+            "dirs, or a converted checkpoint)"
+        )
     path = resolve_checkpoint_dir(checkpoint)
     state = check_checkpoint(path)
+    check_checkpoint_model(state, cfg, path)
     return path, int(state.get("step", 0))
+
+
+def prepare_out_dir(out_dir: str | None, cfg) -> str:
+    """The output dir, created now: one that cannot be (a file, a path under /proc) is a
+    ValueError naming the option or key it came from, before anything slow."""
+    tc = cfg.trainer
+    source = "--out-dir" if out_dir else "trainer.output_dir (evaluate writes to <output_dir>/<run_name>-evaluate)"
+    out_dir = out_dir or os.path.join(tc.output_dir, f"{tc.run_name}-evaluate")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{source}: {out_dir} exists and is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        why = f"{e.strerror or e}: {e.filename or out_dir}"
+        raise ValueError(f"{source}: {out_dir} cannot be written ({why})") from None
+    return out_dir
 
 
 def _convert(checkpoint: str, out_dir: str, tokenizer_dir: str) -> None:
@@ -70,14 +97,15 @@ def format_table(metrics: dict) -> str:
 
 def run_evaluate(cfg, checkpoint: str | None = None, out_dir: str | None = None, out=print) -> dict:
     """Score the model (module docstring); -> the metrics."""
-    from transformers import AutoTokenizer
-
     from megatron_dppo.data import PromptRenderer
+    from megatron_dppo.preflight import check_model
     from megatron_dppo.rewards import RewardScorer
     from megatron_dppo.rollout import RolloutEngine
 
     rc, tc = cfg.rollout, cfg.trainer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+    out_dir = prepare_out_dir(out_dir, cfg)
+    _, tokenizer = check_model(cfg.model.hf_dir)  # train's checks of the model dir
+    ckpt, step = _checkpoint_step(checkpoint, cfg) if checkpoint else (None, 0)
     renderer = PromptRenderer(
         tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
     )
@@ -90,10 +118,8 @@ def run_evaluate(cfg, checkpoint: str | None = None, out_dir: str | None = None,
     )
     if not sets:
         raise ValueError("evaluate: no validation sets: set eval.sets (name -> path) or data.eval")
-    out_dir = out_dir or os.path.join(tc.output_dir, f"{tc.run_name}-evaluate")
-    model_dir, step, temp_dir = cfg.model.hf_dir, 0, None
+    model_dir, temp_dir = cfg.model.hf_dir, None
     if checkpoint:
-        ckpt, step = _checkpoint_step(checkpoint)
         temp_dir = os.path.join(out_dir, f"hf-step_{step:06d}-{os.getpid()}")
         out(f"converting {ckpt} (step {step}) to {temp_dir}")
         convert_in_child(ckpt, temp_dir, cfg.model.hf_dir)

@@ -141,6 +141,17 @@ def check_context(max_model_len: int, hf_dir: str) -> None:
         )
 
 
+def check_model(hf_dir: str):
+    """model.hf_dir's files, tokenizer and vocabulary, as `train` and `evaluate` both check them
+    before anything slow -> (hf_load.HFModelDir, the tokenizer)."""
+    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+
+    model_dir = check_hf_model_dir(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
+    check_vocab(model_dir, tokenizer)
+    return model_dir, tokenizer
+
+
 def load_tokenizer(hf_dir: str):
     """The model dir's tokenizer, refusing a dir without tokenizer files (transformers then builds
     an empty tokenizer from config.json alone, whose every prompt is empty)."""

@@ -90,6 +90,7 @@ def plan_run_dir(output_dir: str, run_name: str, *, resume: bool, overwrite: boo
         )
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite contradict each other: pass one of them")
+    _check_output_dir(output_dir)
     path = os.path.join(output_dir, run_name)
     real_out, real_run = os.path.realpath(output_dir), os.path.realpath(path)
     if not _inside(real_run, real_out):
@@ -138,15 +139,39 @@ def plan_run_dir(output_dir: str, run_name: str, *, resume: bool, overwrite: boo
     )
 
 
+def _check_output_dir(output_dir: str) -> None:
+    """trainer.output_dir, reading only: it, or the nearest part of it that exists, must be a
+    directory (what cannot be created for another reason, under /proc, is make_run_dir's error)."""
+    if not output_dir:
+        raise RunDirError("trainer.output_dir is empty: give the directory that holds the run dirs")
+    existing = os.path.abspath(output_dir)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        where = "" if existing == os.path.abspath(output_dir) else f": {existing} is a file"
+        raise RunDirError(
+            f"trainer.output_dir={output_dir!r} is not a directory{where} (it holds the run dirs: choose a "
+            "directory, or a path that can be created)"
+        )
+
+
 def make_run_dir(plan: RunDirPlan, is_main: bool) -> str:
-    """Rank 0: delete a replaced run dir, create the dir and its marker. Every rank: the path."""
+    """Rank 0: delete a replaced run dir, create the dir and its marker. Every rank: the path.
+    A dir that cannot be created is a RunDirError naming trainer.output_dir."""
     if not is_main:
         return plan.path
-    if plan.action == "replace":
-        shutil.rmtree(plan.path)
-    if plan.action in ("create", "replace"):
-        os.makedirs(plan.path, exist_ok=True)
-        write_marker(plan.path)
+    try:
+        if plan.action == "replace":
+            shutil.rmtree(plan.path)
+        if plan.action in ("create", "replace"):
+            os.makedirs(plan.path, exist_ok=True)
+            write_marker(plan.path)
+    except OSError as e:
+        raise RunDirError(
+            f"trainer.output_dir: cannot {'replace' if plan.action == 'replace' else 'create'} the run dir "
+            f"{plan.path} ({e.strerror or e}: {e.filename or plan.path}): choose a trainer.output_dir that can be "
+            "written"
+        ) from None
     return plan.path
 
 

@@ -111,6 +111,56 @@ def resume_metadata(cfg) -> dict:
     return {"settings": {k: _get(cfg, k) for k in FIXED_KEYS}, "model": model_identity(cfg.model.hf_dir)}
 
 
+def model_difference(saved: dict, current: dict, weights: bool = True) -> str:
+    """How the model `current` (model_identity) differs from the saved one, in a phrase ("" when
+    it does not): config.json's architecture first, then the tokenizer files, then (weights) the
+    weights. A saved identity without a tokenizer or weights hash (from hf_config.json alone)
+    compares its architecture only."""
+    arch = [
+        f"{k} {saved['architecture'].get(k)!r} -> {current['architecture'].get(k)!r}"
+        for k in ARCHITECTURE_FIELDS
+        if saved["architecture"].get(k) != current["architecture"].get(k)
+    ]
+    if arch:
+        return f"its config.json differs ({', '.join(arch)})"
+    if saved.get("tokenizer") and saved["tokenizer"] != current["tokenizer"]:
+        return "its tokenizer files differ"
+    if weights and saved.get("weights") and saved["weights"] != current["weights"]:
+        return "its weights differ"
+    return ""
+
+
+def saved_model_identity(state: dict | None, checkpoint: str) -> dict | None:
+    """The model a checkpoint was trained from: its trainer state's resume metadata, else (a
+    converted checkpoint, an older version's) the architecture of the hf_config.json it carries;
+    None when it has neither."""
+    model = ((state or {}).get("resume") or {}).get("model")
+    if model:
+        return model
+    path = os.path.join(checkpoint, "hf_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        config = json.load(f)
+    return {"hf_dir": path, "architecture": {k: config.get(k) for k in ARCHITECTURE_FIELDS}}
+
+
+def check_checkpoint_model(state: dict | None, cfg, checkpoint: str) -> None:
+    """`evaluate --checkpoint`: ValueError when model.hf_dir (whose tokenizer the checkpoint is
+    evaluated with) is not the model the checkpoint was trained from: its architecture or tokenizer
+    (the weights, trained since, are the checkpoint's own)."""
+    saved = saved_model_identity(state, checkpoint)
+    if saved is None:
+        return
+    what = model_difference(saved, model_identity(cfg.model.hf_dir), weights=False)
+    if what:
+        raise ValueError(
+            f"--checkpoint {checkpoint}: model.hf_dir={cfg.model.hf_dir} is not the model the checkpoint was "
+            f"trained from ({saved['hf_dir']}): {what}. Set model.hf_dir to that model: its tokenizer and "
+            "config are what the checkpoint is evaluated with"
+        )
+
+
 def resume_differences(saved: dict, cfg, current: dict | None = None) -> list[str]:
     """What differs between a checkpoint's resume metadata and cfg, one phrase each. current:
     resume_metadata(cfg) when the caller has it already (it reads the model's files)."""
@@ -122,20 +172,7 @@ def resume_differences(saved: dict, cfg, current: dict | None = None) -> list[st
             out.append(f"{key}={now!r}, but the run was trained with {was!r}")
     model = saved.get("model")
     if model:
-        mine = current["model"]
-        arch = [
-            f"{k} {model['architecture'].get(k)!r} -> {mine['architecture'].get(k)!r}"
-            for k in ARCHITECTURE_FIELDS
-            if model["architecture"].get(k) != mine["architecture"].get(k)
-        ]
-        if arch:
-            what = f"its config.json differs ({', '.join(arch)})"
-        elif model["tokenizer"] != mine["tokenizer"]:
-            what = "its tokenizer files differ"
-        elif model["weights"] != mine["weights"]:
-            what = "its weights differ"
-        else:
-            what = ""
+        what = model_difference(model, current["model"])
         if what:
             out.append(
                 f"model.hf_dir={cfg.model.hf_dir} is not the model the run was trained from ({model['hf_dir']}): {what}"

@@ -1,27 +1,53 @@
 """Run output: runs/<name>/{config.yaml, metrics.jsonl, tb/, wandb/, curves.png}, a progress bar.
 
-Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step); TensorBoard
-and wandb (offline unless configured) get the same scalars.
+Only rank 0 writes. metrics.jsonl is the source of truth (one JSON object per step, strict JSON:
+a value that is not finite, NaN or +-inf, is written as null, which read_metrics reads back as
+NaN); TensorBoard and wandb (offline unless configured) get the same scalars.
+
+A step is written in the order that loses nothing: a step that saves a checkpoint first stages its
+row (PENDING, beside metrics.jsonl), then saves, then appends the row to metrics.jsonl. A resume
+continues after the checkpoint's step and keeps the rows up to it; when the run stopped between
+the save and the append, the staged row of exactly that step is appended (without the save's cost
+keys, which were not known yet), so no step that a checkpoint claims lacks its row and no step is
+written twice.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
 from megatron_dppo.profiling import phase_totals
+
+PENDING = ".metrics-pending.json"  # the row of a step whose checkpoint is being saved
+
+
+def json_row(metrics: dict) -> str:
+    """One metrics row as strict JSON: a non-finite float (NaN, +-inf) becomes null."""
+    return json.dumps(
+        {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()},
+        allow_nan=False,
+    )
+
+
+def parse_row(line: str) -> dict:
+    """A metrics.jsonl line -> the row, null read back as NaN (json_row's inverse for numbers)."""
+    return {k: math.nan if v is None else v for k, v in json.loads(line).items()}
 
 
 class RunLogger:
     def __init__(self, run_dir: str, cfg, total_steps: int, first_step: int = 1, enabled: bool = True):
         self.run_dir, self.enabled = run_dir, enabled
         self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.pending_path = os.path.join(run_dir, PENDING)
         self.tb = self.wandb = self.bar = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self._truncate_after(first_step - 1)  # a resumed run rewrites the steps it repeats
+        self._restore_pending(first_step - 1)
         lc = cfg.logging
         if lc.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -78,12 +104,39 @@ class RunLogger:
             f.writelines(rows)
         os.replace(tmp, self.metrics_path)
 
+    def _restore_pending(self, step: int) -> None:
+        """The staged row of `step` (the checkpoint resumed from) when metrics.jsonl lacks it; a
+        staged row of any other step belongs to a save that did not finish: dropped."""
+        if not os.path.exists(self.pending_path):
+            return
+        try:
+            with open(self.pending_path) as f:
+                row = json.load(f)
+        except (OSError, ValueError):  # a kill while it was written: its checkpoint was not saved either
+            row = None
+        if isinstance(row, dict) and row.get("step") == step and step not in _logged_steps(self.metrics_path):
+            with open(self.metrics_path, "a") as f:
+                f.write(json_row(row) + "\n")
+            self.message(f"{self.metrics_path}: step {step}'s row restored (the run stopped after its checkpoint)")
+        os.remove(self.pending_path)
+
+    def stage(self, metrics: dict) -> None:
+        """Before a checkpoint of metrics["step"] is saved: its row, kept until log() writes it."""
+        if not self.enabled:
+            return
+        tmp = self.pending_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(json_row(dict(metrics, wall_time=time.time())))
+        os.replace(tmp, self.pending_path)
+
     def log(self, metrics: dict) -> None:
         if not self.enabled:
             return
         metrics = dict(metrics, wall_time=time.time())
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json_row(metrics) + "\n")
+        if os.path.exists(self.pending_path):
+            os.remove(self.pending_path)
         step = metrics["step"]
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self.tb is not None:
@@ -128,9 +181,28 @@ def phase_summary(rows: list[dict]) -> str:
     return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"
 
 
+def _logged_steps(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    return {row.get("step") for row in read_metrics(path)}
+
+
 def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a partial last line (a kill while it was written) is left out,
+    a bad line anywhere else is a ValueError naming the file and line."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.readlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(parse_row(line))
+        except json.JSONDecodeError:
+            if i == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
+    return rows
 
 
 def plot_curves(metrics_path: str, png_path: str) -> None:

@@ -14,11 +14,13 @@ megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
 
 from __future__ import annotations
 
+import errno
 import gc
 import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import time
 from contextlib import contextmanager
@@ -158,18 +160,14 @@ class Trainer:
     def _load_inputs(self, cfg: Config) -> None:
         """The model dir, tokenizer and prompts, each checked with a one-line error; prompts that
         cannot fit next to max_new_tokens are found now, naming the record."""
-        from megatron_dppo.megatron.hf_load import check_hf_model_dir
-
         tc, rc = cfg.trainer, cfg.rollout
         preflight.check_config(cfg)
         self.config_warnings = preflight.config_warnings(cfg)
         if tc.threads:  # loading and the policy's build run with the configured threads too
             torch.set_num_threads(tc.threads)
-        self.model_dir = check_hf_model_dir(cfg.model.hf_dir)
+        self.model_dir, self.tokenizer = preflight.check_model(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
         preflight.check_context(rc.max_model_len, cfg.model.hf_dir)
-        self.tokenizer = preflight.load_tokenizer(cfg.model.hf_dir)
-        preflight.check_vocab(self.model_dir, self.tokenizer)
         self.renderer = PromptRenderer(
             self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
         )
@@ -231,10 +229,24 @@ class Trainer:
             cfg.trainer.output_dir, cfg.trainer.run_name, resume=resume, overwrite=overwrite
         )
         self.run_dir = self._run_dir_plan.path
+        self._check_hf_export_dir(cfg, self._run_dir_plan)
         self.ckpt_dir = os.path.join(self.run_dir, CHECKPOINTS)
         self.resume_meta = resume_metadata(cfg)
         if resume:
             self._check_resumable()
+
+    @staticmethod
+    def _check_hf_export_dir(cfg: Config, plan) -> None:
+        """trainer.save_hf_every writes <run dir>/hf/step_N: refused now, not at the first export, when
+        hf is there and not a directory (a run dir that --overwrite replaces is not kept)."""
+        hf_exports = os.path.join(plan.path, "hf")
+        if not cfg.trainer.save_hf_every or plan.action == "replace":
+            return
+        if os.path.lexists(hf_exports) and not os.path.isdir(hf_exports):
+            raise ValueError(
+                f"config key 'trainer.save_hf_every': HF exports go to {hf_exports}, which exists and is not a "
+                "directory: move it away, or set trainer.save_hf_every=0"
+            )
 
     def _check_resumable(self) -> None:
         """Before anything slow: the checkpoint exists, is intact, is not past trainer.max_steps,
@@ -411,7 +423,8 @@ class Trainer:
         if counts.first_failures and self.is_main:
             self.logger.message(
                 f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
-                f"{counts.reward_failures}; first: " + " | ".join(counts.first_failures)
+                f"{counts.reward_failures} (reward {self.scorer.describe()}); first: "
+                + " | ".join(counts.first_failures)
             )
         if cfg.logging.rollouts and self.is_main:
             self._write_rollouts(step, collected.rolled)
@@ -710,11 +723,15 @@ class Trainer:
         )
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self, step: int) -> dict:
-        """Collective. -> the save's cost, as metrics."""
+    def save(self, step: int, row: dict) -> dict:
+        """Collective. -> the save's cost, as metrics. The step's metrics `row` (without the save's
+        cost, not known yet) is staged in the run dir first (RunLogger.stage): the loop logs it only
+        after the save, and a run killed in between resumes after this step with the staged row
+        restored, so no step that a checkpoint claims lacks its row."""
         from megatron_dppo.megatron.checkpoint import checkpoint_bytes, save_checkpoint
 
         self.watchdog.phase("save", step)
+        self.logger.stage(row)
         t0 = time.perf_counter()
         path = save_checkpoint(
             self.ckpt_dir,
@@ -739,12 +756,25 @@ class Trainer:
 
     def save_hf(self, step: int) -> str:
         """<run dir>/hf/step_N/: the policy as an HF model directory (gathered from every TP/PP rank),
-        loadable by transformers and vLLM with no other tool. Collective."""
+        loadable by transformers and vLLM with no other tool. Collective. A step repeated after a
+        resume replaces its earlier export (as save_checkpoint replaces a re-saved step); a failure is
+        an OSError naming trainer.save_hf_every and the path (the step's row is already written)."""
         from megatron_dppo.megatron.checkpoint import step_dir_name
         from megatron_dppo.megatron.weights import save_hf_checkpoint
 
         out = os.path.join(self.run_dir, "hf", step_dir_name(step))
-        save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+        try:
+            if self.is_main and os.path.lexists(out):
+                if not os.path.isdir(out) or os.path.islink(out):
+                    raise FileExistsError(errno.EEXIST, "exists and is not a directory", out)
+                shutil.rmtree(out)
+            save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+        except OSError as e:
+            raise OSError(
+                f"config key 'trainer.save_hf_every': exporting step {step} as an HF model to {out} failed "
+                f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); step {step}'s metrics are "
+                "written and --resume continues after the latest checkpoint"
+            ) from None
         return out
 
     def _resume(self) -> None:
@@ -797,12 +827,12 @@ class Trainer:
                     malloc_trim()
                 # Rank 0's clock decides (the ranks' clocks differ); save_every and final agree anyway.
                 if mdist.agree(should_save(step, time.monotonic(), last_save, tc, final)):
-                    m.update(self.save(step))
+                    m.update(self.save(step, m))
                     last_save = time.monotonic()
-                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
-                    self.save_hf(step)
-                self.logger.log(m)
+                self.logger.log(m)  # after the checkpoint, its row staged before it (save's docstring)
                 rows.append(m)
+                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
+                    self.save_hf(step)  # last: its failure loses neither the step's checkpoint nor its row
                 margin = self.watchdog.margin_warning()
                 if margin and self.is_main:
                     self.logger.message(margin)

@@ -422,6 +422,79 @@ def test_bad_reward_spec_names_its_config_key_in_one_line(tmp_path):
         assert str(e.value) == message
 
 
+def test_user_reward_code_is_imported_only_in_the_workers_under_the_startup_timeout(tmp_path):
+    """Issue 33: a reward file that blocks at import hung the trainer (imported in its own process,
+    no timeout). Now the caller's process never imports it; a hang is a named RuntimeError after
+    startup_timeout_s, a crash at import names the key and file too."""
+    blocks, crashes, fine = tmp_path / "blocks.py", tmp_path / "crashes.py", tmp_path / "fine.py"
+    blocks.write_text("import time\ntime.sleep(6)\ndef fn(c, a, r):\n    return 0.0\n")
+    crashes.write_text("import os\nos._exit(3)\n")
+    fine.write_text("def fn(c, a, r):\n    return float(c == a)\n")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        RewardScorer("exact", by_source={"slow": f"{blocks}:fn"}, num_workers=2, startup_timeout_s=2)
+    assert str(e.value) == (
+        f"config key 'reward.by_source.slow': reward worker importing reward file '{blocks}' (function 'fn'): "
+        "did not import within 2 s (code that runs at import and blocks, e.g. a service called without a timeout?)"
+    )
+    assert time.monotonic() - t0 < 5  # the timeout, not the 6 s sleep of an import in this process
+    with pytest.raises(RuntimeError) as e:
+        RewardScorer(f"{crashes}:fn", num_workers=1)
+    assert str(e.value) == (
+        f"config key 'reward.kind': reward worker importing reward file '{crashes}' (function 'fn'): "
+        "the worker exited with code 3"
+    )
+    with RewardScorer(f"{fine}:fn", num_workers=1) as s:
+        assert s.score(["a", "b"], ["a", "a"])[0] == [1.0, 0.0]
+    assert not [m for m in sys.modules if m.startswith("megatron_dppo_user_reward_")]  # not in this process
+
+
+def test_a_reward_whose_signature_cannot_take_the_call_is_refused_at_start(tmp_path):
+    """Issue 33: a one-argument function was found only when the first rollout was scored."""
+    (tmp_path / "r.py").write_text(
+        "def one(completion):\n    return 0.0\ndef three(cs, as_, rs=None):\n    return []\n"
+    )
+    spec = f"{tmp_path}/r.py:one"
+    with pytest.raises(ValueError) as e:
+        RewardScorer(spec, num_workers=1)
+    assert str(e.value) == (
+        f"config key 'reward.kind': {spec!r} has the signature (completion), but is called as "
+        "fn(completion, answer, record) (too many positional arguments)"
+    )
+    with pytest.raises(ValueError, match=r"config key 'reward.by_source.s': .* fn\(completions, answers, records\)"):
+        RewardScorer("exact", by_source={"s": spec}, batched=True, num_workers=1)
+    with RewardScorer(f"{tmp_path}/r.py:three", batched=True, num_workers=1):
+        pass  # (completions, answers, records=None) takes the batched call
+
+
+def huge_reward(completion, answer, record):
+    return {"big": 1e200, "huge-int": 10**400, "ok": 1.0, "dict": {"score": 1.0, "x": -1e39}}[completion]
+
+
+def test_a_reward_float32_cannot_hold_is_named_with_function_record_and_value():
+    """Issue 33: 1e200 is finite in Python and was accepted, then became inf in the float32 rewards
+    ("rewards must be finite: found NaN or inf", naming nothing)."""
+    spec = f"{HERE}:huge_reward"
+    records = [{"id": i} for i in ("a", "b", "c", "d")]
+    with RewardScorer("exact", by_source={"s": spec}, num_workers=1, max_error_frac=1.0) as s:
+        rewards, info = s.score(
+            ["big", "huge-int", "ok", "dict"], [""] * 4, [dict(r, data_source="s") for r in records]
+        )
+    assert rewards == [0.0, 0.0, 1.0, 0.0]
+    assert info["failures_by_kind"] == {"non-finite": 2, "bad-dict": 1}
+    assert info["first_failures"] == [
+        f"record a ({spec}): non-finite: returned 1e+200, beyond float32's range (|x| <= 3.402823e+38)",
+        f"record b ({spec}): non-finite: returned 1{'0' * 59}, beyond float32's range (|x| <= 3.402823e+38)",
+        f"record d ({spec}): bad-dict: extra 'x' is -1e+39, beyond float32's range (|x| <= 3.402823e+38)",
+    ]
+    with RewardScorer(spec, num_workers=1) as s, pytest.raises(RewardFailureError) as e:
+        s.score(["big"], [""], records[:1])
+    assert str(e.value) == (
+        f"reward {spec!r}: 1 of 1 checks failed (100%, over max_error_frac=0.5): non-finite 1; first: "
+        "record a: non-finite: returned 1e+200, beyond float32's range (|x| <= 3.402823e+38)"
+    )
+
+
 def test_from_config_builds_the_configured_scorer(tmp_path):
     cfg = load_config(
         overrides=[

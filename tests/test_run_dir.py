@@ -142,3 +142,19 @@ def test_only_rank_0_writes(tmp_path):
     assert make_run_dir(plan, is_main=False) == str(tmp_path / "r") and not (tmp_path / "r").exists()
     make_run_dir(plan, is_main=True)
     assert (tmp_path / "r" / MARKER).exists()
+
+
+def test_an_output_dir_that_cannot_hold_run_dirs_is_named_by_its_key(tmp_path):
+    """Issue 33: a file, a path under a file, a path under /proc: raw errno lines before."""
+    (tmp_path / "a-file").write_text("x")
+    cases = {
+        str(tmp_path / "a-file"): f"trainer.output_dir={str(tmp_path / 'a-file')!r} is not a directory (it holds",
+        str(tmp_path / "a-file" / "runs"): f"trainer.output_dir={str(tmp_path / 'a-file' / 'runs')!r} is not a "
+        f"directory: {tmp_path / 'a-file'} is a file (it holds",
+        "/proc/megatron-dppo-runs": "trainer.output_dir: cannot create the run dir /proc/megatron-dppo-runs/r (",
+    }
+    for output_dir, message in cases.items():
+        with pytest.raises(RunDirError) as e:
+            prepare_run_dir(output_dir, "r", resume=False, overwrite=False)
+        assert str(e.value).startswith(message), str(e.value)
+    assert (tmp_path / "a-file").read_text() == "x"

@@ -363,8 +363,8 @@ def read_metrics(path: Path) -> list[dict]:
         for line in f:
             line = line.strip()
             if line:
-                try:
-                    rows.append(json.loads(line))
+                try:  # null is how metrics.jsonl writes a value that is not finite (run_log.json_row)
+                    rows.append({k: math.nan if v is None else v for k, v in json.loads(line).items()})
                 except json.JSONDecodeError:  # a line cut by a kill
                     break
     return rows

@@ -20,7 +20,10 @@ Kinds (a "spec"; spec.py parses them, and names the config key in every error):
   "path/to/r.py:fn"  the same, loaded from a file (verl's form); a relative path is made absolute
                    when the config is read. record is what the caller passed for that completion
                    (the trainer passes the data.PromptRecord; None if nothing was passed); records
-                   must pickle.
+                   must pickle. User code is imported only in the workers (never in the trainer's
+                   process), each under the scorer's startup_timeout_s, and its signature is checked
+                   there, so a reward that hangs or crashes at import, or cannot take the call, is a
+                   one-line error naming its config key before the trainer's engine starts.
 A user function returns a number (the reward) or a dict with a numeric "score" (the reward) and
 extra numbers ({"score": 1.0, "acc": 1.0, "format": 0.5}): info["extras"][i] holds completion
 i's extras, and metrics.reward_metrics_by_source turns them into "reward/<source>/<name>" means.
@@ -42,7 +45,8 @@ Failures. A failed check gets reward 0.0 and is counted under one kind (FAILURE_
   non-numeric   it returned something that is not a real number (nor a dict): a string, even "1",
                 is an error, not a reward (a verifier returning text is a bug to show, not to
                 coerce); also a dict whose "score" is not a number
-  non-finite    it returned NaN or +-inf (or a dict whose "score" is)
+  non-finite    it returned NaN or +-inf, or a number float32 (the rewards' dtype from here on)
+                cannot hold, such as 1e200: |x| > 3.4e38 (or a dict whose "score" is)
   bad-dict      it returned a dict without "score", or with an extra that is not a finite number
                 (or not named by a non-empty string other than "mean")
   bad-batch     a batched function returned something other than a list of one result per
@@ -52,7 +56,8 @@ Failures. A failed check gets reward 0.0 and is counted under one kind (FAILURE_
                 parser, the OOM killer): it is replaced and the pool keeps working
   deadline      the call's time budget ran out before the check finished (or started)
 info["failures_by_kind"] has a count for each kind that occurred, info["first_failures"] the first
-five as "record <id>: <kind>: <message>". If more than max_error_frac of a call's checks failed,
+five as "record <id>: <kind>: <message>" ("record <id> (<spec>): ..." when by_source routes records
+to several functions). If more than max_error_frac of a call's checks failed,
 score() raises RewardFailureError with the counts and those messages: a run must not train for
 hours on rewards that are all zeros because the verifier is broken.
 

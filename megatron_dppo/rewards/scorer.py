@@ -10,7 +10,7 @@ import weakref
 from collections import deque
 from multiprocessing.connection import wait
 
-from megatron_dppo.rewards.spec import absolute_spec, batched_specs, data_source_of, resolve_reward_fn
+from megatron_dppo.rewards.spec import absolute_spec, batched_specs, data_source_of, describe_spec
 from megatron_dppo.rewards.worker import Task, Worker, protect_forkserver
 
 FAILURE_KINDS = (
@@ -72,6 +72,7 @@ class _Call:
         self.first: list[str] = []
         self._timeout_s, self._fixed_s = scorer.timeout_s, scorer.call_timeout_s
         self._num_workers, self._times = len(scorer._workers), scorer._check_times
+        self._routed = len(scorer._specs) > 1
         self._singles = sum(len(t.items) for t in tasks if not t.batched)
         self._batches_s = sum(t.timeout_s for t in tasks if t.batched)
         self.t0 = time.monotonic()
@@ -104,7 +105,8 @@ class _Call:
             else:
                 self.by_kind[status] = self.by_kind.get(status, 0) + 1
                 if len(self.first) < MAX_FIRST_FAILURES:
-                    self.first.append(f"record {_record_id(self.records[idx], idx)}: {status}: {value}")
+                    by = f" ({task.spec})" if self._routed else ""  # which function, when there are several
+                    self.first.append(f"record {_record_id(self.records[idx], idx)}{by}: {status}: {value}")
         self.left -= len(task.items)
 
     def fail(self, task: Task, kind: str, why: str) -> None:
@@ -148,10 +150,14 @@ class RewardScorer:
     worker (a batched call: timeout_s * ceil(its completions / num_workers)); call_timeout_s (or
     the adaptive budget in the package docstring) bounds one score() call. max_error_frac: the
     largest fraction of failed checks a call may have; above it score() raises
-    RewardFailureError (1.0: never). startup_timeout_s bounds a worker's start (imports);
-    exceeding it, or a reward function that cannot be imported in the worker, raises
-    RuntimeError: that is a setup error, not a bad sample. A spec that cannot be had is a
-    ValueError naming its config key ('reward.kind', 'reward.by_source.<source>').
+    RewardFailureError (1.0: never). User code is imported only in the workers, never in the
+    caller's process: startup_timeout_s bounds a worker's start (its imports); exceeding it, or a
+    worker that dies or raises while importing, raises RuntimeError naming the config key and the
+    file or module it was importing: a setup error, not a bad sample. A spec that cannot be had
+    (malformed, missing, raising at import, no such function, a signature that cannot take the
+    scorer's call) is a ValueError naming its config key ('reward.kind',
+    'reward.by_source.<source>'). The constructor returns once every worker is ready, so all of
+    this is known before the caller goes on (the trainer: before the engine starts).
     """
 
     def __init__(
@@ -179,14 +185,14 @@ class RewardScorer:
         self._specs = {self.kind: "reward.kind"}  # spec -> the config key it came from (first)
         for src, spec in self.by_source.items():
             self._specs.setdefault(spec, f"reward.by_source.{src}")
-        for spec, key in self._specs.items():
-            resolve_reward_fn(spec, key)  # fail fast, with a clear error, in the caller's process
+        # No user code is imported in this process (it could hang it, with no timeout): the workers
+        # import every function under startup_timeout_s and check its signature before "ready".
         self.batched = batched_specs(self._specs, batched)
         self.timeout_s, self.startup_timeout_s = timeout_s, startup_timeout_s
         self.max_error_frac, self.call_timeout_s = max_error_frac, call_timeout_s
         self._ctx = mp.get_context(start_method)
         protect_forkserver(self._ctx)
-        self._workers = [Worker(self._ctx, self._specs) for _ in range(num_workers)]
+        self._workers = [Worker(self._ctx, self._specs, frozenset(self.batched)) for _ in range(num_workers)]
         self.totals = {"checks": 0, "failed": 0, "restarts": 0, "by_kind": {}}
         self._check_times = _CheckTimes()
         self._next_task_id = 0
@@ -210,7 +216,8 @@ class RewardScorer:
             **kwargs,
         )
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
+        """The scorer's functions, for a message: its kind and its by_source routes."""
         return repr(self.kind) + (f" (by source {self.by_source})" if self.by_source else "")
 
     def spec_of(self, record) -> str:
@@ -219,29 +226,57 @@ class RewardScorer:
 
     # ---- the pool ----------------------------------------------------------------------------
     def _handle_startup(self, w: Worker) -> None:
-        """A worker's first message: ("ready", None) or ("fatal", why)."""
+        """A worker's start-up message: ("importing", spec), then ("ready", None) or ("fatal",
+        (exception type, why)). A spec that cannot be had (ValueError naming its key) is raised as
+        it is; anything else, or the worker's death, as a RuntimeError naming what it was importing."""
         try:
             kind, why = w.conn.recv()
         except (EOFError, OSError):
-            kind, why = "fatal", f"worker exited with code {w.proc.exitcode} during start-up"
+            w.proc.join(1)
+            kind, why = "fatal", ("", f"the worker exited with code {w.proc.exitcode}")
+        if kind == "importing":
+            w.importing = why
+            return
         if kind != "ready":
             self.close()
-            raise RuntimeError(f"reward worker for {self._describe()} failed to start: {why}")
-        w.ready = True
+            error_type, message = why
+            if error_type == "ValueError":
+                raise ValueError(message)
+            raise RuntimeError(f"{self._importing(w)}: {(error_type + ': ') if error_type else ''}{message}")
+        w.ready, w.importing = True, None
+
+    def _importing(self, w: Worker) -> str:
+        """Where a worker's start-up is: the spec it is importing, named by its config key."""
+        if w.importing is None:
+            return f"reward worker for {self.describe()}, before importing any reward function"
+        return f"config key {self._specs[w.importing]!r}: reward worker importing {describe_spec(w.importing)}"
+
+    def _check_startup_time(self) -> None:
+        """RuntimeError once a worker has been starting for more than startup_timeout_s."""
+        for w in self._workers:
+            if w.ready or time.monotonic() - w.started <= self.startup_timeout_s:
+                continue
+            self.close()
+            if w.importing is None:
+                raise RuntimeError(
+                    f"reward worker for {self.describe()} did not start within {self.startup_timeout_s:g} s "
+                    "(before importing any reward function)"
+                )
+            raise RuntimeError(
+                f"{self._importing(w)}: did not import within {self.startup_timeout_s:g} s "
+                "(code that runs at import and blocks, e.g. a service called without a timeout?)"
+            )
 
     def _wait_ready(self, need_all: bool = True) -> None:
         """Until every worker (need_all) or at least one is ready."""
         while not (all if need_all else any)(w.ready for w in self._workers):
-            for w in self._workers:
-                if not w.ready and time.monotonic() - w.started > self.startup_timeout_s:
-                    self.close()
-                    raise RuntimeError(f"reward worker did not start within {self.startup_timeout_s}s")
+            self._check_startup_time()
             for conn in wait([w.conn for w in self._workers if not w.ready], timeout=1.0):
                 self._handle_startup(next(w for w in self._workers if w.conn is conn))
 
     def _replace(self, i: int) -> None:
         self._workers[i].kill()
-        self._workers[i] = Worker(self._ctx, self._specs)
+        self._workers[i] = Worker(self._ctx, self._specs, frozenset(self.batched))
         self.totals["restarts"] += 1
 
     # ---- one call ----------------------------------------------------------------------------
@@ -354,9 +389,7 @@ class RewardScorer:
             if w.task is not None and now >= w.deadline:
                 call.fail(w.task, "timeout", f"no result within {w.task.timeout_why} (worker replaced)")
                 self._replace(i)
-            elif not w.ready and now - w.started > self.startup_timeout_s:
-                self.close()
-                raise RuntimeError(f"replacement reward worker did not start within {self.startup_timeout_s}s")
+        self._check_startup_time()  # a replacement worker's
         if call.expire([w.task for w in self._workers if w.task is not None], now):
             for i, w in enumerate(self._workers):
                 if w.task is not None:
@@ -373,7 +406,7 @@ class RewardScorer:
         if n and failed / n > self.max_error_frac:
             kinds = ", ".join(f"{k} {by_kind[k]}" for k in FAILURE_KINDS if k in by_kind)
             raise RewardFailureError(
-                f"reward {self._describe()}: {failed} of {n} checks failed ({failed / n:.0%}, over "
+                f"reward {self.describe()}: {failed} of {n} checks failed ({failed / n:.0%}, over "
                 f"max_error_frac={self.max_error_frac}): {kinds}; first: " + "; ".join(info["first_failures"]),
                 info,
             )
@@ -389,7 +422,8 @@ class RewardScorer:
             except (BrokenPipeError, OSError):
                 pass
         for w in self._workers:
-            w.proc.join(2)
+            if w.ready:  # one still starting may be hung in an import: no grace for it
+                w.proc.join(2)
             w.kill()
 
     def __enter__(self):

@@ -57,6 +57,15 @@ def _existing_file(target: str, spec: str, key: str) -> str:
     return path
 
 
+def describe_spec(spec: str) -> str:
+    """A spec in words, for a message: "reward file '/abs/r.py' (function 'fn')", "module 'pkg.mod'
+    (function 'fn')" or "the built-in kind 'math'"."""
+    if spec in BUILTIN_KINDS:
+        return f"the built-in kind {spec!r}"
+    target, _, attr = spec.rpartition(":")
+    return f"{'reward file' if is_file_target(target) else 'module'} {target!r} (function {attr!r})"
+
+
 def batched_specs(specs, batched: bool) -> set[str]:
     """The specs reward.batched applies to: the user functions (not the built-in kinds). A
     ValueError naming the key when batched is set and there are none."""

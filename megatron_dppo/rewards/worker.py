@@ -1,7 +1,9 @@
 """A reward worker process and the trainer's handle on it.
 
-The worker resolves every reward function of the scorer once, says ("ready", None) (or
-("fatal", why)), then answers each task (task_id, spec, batched, completions, answers, records)
+The worker imports every reward function of the scorer once, saying ("importing", spec) before
+each (so that the trainer, which never imports user code itself, can name the one that hangs or
+crashes), checks that each can be called as the scorer will call it, says ("ready", None) (or
+("fatal", (exception type name, why))), then answers each task (task_id, spec, batched, completions, answers, records)
 with (task_id, results): one (status, value, extras) per completion, status "ok" with the reward
 and its extra numbers, or a failure kind with a one-line message. A None message, or the
 trainer's end of the pipe closing, ends it.
@@ -9,6 +11,7 @@ trainer's end of the pipe closing, ends it.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 from megatron_dppo.process import die_with_parent
 from megatron_dppo.rewards.spec import resolve_reward_fn
-from megatron_dppo.rewards.verifiers import math_reward
+from megatron_dppo.rewards.verifiers import BUILTIN_KINDS, math_reward
 
 # Imported by multiprocessing's forkserver before it serves (see `protect_forkserver`).
 FORKSERVER_PRELOAD = "megatron_dppo.rewards.forkserver_signals"
@@ -56,12 +59,20 @@ def _drop_forkserver_lifeline() -> None:
         forkserver._forkserver._forkserver_alive_fd = None
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # rewards and their metrics are float32 tensors from here on
+
+
 def _check_number(value, what: str = "returned") -> tuple[str, float | str]:
     if not isinstance(value, numbers.Real):  # str "1", None, a tensor, a list: not rewards
         return "non-numeric", f"{what} {type(value).__name__} {str(value)[:60]!r}, expected a real number"
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float64
+        return "non-finite", f"{what} {str(value)[:60]}, beyond float32's range (|x| <= {FLOAT32_MAX:.7g})"
     if not math.isfinite(value):
         return "non-finite", f"{what} {value}"
+    if abs(value) > FLOAT32_MAX:  # finite here, inf once cast
+        return "non-finite", f"{what} {value!r}, beyond float32's range (|x| <= {FLOAT32_MAX:.7g})"
     return "ok", value
 
 
@@ -127,8 +138,36 @@ def _one_line(status: str, value):
     return value if status == "ok" else " ".join(str(value).split())[:300]
 
 
-def worker_main(conn, specs: dict[str, str]) -> None:
-    """specs: {spec: the config key it came from}."""
+def check_signature(fn, spec: str, key: str, batched: bool) -> None:
+    """ValueError naming `key` when fn cannot take the scorer's three positional arguments (a
+    function whose signature cannot be read, a C builtin, is trusted)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind([], [], []) if batched else signature.bind("", "", None)
+    except TypeError as e:
+        call = "fn(completions, answers, records)" if batched else "fn(completion, answer, record)"
+        raise ValueError(
+            f"config key {key!r}: {spec!r} has the signature {signature}, but is called as {call} ({e})"
+        ) from None
+
+
+def _resolve_all(conn, specs: dict[str, str], batched: frozenset) -> dict:
+    fns = {}
+    for spec, key in specs.items():
+        conn.send(("importing", spec))
+        fns[spec] = resolve_reward_fn(spec, key)
+        if spec not in BUILTIN_KINDS:
+            check_signature(fns[spec], spec, key, spec in batched)
+        if spec == "math":  # pay sympy's import and grammar set-up before the first timed check
+            math_reward("\\boxed{1}", "1")
+    return fns
+
+
+def worker_main(conn, specs: dict[str, str], batched: frozenset = frozenset()) -> None:
+    """specs: {spec: the config key it came from}; batched: the specs called with whole batches."""
     # Stopping is the trainer's business: a Ctrl-C or a SIGTERM to the whole process group must
     # neither print a traceback here nor kill a check; the worker dies with the trainer
     # (PR_SET_PDEATHSIG, the pipe closing) or is killed by it.
@@ -137,11 +176,9 @@ def worker_main(conn, specs: dict[str, str]) -> None:
     _drop_forkserver_lifeline()  # (set only in a forkserver child)
     die_with_parent(signal.SIGKILL)
     try:
-        fns = {spec: resolve_reward_fn(spec, key) for spec, key in specs.items()}
-        if "math" in fns:  # pay sympy's import and grammar set-up before the first timed check
-            math_reward("\\boxed{1}", "1")
+        fns = _resolve_all(conn, specs, batched)
     except BaseException as e:  # report why instead of dying silently
-        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        conn.send(("fatal", (type(e).__name__, str(e))))
         return
     conn.send(("ready", None))
     while True:
@@ -176,13 +213,16 @@ class Task:
 class Worker:
     """The trainer's handle on one worker process and the task it is running."""
 
-    def __init__(self, ctx, specs: dict[str, str]):
+    def __init__(self, ctx, specs: dict[str, str], batched: frozenset = frozenset()):
         parent, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker_main, args=(child, specs), daemon=True, name="megatron-dppo-reward")
+        self.proc = ctx.Process(
+            target=worker_main, args=(child, specs, batched), daemon=True, name="megatron-dppo-reward"
+        )
         self.proc.start()
         child.close()  # so the parent sees EOF when the worker dies
         self.conn = parent
         self.ready = False
+        self.importing: str | None = None  # the spec it said it is importing, during start-up
         self.started = time.monotonic()
         self.task: Task | None = None
         self.task_started = 0.0
