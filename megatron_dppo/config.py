@@ -767,7 +767,15 @@ def resolve_gpu_settings(par: ParallelConfig, *, cuda: bool, te: bool, moe: bool
                 "path (model.attention resolving to te: a GPU with transformer_engine)"
             )
     if par.recompute_modules is None and par.recompute == "selective":  # else unused (not saved)
-        par.recompute_modules = list(SELECTIVE_RECOMPUTE_MODULES)
+        # On the TE path flash attention keeps no s x s scores and the norms are fused into their
+        # linears, so Megatron's own default, core_attn (+ the MoE layer's unfused pre-MLP norm),
+        # is the recompute that costs nothing; "mlp" would rerun two thirds of each dense layer's
+        # forward to save its 3f activations per token (docs/scaling.md 5b: every preset fits
+        # without it). The local path keeps the CPU's ["core_attn", "mlp"].
+        if te:
+            par.recompute_modules = ["core_attn", "layernorm"] if moe else ["core_attn"]
+        else:
+            par.recompute_modules = list(SELECTIVE_RECOMPUTE_MODULES)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

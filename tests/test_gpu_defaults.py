@@ -71,6 +71,11 @@ def test_gpu_resolution_follows_megatron_lm_recipes():
     local = _resolved(cuda=True, te=False)  # a GPU without TE: overlap yes, TE fusions no
     assert local.overlap_grad_reduce and not local.gradient_accumulation_fusion
     assert _resolved(["parallel.overlap_grad_reduce=false"], cuda=True).ddp_bucket_size == 0
+    sel = ["parallel.recompute=selective"]
+    assert _resolved(sel, cuda=True, te=True).recompute_modules == ["core_attn"]  # flash attention: free
+    moe_sel = _resolved(sel, cuda=True, te=True, num_experts=4, moe_ffn_hidden_size=64)
+    assert moe_sel.recompute_modules == ["core_attn", "layernorm"]  # + the unfused pre-MLP norm
+    assert _resolved(sel, cuda=True, te=False).recompute_modules == ["core_attn", "mlp"]  # local path
     over = _config_overrides("te", 1, 1, False, "none", GpuSettings.from_config(moe))
     assert over["gradient_accumulation_fusion"] and over["moe_permute_fusion"] and over["moe_router_fusion"]
 
@@ -104,9 +109,10 @@ def test_plan_shows_the_gpu_settings_and_follows_the_recompute_modules():
     assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("layernorm",))["kept"] == act - 1024
     assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("moe",))["kept"] < act
 
-    default, lean = memory_plan(_cfg()), memory_plan(_cfg(QWEN3_32B, "parallel.recompute_modules=[core_attn]"))
+    default = memory_plan(_cfg())
+    lean = memory_plan(_cfg(QWEN3_32B, "parallel.recompute_modules=[core_attn,mlp]"))
     assert default["layout"]["gpu_settings"]["overlap_grad_reduce"] is True  # planned as a GPU run with TE
-    assert default["layout"]["gpu_settings"]["recompute_modules"] == ["core_attn", "mlp"]
-    first = default["stages"]["first"]["train"]["activations"]
-    assert lean["stages"]["first"]["train"]["activations"] > 2 * first
+    assert default["layout"]["gpu_settings"]["recompute_modules"] == ["core_attn"]  # TE: Megatron's default
+    first = lean["stages"]["first"]["train"]["activations"]
+    assert default["stages"]["first"]["train"]["activations"] > 2 * first
     assert "GPU settings: overlap_grad_reduce on (buckets of 40M params)" in format_plan(default)
