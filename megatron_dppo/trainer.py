@@ -254,7 +254,8 @@ class Trainer:
                 f"config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution per "
                 f"problem, and no record of {self.cfg.data.train} has {key!r}"
             )
-        return PrefixCurriculum(self.cfg, self.tokenizer, self.cfg.trainer.max_steps)
+        opening = self.renderer.assistant_opening()  # a thinking template's opener precedes the prefix
+        return PrefixCurriculum(self.cfg, self.tokenizer, self.cfg.trainer.max_steps, assistant_opening=opening)
 
     def _place_ranks(self) -> None:
         """This rank's data-parallel place and its vLLM engine: ranks [kR, (k+1)R) share engine k
@@ -569,6 +570,7 @@ class Trainer:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
         tokens = {"header": ids(cfg.solution_header), "instruction": ids(cfg.instruction)}
+        tokens["suffix"] = ids(self.renderer.generation_suffix())  # the block goes before it
         tokens["strip"] = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
         layout = dict(
             max_context=self.cfg.rollout.max_model_len,
