@@ -9,9 +9,10 @@ ragged lengths, a prompt history):
      compared with that full-batch gradient, computed directly, against its Monte Carlo error.
 What the synthetic step stands for, per method (our modelling choices):
   reco      each completion gets sampling log-probs (a third of them "frequent": G pi_b > 1), so
-            the response weight u acts; the token scale c_t is a fixed positive number per token
-            (the trainer's c divides by the step's weighted mean, a ratio estimate under pruning:
-            not modelled here), inside ReCo's own per-token loss -A c log pi.
+            the response weight u acts; each token has a fixed impurity g_t > 0 and c_t = g_t / m,
+            m the trainer's step mean (reco.step_mean_terms: over trained tokens with A != 0,
+            weighted by w_q w_o u; unpruned: every such token, weighted by u), inside ReCo's own
+            per-token loss -A c log pi. Under pruning m is a ratio estimate: consistent, not exact.
   ssopd     each pair's aux gradient (of (1/T_q) sum_t d_t) is a fixed random vector J_aux[q]; the
             pairs and frontier weights are the trainer's (batch.ssopd_pairs), the coefficients
             ssopd.aux_coefficients'. Checked: GRPO + lambda * aux.
@@ -124,15 +125,26 @@ def _setting(cfg: CheckConfig, gen):
     sums = torch.where(
         frequent, -math.log(G) * torch.rand(B, G, generator=gen), -5.0 - 5.0 * torch.rand(B, G, generator=gen)
     ).double()
-    J = J_grpo
-    if cfg.method == "reco":
-        scale = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
-        J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=scale)[0]
+    J, impurity = J_grpo, None
+    if cfg.method == "reco":  # J of -A g log pi: the loss is linear in c, so c = g / m is J / m
+        impurity = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
+        J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=impurity)[0]
     aux = torch.randn(B, J.shape[1], generator=gen, dtype=torch.float64) / math.sqrt(J.shape[1])
-    return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux
+    return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity
 
 
-def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len):
+def _reco_step_mean(cfg, rewards, seq_w, loss_len, seq_index, seq_len, impurity) -> float:
+    """m = the trainer's step mean of g (reco.step_mean_terms) for these sequence weights: over
+    the loss tokens of sequences with A != 0, each weighted by its sequence weight."""
+    adv = group_advantages(rewards, cfg.advantage).flatten()
+    starts = torch.cumsum(seq_len, 0) - seq_len
+    position = torch.arange(seq_index.numel()) - starts[seq_index]
+    w = seq_w.flatten().double()[seq_index] * (position < loss_len.flatten()[seq_index]).double()
+    w = w * (adv[seq_index] != 0).double()
+    return float((w * impurity).sum() / w.sum()) if float(w.sum()) > 0 else 1.0
+
+
+def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity=None):
     """The method's unpruned full-batch gradient, computed directly from its definition."""
     B, G = rewards.shape
     lens, seq_w = lengths.clone(), torch.ones(B, G, dtype=torch.float64)
@@ -145,6 +157,8 @@ def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_l
     if cfg.method == "reco":
         seq_w = reco.expected_occurrence_weights(sums).double()
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, denom, J)
+    if cfg.method == "reco":
+        grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
     if cfg.method == "ssopd":
         sel = ssopd.select_pair(rewards, lengths, terminated=lengths < cfg.max_len)
         omega = ssopd.frontier_weight(rewards) * (sel.correct >= 0)
@@ -152,7 +166,9 @@ def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_l
     return grad
 
 
-def _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len):
+def _planned_gradient(
+    cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len, rewards=None, impurity=None
+):
     """One mask draw through the trainer's planning with the method on."""
     collected = batch.collect(
         method, strategy, next_batch=lambda n: prompts, stats_of=stats_of, rollout=rollout, generator=gen
@@ -168,6 +184,8 @@ def _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J,
         seq_w[g.record.index] = torch.tensor([g.train_weight * w for w in g.completion_weights], dtype=torch.float64)
         lens[g.record.index] = torch.tensor(g.loss_lengths())
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, plans[0].denominator, J)
+    if cfg.method == "reco":
+        grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
     pairs = plans[0].aux_pairs
     if pairs:  # the trainer's coefficients (distill.aux_microbatches), T_q positions of aux[q] / T_q each
         positions = torch.tensor([float(len(p.group.completions[p.wrong])) for p in pairs], dtype=torch.float64)
@@ -181,22 +199,26 @@ def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
     if cfg.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
-    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux = _setting(cfg, gen)
+    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity = _setting(cfg, gen)
     B, G = rewards.shape
     strategy = get_strategy(cfg.strategy)
     method = _method(cfg, strategy, dynamic_sampling=False)
     method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
-    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
+    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity)
     grpo = _full_gradient(replace(cfg, method="grpo"), method, rewards, lengths, sums, J_grpo, aux, seq_index, seq_len)
     gap = float("nan") if cfg.method == "adaprefix" else float((full - grpo).norm() / grpo.norm())
     prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
     stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, sums, cfg.max_len)
     grads = [
-        _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len)
+        _planned_gradient(
+            cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len, rewards, impurity
+        )
         for _ in range(cfg.draws)
     ]
     rel_err, rel_se, max_z, z_limit, _ = _compare(torch.stack(grads), full, cfg.alpha)
     exact = cfg.method != "bppo" and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
     exact = exact or (cfg.method == "bppo" and cfg.r_q == 0)
+    # ReCo's c_t divides by a step mean estimated from the kept tokens: a ratio once pruning draws.
+    exact = exact and not (cfg.method == "reco" and (cfg.r_q > 0 or cfg.r_o > 0))
     unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
     return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased))
