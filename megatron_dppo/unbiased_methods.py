@@ -45,6 +45,8 @@ from megatron_dppo.unbiased_check import (
     _SyntheticPrompt,
     _token_loss_jacobian,
     _within_tolerance,
+    bias_along,
+    verdict_text,
 )
 
 METHODS = ("bppo", "reco", "adaprefix", "ssopd")
@@ -66,6 +68,7 @@ class MethodCheckResult:
     z_threshold: float
     exact: bool
     unbiased: bool
+    bias_along: float = math.nan  # unbiased_check.bias_along
 
     def summary(self, cfg: CheckConfig) -> str:
         gap = (
@@ -73,12 +76,11 @@ class MethodCheckResult:
             if math.isnan(self.design_gap)
             else f"full-batch gradients differ by {self.design_gap:.1%}"
         )
-        kind = "exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
         return (
             f"{self.method:9s} biased by design vs GRPO ({WHY_BIASED[self.method]}; {gap}) | DPPO r_q={cfg.r_q:.2f} "
             f"r_o={0.0 if self.method == 'bppo' else cfg.r_o:.2f} for its own full-batch loss ({cfg.loss_agg}): "
-            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f}, max|z| {self.max_z:.2f} "
-            f"(limit {self.z_threshold:.2f}) | {kind}: {'UNBIASED' if self.unbiased else 'BIASED'}"
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} | "
+            + verdict_text(self, cfg.approx_tol, judged_by_z=self.exact)
         )
 
 
@@ -216,9 +218,10 @@ def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
         for _ in range(cfg.draws)
     ]
     rel_err, rel_se, max_z, z_limit, _ = _compare(torch.stack(grads), full, cfg.alpha)
+    along = bias_along(torch.stack(grads), full)
     exact = cfg.method != "bppo" and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
     exact = exact or (cfg.method == "bppo" and cfg.r_q == 0)
     # ReCo's c_t divides by a step mean estimated from the kept tokens: a ratio once pruning draws.
     exact = exact and not (cfg.method == "reco" and (cfg.r_q > 0 or cfg.r_o > 0))
     unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
-    return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased))
+    return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased), along)
