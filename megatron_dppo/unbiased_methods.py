@@ -46,6 +46,7 @@ from megatron_dppo.unbiased_check import (
     _token_loss_jacobian,
     _within_tolerance,
     bias_along,
+    bias_estimate,
     verdict_text,
 )
 
@@ -225,3 +226,45 @@ def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
     exact = exact and not (cfg.method == "reco" and (cfg.r_q > 0 or cfg.r_o > 0))
     unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
     return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased), along)
+
+
+def bppo_prompt_pruning_bias(cfg: CheckConfig, draws: int = 100_000, chunk: int = 10_000) -> dict:
+    """The bias of BPPO's ratio estimate under DPPO's prompt pruning, without the Monte Carlo
+    noise of the planning path. BPPO trains no pruned completions (r_o = 0), so a mask draw's
+    gradient is exactly sum_q w_q n_q / sum_q w_q d_q: n_q the prompt's pair gradient over its
+    prefixes (the token coefficients without the denominator), d_q its denominator term
+    (bppo.denominator_terms), w_q the prompt weight pruning.prompt weights give (0 skipped). The
+    draws of w are vectorised (the trainer's _drop_uniformly), so `draws` can be 10-100x the
+    planning path's. Returns {"rel_bias", "rel_se", "along", "full"} (relative to the unpruned
+    gradient, full = sum n / sum d, which equals _full_gradient's)."""
+    from megatron_dppo.algorithms.pruning import _drop_uniformly, prompt_candidates
+
+    cfg = replace(cfg, method="bppo")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rewards, stats, lengths, J, _, seq_index, seq_len, _, _, _ = _setting(cfg, gen)
+    method = _method(cfg, get_strategy(cfg.strategy), dynamic_sampling=False)
+    plan = bppo.plan(rewards, lengths, method.bppo, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
+    B = rewards.shape[0]
+    n, d = [], []
+    for q in range(B):
+        one = torch.zeros(B, dtype=torch.float64)
+        one[q] = 1.0
+        n.append(_masked_gradient(cfg, plan.seq_weight * one[:, None], plan.prefix_len, seq_index, seq_len, 1.0, J))
+        d.append(
+            bppo.denominator_terms(
+                plan.prefix_len, plan.seq_weight, cfg.loss_agg, prompt_weight=one, max_response_length=cfg.max_len
+            )
+        )
+    n, d = torch.stack(n), torch.tensor(d, dtype=torch.float64)
+    full = n.sum(0) / d.sum()
+    candidates = prompt_candidates(stats.score)
+    grads = []
+    for start in range(0, draws, chunk):
+        rows = min(chunk, draws - start)
+        _, w = _drop_uniformly(candidates[None].expand(rows, B), cfg.r_q, gen)
+        num, den = w.double() @ n, w.double() @ d
+        grads.append(torch.where(den[:, None] > 0, num / den.clamp(min=1e-300)[:, None], torch.zeros_like(num)))
+    grads = torch.cat(grads)
+    rel_err, rel_se, *_ = _compare(grads, full, cfg.alpha)
+    along = bias_along(grads, full)
+    return {"rel_bias": bias_estimate(rel_err, rel_se), "rel_se": rel_se, "along": along, "full": full}
