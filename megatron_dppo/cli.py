@@ -41,6 +41,7 @@ def _verify_unbiased(args) -> int:
                 refill_by=args.refill_by,
                 fixed_order=args.fixed_order,
                 overlong_filter=args.overlong_filter,
+                without_prompt_weight=args.without_prompt_weight,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -249,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlong-filter",
         action="store_true",
         help="DAPO's overlong filter: completions that hit the length budget get no loss (both sides)",
+    )
+    v.add_argument(
+        "--without-prompt-weight",
+        action="store_true",
+        help="negative control: the kept prompts train without their weight w_q (must report BIASED, exit 1)",
     )
     v.set_defaults(func=_verify_unbiased)
     return parser

@@ -396,6 +396,37 @@ class PromptRenderer:
             messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
         )
 
+    _PROBE = "\x00probe-content\x00"  # a content no template writes itself: where a message goes
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        if self.system_prompt:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs
+        )
+
+    def generation_suffix(self) -> str:
+        """The text the template writes after the last user message's content: the end of the
+        user turn and the generation prompt ("" in raw mode). A prompt's problem text ends
+        right before it (SSOPD inserts its solution block there)."""
+        if self.mode == "raw":
+            return ""
+        text = self._render([{"role": "user", "content": self._PROBE}], add_generation_prompt=True)
+        return text[text.rindex(self._PROBE) + len(self._PROBE) :]
+
+    def assistant_opening(self) -> str:
+        """What the template writes at an assistant turn's start past its generation prompt,
+        before the content: "<think>\\n\\n</think>\\n\\n" for Qwen3 in thinking mode (the model
+        opens that block itself), "" when the generation prompt already holds it (Qwen3 with
+        enable_thinking=false), when the template writes none, or in raw mode."""
+        if self.mode == "raw":
+            return ""
+        user = [{"role": "user", "content": self._PROBE}]
+        prompt = self._render(user, add_generation_prompt=True)
+        full = self._render(user + [{"role": "assistant", "content": self._PROBE + "a"}], add_generation_prompt=False)
+        head = full[: full.rindex(self._PROBE + "a")]
+        return head[len(prompt) :] if head.startswith(prompt) else ""
+
     def token_ids(self, rec: PromptRecord) -> list[int]:
         # Chat templates write their own special tokens (bos etc.); adding them again would double them.
         return list(self.tokenizer(self.text(rec), add_special_tokens=self.mode == "raw")["input_ids"])

@@ -2,7 +2,9 @@
 
 The rules are algorithms/methods/ssopd.py's. Here they meet token ids and packing: for a pair
 (c* = shortest correct, w* = longest wrong of the FULL group, chosen in algorithms/batch.py),
-    teacher sequence  T(x, o_c*) + o_w*[:T_q]   (the prompt with the solution block inserted)
+    teacher sequence  T(x, o_c*) + o_w*[:T_q]   (the prompt with the solution block inserted after
+                                                 the problem text, before the chat template's end of
+                                                 the user turn and generation prompt: `problem_end`)
     student sequence  x + o_w*[:T_q]             (the ordinary training sequence, cut at T_q)
 go into ONE packed micro-batch, adjacent, so that the last pipeline stage's loss sees both sets of
 logits: the teacher's (detached: the policy itself under stop-gradient [3rd], with the weights of
@@ -38,13 +40,33 @@ class AuxStats:
     positions: int = 0  # distilled positions (sum of T_q)
 
 
-def _sequences(pair: AuxPair, cfg, header_ids, instruction_ids, strip_ids, max_context):
+def problem_end(prompt_ids, prefix_len: int, suffix_ids) -> int:
+    """Where the problem text ends in a group's prompt: before the chat template's generation
+    suffix (data.PromptRenderer.generation_suffix, tokenised: the end of the user turn and the
+    assistant's generation prompt; none for raw prompts), which ends the rendered prompt; an
+    AdaPrefix prefix (the last prefix_len ids, thinking opener included) comes after it."""
+    rendered = len(prompt_ids) - prefix_len
+    start = rendered - len(suffix_ids)
+    if start < 0 or list(prompt_ids[start:rendered]) != list(suffix_ids):
+        raise ValueError(
+            f"SSOPD: the prompt's {rendered} rendered tokens do not end with the chat template's generation "
+            f"suffix {list(suffix_ids)} (tokenised alone), so the problem's end cannot be found"
+        )
+    return start
+
+
+def _sequences(pair: AuxPair, cfg, tokens: dict, max_context):
     """(teacher Sample, student Sample, teacher prompt length, T_q) or None when skipped."""
     g = pair.group
     wrong = list(g.completions[pair.wrong])
     correct = g.completions[pair.correct]
     tp = ssopd.teacher_prompt(
-        g.prompt_ids, correct, header_ids=header_ids, instruction_ids=instruction_ids, strip_ids=strip_ids
+        g.prompt_ids,
+        correct,
+        header_ids=tokens["header"],
+        instruction_ids=tokens["instruction"],
+        insert_at=problem_end(g.prompt_ids, g.prefix_len, tokens.get("suffix", [])),
+        strip_ids=tokens["strip"],
     )
     T = ssopd.aux_positions(
         len(tp.ids), len(wrong), aux_max_len=cfg.aux_max_len, max_context=max_context, min_positions=cfg.min_positions
@@ -63,11 +85,12 @@ def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: d
     """This rank's SSOPD micro-batches for one mini-batch, and what they hold.
 
     cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...);
-    tokens: {"header": ids, "instruction": ids, "strip": ids (eos / end of turn)};
+    tokens: {"header": ids, "instruction": ids, "strip": ids (eos / end of turn), "suffix": ids (the
+    chat template's generation suffix: the block goes before it, after the problem text)};
     layout: {"max_context", "capacity", "window", "dp_rank", "dp_size", "pad_multiple", "pad_id"}."""
     built, stats = [], AuxStats()
     for p in pairs:
-        seqs = _sequences(p, cfg, tokens["header"], tokens["instruction"], tokens["strip"], layout["max_context"])
+        seqs = _sequences(p, cfg, tokens, layout["max_context"])
         if seqs is None:
             stats.skipped += 1
             continue

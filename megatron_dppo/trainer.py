@@ -283,7 +283,8 @@ class Trainer:
                 f"config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution per "
                 f"problem, and no record of {self.cfg.data.train} has {key!r}"
             )
-        return PrefixCurriculum(self.cfg, self.tokenizer, self.cfg.trainer.max_steps)
+        opening = self.renderer.assistant_opening()  # a thinking template's opener precedes the prefix
+        return PrefixCurriculum(self.cfg, self.tokenizer, self.cfg.trainer.max_steps, assistant_opening=opening)
 
     def _place_ranks(self) -> None:
         """This rank's data-parallel place and its vLLM engine: ranks [kR, (k+1)R) share engine k
@@ -601,6 +602,7 @@ class Trainer:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
         tokens = {"header": ids(cfg.solution_header), "instruction": ids(cfg.instruction)}
+        tokens["suffix"] = ids(self.renderer.generation_suffix())  # the block goes before it
         tokens["strip"] = [t for t in (self.tokenizer.eos_token_id, self.tokenizer.pad_token_id) if t is not None]
         layout = dict(
             max_context=self.cfg.rollout.max_model_len,
@@ -650,16 +652,17 @@ class Trainer:
                     mb.token_scale = impurities[i].float().cpu() * mb.loss_mask  # the impurity until scaled
 
     def _attach_token_scale(self, minibatches) -> float:
-        """ReCo's c_t = g_t / mean g over the step's trained tokens, every micro-batch and rank, each
-        token weighted by its sequence's weight (SEED_METHODS.md 2.1.3; reco.token_scale says why).
-        g is the Gini impurity from the pi_old pass, or pi_old(a)(1 - pi_old(a)) (bernoulli)."""
+        """ReCo's c_t = g_t / mean g over the step's trained tokens with A != 0, every micro-batch
+        and rank, each token weighted by its sequence's weight (SEED_METHODS.md 2.1.3;
+        reco.step_mean_terms says why). g is the Gini impurity from the pi_old pass, or
+        pi_old(a)(1 - pi_old(a)) (bernoulli)."""
         last_stage = [mbt for mb in minibatches for mbt in mb.microbatches if mbt.old_logp is not None]
         num = den = 0.0
         for mbt in last_stage:
             if self.method.reco.token_scale == "bernoulli":
                 mbt.token_scale = reco.bernoulli_impurity(mbt.old_logp) * mbt.loss_mask
-            w = torch.where(mbt.seq_index >= 0, mbt.seq_weight[mbt.seq_index.clamp(min=0)], 0.0) * mbt.loss_mask
-            num, den = num + float((w * mbt.token_scale).sum()), den + float(w.sum())
+            part = reco.step_mean_terms(mbt.token_scale, mbt.loss_mask, mbt.advantages, mbt.seq_index, mbt.seq_weight)
+            num, den = num + part[0], den + part[1]
         num, den = mdist.all_reduce_sum([num, den])  # replicas (TP) add to both alike
         mean = num / den if den > 0 else 0.0
         for mbt in last_stage:

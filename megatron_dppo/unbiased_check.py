@@ -54,6 +54,7 @@ class CheckConfig:
     max_len: int = 16
     overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
     method: str = "grpo"  # unbiased_methods.run_method_check: bppo | reco | adaprefix | ssopd
+    without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
     seed: int = 0
@@ -80,25 +81,46 @@ class CheckResult:
     corrected: bool  # does the strategy reweight what it keeps?
     exact: bool  # is the estimator exactly unbiased in theory?
     unbiased: bool  # the verdict
+    bias_along: float = math.nan  # (mean - full) . full / ||full||^2: the bias's signed share along full
 
     def summary(self, cfg: CheckConfig) -> str:
-        kind = (
-            "exact"
-            if self.exact
-            else f"consistent (tolerance {cfg.approx_tol:.0%})"
-            if self.corrected
-            else "no reweighting"
-        )
-        verdict = "UNBIASED" if self.unbiased else "BIASED"
         return (
             f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} "
             f"{'overlong filter ' if cfg.overlong_filter else ''}"
+            f"{'WITHOUT w_q (negative control) ' if cfg.without_prompt_weight else ''}"
             f"kept prompts {self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | "
-            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), "
-            f"max|z| {self.max_z:6.2f} (limit {self.z_threshold:.2f}) | "
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.) | "
             f"variance {self.rel_variance:.4f} vs uniform dropping {self.rel_variance_uniform:.4f} | "
-            f"{kind}: {verdict}"
+            + verdict_text(self, cfg.approx_tol, judged_by_z=self.exact or not self.corrected)
         )
+
+
+def bias_estimate(rel_err: float, rel_se: float) -> float:
+    """The relative bias ||E[mean] - target|| / ||target|| estimated from the draws:
+    ||mean - target||^2 averages bias^2 + se^2, so sqrt(err^2 - se^2) (0 when noise explains it)."""
+    return math.sqrt(max(rel_err**2 - rel_se**2, 0.0))
+
+
+def verdict_text(res, tol: float, *, judged_by_z: bool) -> str:
+    """The verdict and the test that decided it, in words that read true. judged_by_z: an exact
+    estimator (or one that claims no correction): the per-coordinate z-test at the family-wise
+    rate alpha decides. Otherwise the estimator is consistent (a ratio: its bias is O(1/B), never
+    0, so enough draws always resolve it and a z-test would reject it): the bias test decides,
+    the estimated bias within `tol` with the draws' s.e. <= tol / 2; max|z| is then printed only
+    to say whether the draws resolved the bias, and bias_along gives its sign (< 0: the mean
+    gradient is shorter than the target along it)."""
+    verdict = "UNBIASED" if res.unbiased else "BIASED"
+    z = f"max|z| {res.max_z:.2f} {'<=' if res.max_z <= res.z_threshold else '>'} limit {res.z_threshold:.2f}"
+    if judged_by_z:
+        kind = "exact" if res.exact else "no reweighting"
+        return f"{kind}, decided by the z-test: {z}: {verdict}"
+    bias, along = bias_estimate(res.rel_error, res.rel_std_error), res.bias_along
+    resolved = "resolved by the draws" if res.max_z > res.z_threshold else "not resolved by the draws"
+    return (
+        f"consistent, decided by the bias test: bias {bias:.2%} (along the target {along:+.2%}; {resolved}: {z}) "
+        f"{'<=' if bias <= tol else '>'} tolerance {tol:.0%} at s.e. {res.rel_std_error:.2%} "
+        f"{'<=' if res.rel_std_error <= tol / 2 else '>'} {tol / 2:.1%}: {verdict}"
+    )
 
 
 def _synthetic_step(cfg: CheckConfig, gen: torch.Generator, num_prompts: int | None = None, extreme_frac: float = 0.3):
@@ -284,10 +306,30 @@ def _compare(grads: torch.Tensor, full: torch.Tensor, alpha: float):
 
 
 def _within_tolerance(rel_err: float, rel_se: float, tol: float) -> bool:
-    """A consistent estimator's verdict: its bias, not the Monte Carlo noise, within `tol`.
-    ||mean - target||^2 averages bias^2 + se^2, so the bias estimate is sqrt(err^2 - se^2); the
-    draws must be enough to see a bias of `tol` (s.e. <= tol / 2), else the verdict is negative."""
-    return rel_se <= tol / 2 and math.sqrt(max(rel_err**2 - rel_se**2, 0.0)) <= tol
+    """A consistent estimator's verdict: its bias (`bias_estimate`), not the Monte Carlo noise,
+    within `tol`; the draws must be enough to see a bias of `tol` (s.e. <= tol / 2), else the
+    verdict is negative."""
+    return rel_se <= tol / 2 and bias_estimate(rel_err, rel_se) <= tol
+
+
+def bias_along(grads: torch.Tensor, full: torch.Tensor) -> float:
+    """(mean of the draws - full) . full / ||full||^2: the signed part of the relative error along
+    the target (< 0: the mean gradient is shorter than the target)."""
+    return float((grads.mean(0) - full) @ full) / float(full @ full)
+
+
+def without_prompt_weight(strategy):
+    """The negative control of prompt pruning: the same strategy, its kept prompts trained with
+    w_q = 1 instead of their Horvitz-Thompson weight (the check must call it BIASED)."""
+
+    class WithoutPromptWeight(type(strategy)):
+        def prune_prompts(self, stats, ratio, generator=None):
+            keep, _ = super().prune_prompts(stats, ratio, generator)
+            return keep, keep.float()
+
+    control = WithoutPromptWeight.__new__(WithoutPromptWeight)
+    control.__dict__.update(vars(strategy))
+    return control
 
 
 def run_check(cfg: CheckConfig) -> CheckResult:
@@ -300,6 +342,8 @@ def run_check(cfg: CheckConfig) -> CheckResult:
     full = _direct_gradient(cfg, torch.ones(B, G), lengths, torch.ones(B), all_q, seq_index, seq_len, J)
 
     strategy = get_strategy(cfg.strategy)
+    if cfg.without_prompt_weight:
+        strategy = without_prompt_weight(strategy)
     # One round of exactly the B prompts (module docstring): no over-sampling, no refill.
     method = _method(cfg, strategy, dynamic_sampling=False)
     method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
@@ -320,6 +364,7 @@ def run_check(cfg: CheckConfig) -> CheckResult:
         seq_w = uwq[0][:, None] * uwo * uq[0][:, None] * nonzero_group[:, None]
         grads_uniform.append(_direct_gradient(cfg, seq_w, lengths, uwq[0][uq[0]], uq[0], seq_index, seq_len, J))
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(grads), full, cfg.alpha)
+    along = bias_along(torch.stack(grads), full)
     exact = strategy.unbiased and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0 and cfg.strategy != "none")
     unbiased = (
         max_z <= z_limit if exact or not strategy.unbiased else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
@@ -336,6 +381,7 @@ def run_check(cfg: CheckConfig) -> CheckResult:
         corrected=strategy.unbiased,
         exact=exact,
         unbiased=bool(unbiased),
+        bias_along=along,
     )
 
 
@@ -357,18 +403,19 @@ class DynamicCheckResult:
     rolled_out_unpruned: float  # ... and unpruned DAPO's, over the same stream
     exact: bool
     unbiased: bool
+    bias_along: float = math.nan
+    corrected: bool = True
 
     def summary(self, cfg: CheckConfig) -> str:
-        kind = "exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
-        verdict = "UNBIASED" if self.unbiased else "BIASED"
         order = "fixed stream order" if cfg.fixed_order else "stream shuffled per draw"
         return (
             f"DAPO+{cfg.strategy} refill by {cfg.refill_by}, {order}: {cfg.loss_agg} B={cfg.num_prompts} "
             f"G={cfg.group_size} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} | total weight "
             f"{self.mean_total_weight:.3f} vs {self.target_weight:g} (short of it in {self.shortfall_frac:.1%} "
             f"of draws) | rolled out {self.rolled_out:.1f} prompts vs {self.rolled_out_unpruned:.0f} | "
-            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.), max|z| {self.max_z:6.2f} "
-            f"(limit {self.z_threshold:.2f}) | {kind}: {verdict}"
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.) | "
+            + verdict_text(self, cfg.approx_tol, judged_by_z=self.exact or not self.corrected)
+            + ("" if self.exact or not self.corrected else f" and total weight within {cfg.weight_tol:.0%} of B")
         )
 
 
@@ -494,6 +541,7 @@ def _dynamic_result(cfg, strategy, diffs, refs, totals, rolled, rolled_ref, shor
     target = torch.stack(refs).mean(0)
     # The mean of (draw - its own reference) + the target = the draws' mean, compared with the target.
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(diffs) + target, target, cfg.alpha)
+    along = bias_along(torch.stack(diffs) + target, target)
     mean_total = sum(totals) / cfg.draws
     # Completion pruning alone keeps the trained groups those of unpruned DAPO: exact. With
     # prompt pruning the stopping round's boundary depends on the masks: consistent.
@@ -517,4 +565,6 @@ def _dynamic_result(cfg, strategy, diffs, refs, totals, rolled, rolled_ref, shor
         rolled_out_unpruned=rolled_ref / cfg.draws,
         exact=exact,
         unbiased=bool(unbiased),
+        bias_along=along,
+        corrected=strategy.unbiased,
     )

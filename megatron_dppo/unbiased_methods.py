@@ -9,9 +9,10 @@ ragged lengths, a prompt history):
      compared with that full-batch gradient, computed directly, against its Monte Carlo error.
 What the synthetic step stands for, per method (our modelling choices):
   reco      each completion gets sampling log-probs (a third of them "frequent": G pi_b > 1), so
-            the response weight u acts; the token scale c_t is a fixed positive number per token
-            (the trainer's c divides by the step's weighted mean, a ratio estimate under pruning:
-            not modelled here), inside ReCo's own per-token loss -A c log pi.
+            the response weight u acts; each token has a fixed impurity g_t > 0 and c_t = g_t / m,
+            m the trainer's step mean (reco.step_mean_terms: over trained tokens with A != 0,
+            weighted by w_q w_o u; unpruned: every such token, weighted by u), inside ReCo's own
+            per-token loss -A c log pi. Under pruning m is a ratio estimate: consistent, not exact.
   ssopd     each pair's aux gradient (of (1/T_q) sum_t d_t) is a fixed random vector J_aux[q]; the
             pairs and frontier weights are the trainer's (batch.ssopd_pairs), the coefficients
             ssopd.aux_coefficients'. Checked: GRPO + lambda * aux.
@@ -44,6 +45,9 @@ from megatron_dppo.unbiased_check import (
     _SyntheticPrompt,
     _token_loss_jacobian,
     _within_tolerance,
+    bias_along,
+    bias_estimate,
+    verdict_text,
 )
 
 METHODS = ("bppo", "reco", "adaprefix", "ssopd")
@@ -65,6 +69,7 @@ class MethodCheckResult:
     z_threshold: float
     exact: bool
     unbiased: bool
+    bias_along: float = math.nan  # unbiased_check.bias_along
 
     def summary(self, cfg: CheckConfig) -> str:
         gap = (
@@ -72,12 +77,11 @@ class MethodCheckResult:
             if math.isnan(self.design_gap)
             else f"full-batch gradients differ by {self.design_gap:.1%}"
         )
-        kind = "exact" if self.exact else f"consistent (tolerance {cfg.approx_tol:.0%})"
         return (
             f"{self.method:9s} biased by design vs GRPO ({WHY_BIASED[self.method]}; {gap}) | DPPO r_q={cfg.r_q:.2f} "
             f"r_o={0.0 if self.method == 'bppo' else cfg.r_o:.2f} for its own full-batch loss ({cfg.loss_agg}): "
-            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f}, max|z| {self.max_z:.2f} "
-            f"(limit {self.z_threshold:.2f}) | {kind}: {'UNBIASED' if self.unbiased else 'BIASED'}"
+            f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} | "
+            + verdict_text(self, cfg.approx_tol, judged_by_z=self.exact)
         )
 
 
@@ -124,15 +128,26 @@ def _setting(cfg: CheckConfig, gen):
     sums = torch.where(
         frequent, -math.log(G) * torch.rand(B, G, generator=gen), -5.0 - 5.0 * torch.rand(B, G, generator=gen)
     ).double()
-    J = J_grpo
-    if cfg.method == "reco":
-        scale = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
-        J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=scale)[0]
+    J, impurity = J_grpo, None
+    if cfg.method == "reco":  # J of -A g log pi: the loss is linear in c, so c = g / m is J / m
+        impurity = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
+        J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=impurity)[0]
     aux = torch.randn(B, J.shape[1], generator=gen, dtype=torch.float64) / math.sqrt(J.shape[1])
-    return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux
+    return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity
 
 
-def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len):
+def _reco_step_mean(cfg, rewards, seq_w, loss_len, seq_index, seq_len, impurity) -> float:
+    """m = the trainer's step mean of g (reco.step_mean_terms) for these sequence weights: over
+    the loss tokens of sequences with A != 0, each weighted by its sequence weight."""
+    adv = group_advantages(rewards, cfg.advantage).flatten()
+    starts = torch.cumsum(seq_len, 0) - seq_len
+    position = torch.arange(seq_index.numel()) - starts[seq_index]
+    w = seq_w.flatten().double()[seq_index] * (position < loss_len.flatten()[seq_index]).double()
+    w = w * (adv[seq_index] != 0).double()
+    return float((w * impurity).sum() / w.sum()) if float(w.sum()) > 0 else 1.0
+
+
+def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity=None):
     """The method's unpruned full-batch gradient, computed directly from its definition."""
     B, G = rewards.shape
     lens, seq_w = lengths.clone(), torch.ones(B, G, dtype=torch.float64)
@@ -145,6 +160,8 @@ def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_l
     if cfg.method == "reco":
         seq_w = reco.expected_occurrence_weights(sums).double()
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, denom, J)
+    if cfg.method == "reco":
+        grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
     if cfg.method == "ssopd":
         sel = ssopd.select_pair(rewards, lengths, terminated=lengths < cfg.max_len)
         omega = ssopd.frontier_weight(rewards) * (sel.correct >= 0)
@@ -152,7 +169,9 @@ def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_l
     return grad
 
 
-def _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len):
+def _planned_gradient(
+    cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len, rewards=None, impurity=None
+):
     """One mask draw through the trainer's planning with the method on."""
     collected = batch.collect(
         method, strategy, next_batch=lambda n: prompts, stats_of=stats_of, rollout=rollout, generator=gen
@@ -168,6 +187,8 @@ def _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J,
         seq_w[g.record.index] = torch.tensor([g.train_weight * w for w in g.completion_weights], dtype=torch.float64)
         lens[g.record.index] = torch.tensor(g.loss_lengths())
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, plans[0].denominator, J)
+    if cfg.method == "reco":
+        grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
     pairs = plans[0].aux_pairs
     if pairs:  # the trainer's coefficients (distill.aux_microbatches), T_q positions of aux[q] / T_q each
         positions = torch.tensor([float(len(p.group.completions[p.wrong])) for p in pairs], dtype=torch.float64)
@@ -181,22 +202,69 @@ def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
     if cfg.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
     gen = torch.Generator().manual_seed(cfg.seed)
-    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux = _setting(cfg, gen)
+    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity = _setting(cfg, gen)
     B, G = rewards.shape
     strategy = get_strategy(cfg.strategy)
     method = _method(cfg, strategy, dynamic_sampling=False)
     method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
-    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
+    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity)
     grpo = _full_gradient(replace(cfg, method="grpo"), method, rewards, lengths, sums, J_grpo, aux, seq_index, seq_len)
     gap = float("nan") if cfg.method == "adaprefix" else float((full - grpo).norm() / grpo.norm())
     prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
     stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, sums, cfg.max_len)
     grads = [
-        _planned_gradient(cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len)
+        _planned_gradient(
+            cfg, method, strategy, prompts, stats_of, rollout, gen, J, aux, seq_index, seq_len, rewards, impurity
+        )
         for _ in range(cfg.draws)
     ]
     rel_err, rel_se, max_z, z_limit, _ = _compare(torch.stack(grads), full, cfg.alpha)
+    along = bias_along(torch.stack(grads), full)
     exact = cfg.method != "bppo" and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
     exact = exact or (cfg.method == "bppo" and cfg.r_q == 0)
+    # ReCo's c_t divides by a step mean estimated from the kept tokens: a ratio once pruning draws.
+    exact = exact and not (cfg.method == "reco" and (cfg.r_q > 0 or cfg.r_o > 0))
     unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
-    return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased))
+    return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased), along)
+
+
+def bppo_prompt_pruning_bias(cfg: CheckConfig, draws: int = 100_000, chunk: int = 10_000) -> dict:
+    """The bias of BPPO's ratio estimate under DPPO's prompt pruning, without the Monte Carlo
+    noise of the planning path. BPPO trains no pruned completions (r_o = 0), so a mask draw's
+    gradient is exactly sum_q w_q n_q / sum_q w_q d_q: n_q the prompt's pair gradient over its
+    prefixes (the token coefficients without the denominator), d_q its denominator term
+    (bppo.denominator_terms), w_q the prompt weight pruning.prompt weights give (0 skipped). The
+    draws of w are vectorised (the trainer's _drop_uniformly), so `draws` can be 10-100x the
+    planning path's. Returns {"rel_bias", "rel_se", "along", "full"} (relative to the unpruned
+    gradient, full = sum n / sum d, which equals _full_gradient's)."""
+    from megatron_dppo.algorithms.pruning import _drop_uniformly, prompt_candidates
+
+    cfg = replace(cfg, method="bppo")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rewards, stats, lengths, J, _, seq_index, seq_len, _, _, _ = _setting(cfg, gen)
+    method = _method(cfg, get_strategy(cfg.strategy), dynamic_sampling=False)
+    plan = bppo.plan(rewards, lengths, method.bppo, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
+    B = rewards.shape[0]
+    n, d = [], []
+    for q in range(B):
+        one = torch.zeros(B, dtype=torch.float64)
+        one[q] = 1.0
+        n.append(_masked_gradient(cfg, plan.seq_weight * one[:, None], plan.prefix_len, seq_index, seq_len, 1.0, J))
+        d.append(
+            bppo.denominator_terms(
+                plan.prefix_len, plan.seq_weight, cfg.loss_agg, prompt_weight=one, max_response_length=cfg.max_len
+            )
+        )
+    n, d = torch.stack(n), torch.tensor(d, dtype=torch.float64)
+    full = n.sum(0) / d.sum()
+    candidates = prompt_candidates(stats.score)
+    grads = []
+    for start in range(0, draws, chunk):
+        rows = min(chunk, draws - start)
+        _, w = _drop_uniformly(candidates[None].expand(rows, B), cfg.r_q, gen)
+        num, den = w.double() @ n, w.double() @ d
+        grads.append(torch.where(den[:, None] > 0, num / den.clamp(min=1e-300)[:, None], torch.zeros_like(num)))
+    grads = torch.cat(grads)
+    rel_err, rel_se, *_ = _compare(grads, full, cfg.alpha)
+    along = bias_along(grads, full)
+    return {"rel_bias": bias_estimate(rel_err, rel_se), "rel_se": rel_se, "along": along, "full": full}

@@ -170,3 +170,36 @@ def test_boundary_tokens_and_config_checks():
         AdaPrefixConfig(withdraw_start=0.7, withdraw_end=0.6).validate("curriculum.adaprefix")
     with pytest.raises(ValueError, match="success_rate of prompt 'q'"):
         PrefixFractions().update("q", 1.5, f_cap=1, f_max=1, cfg=AdaPrefixConfig())
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_prefix_follows_the_thinking_opener_of_a_thinking_template(thinking):
+    """SEED 3.1.2: with a thinking template in thinking mode the prefix goes right after the
+    thinking opener ("<think>\\n" for Qwen3; "<think>" on this tokenizer); with thinking off (the
+    generation prompt holds the empty block) or a template with no thinking block, the prefix
+    starts the assistant turn, right after the rendered prompt."""
+    from thinking_template import thinking_tokenizer
+    from transformers import AutoTokenizer
+
+    from megatron_dppo.config import Config
+    from megatron_dppo.data import PromptRecord, PromptRenderer
+    from megatron_dppo.rollout.curriculum import PrefixCurriculum
+
+    cfg = Config()
+    cfg.algorithm.adaprefix.f0, cfg.algorithm.adaprefix.boundaries = 1.0, "+"
+    cfg.data.solution_key, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = "solution", 8, 64
+    rec = PromptRecord("q", "12+34=", None, "46", extra={"solution": "10+2+30+4=46"})
+    plain = AutoTokenizer.from_pretrained("examples/tiny/model")  # its template writes no thinking block
+    for tok, opener in [(thinking_tokenizer(), ["<think>"] if thinking else []), (plain, [])]:
+        renderer = PromptRenderer(tok, "chat", None, {} if thinking else {"enable_thinking": False})
+        prompt = renderer.token_ids(rec)
+        cur = PrefixCurriculum(cfg, tok, total_steps=10, assistant_opening=renderer.assistant_opening())
+        ids, added = cur.assisted(rec, prompt, step=0)
+        assert ids[: len(prompt)] == prompt and added == len(ids) - len(prompt)
+        shown = tok.convert_ids_to_tokens(ids[len(prompt) :])
+        # the opener, then whole steps of the reference up to one step before the answer's
+        assert shown[: len(opener)] == opener and "".join(shown[len(opener) :]) == "10+2+"
+        assert "<think>" not in shown[len(opener) :]
+    # The rule on Qwen3's own texts (its template's assistant turn and generation prompts).
+    assert adaprefix.thinking_opener("<think>\n\n</think>\n\n") == "<think>\n"
+    assert adaprefix.thinking_opener("") == "" and adaprefix.thinking_opener("Answer: ") == ""

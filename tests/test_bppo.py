@@ -255,3 +255,38 @@ def test_histogram_counts_every_trained_prefix():
     prefix = torch.tensor([[0, 1, 3], [0, 200, 16]])
     h = bppo.prefix_length_histogram(prefix)
     assert sum(h.values()) == 4 and h["1-1"] == 1 and h["2-3"] == 1 and h["16-31"] == 1 and h["128-"] == 1
+
+
+def test_step_logs_prefix_histogram_and_advantage_magnitudes():
+    """SEED_METHODS.md 1 asks to log the prefix lengths and the advantage magnitudes: through the
+    trainer's planning (batch.weigh_completions), against values computed by hand from the groups."""
+    from megatron_dppo.algorithms import batch
+    from megatron_dppo.algorithms.pruning import get_strategy
+    from megatron_dppo.config import Config
+    from megatron_dppo.data import PromptRecord
+    from megatron_dppo.rollout.records import Group
+
+    cfg = Config()
+    cfg.trainer.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 3, 4, 64
+    cfg.algorithm.selection = "bppo"
+    method = batch.Method.from_config(cfg, get_strategy("none"))
+    rec = PromptRecord(id="q", prompt="x", messages=None, answer="1")
+    rows = [  # (rewards, lengths): two mixed groups, one all-correct
+        ([1, 0, 0, 0], [20, 3, 9, 40]),  # pair (0, 1): P = min(20, 3) = 3
+        ([1, 1, 0, 0], [6, 2, 17, 30]),  # pair (1, 2): P = 2
+        ([1, 1, 1, 1], [5, 5, 5, 5]),
+    ]
+    groups = []
+    for slot, (r, lengths) in enumerate(rows):
+        g = Group(rec, 0, slot, [1, 2], [[5] * n for n in lengths], [float(x) for x in r], prompt_weight=1.0)
+        g.truncated = [False] * 4
+        groups.append(g)
+    trained, _ = batch.select_groups(method, groups, num_drawn=3, filled=0.0)
+    m = batch.weigh_completions(method, get_strategy("none"), trained, torch.Generator())
+    assert m["bppo/pairs"] == 2
+    assert m["bppo/prefix_len/2-3"] == 4 and sum(v for k, v in m.items() if k.startswith("bppo/prefix_len/")) == 4
+    adv = [torch.tensor(g.rewards) for g in groups[:2]]
+    adv = [(a - a.mean()) / (a.std() + 1e-6) for a in adv]  # GRPO's, std with Bessel's correction
+    pair = [adv[0][0], adv[0][1], adv[1][1], adv[1][2]]
+    assert m["bppo/pair_abs_adv"] == pytest.approx(float(torch.stack(pair).abs().mean()), rel=1e-5)
+    assert m["bppo/group_abs_adv"] == pytest.approx(float(torch.cat(adv).abs().mean()), rel=1e-5)

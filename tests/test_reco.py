@@ -198,3 +198,59 @@ def _tp_worker():
 
 if __name__ == "__main__":
     sys.exit(_tp_worker() if "LOCAL_RANK" in os.environ else 0)
+
+
+def _token_scales(drop_zero_variance: bool) -> dict:
+    """ReCo's c_t of one rollout through the trainer's planning and Trainer._attach_token_scale:
+    {(completion row, position): c_t} for every trained token with A != 0. g is a fixed function
+    of the token (what the pi_old pass would give for this rollout)."""
+    from types import SimpleNamespace
+
+    from megatron_dppo import packing
+    from megatron_dppo.algorithms import batch
+    from megatron_dppo.algorithms.pruning import get_strategy
+    from megatron_dppo.config import Config
+    from megatron_dppo.data import PromptRecord
+    from megatron_dppo.rollout.records import Group
+    from megatron_dppo.trainer import Trainer
+
+    cfg = Config()
+    cfg.trainer.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 3, 4, 16
+    cfg.algorithm.reweighting, cfg.pruning.drop_zero_variance = "reco", drop_zero_variance
+    method = batch.Method.from_config(cfg, get_strategy("none"))
+    gen = torch.Generator().manual_seed(4)
+    groups = []
+    for slot, rewards in enumerate([[1, 0, 0, 1], [1, 1, 1, 1], [0, 1, 0, 0]]):  # the middle one: A = 0
+        lengths = torch.randint(3, 9, (4,), generator=gen).tolist()
+        completions = [torch.randint(4, 21, (n,), generator=gen).tolist() for n in lengths]
+        rec = PromptRecord(id=f"q{slot}", prompt="x", messages=None, answer="1")
+        g = Group(rec, 0, slot, [1, 2], completions, [float(r) for r in rewards], prompt_weight=1.0)
+        g.truncated, g.sampling_logprobs = [False] * 4, [[-2.0] * n for n in lengths]
+        groups.append(g)
+    trained, _ = batch.select_groups(method, groups, num_drawn=3, filled=0.0)
+    batch.weigh_completions(method, get_strategy("none"), trained, gen)
+    (plan,) = batch.plan_minibatches(method, trained, num_drawn=3)
+    mbt = packing.build_thd_batch(plan.samples)
+    starts = mbt.cu_seqlens_padded[mbt.seq_index.clamp(min=0)]
+    position = torch.arange(mbt.tokens.shape[1]) - starts  # within its sequence: not the packed layout's
+    mbt.old_logp = torch.zeros_like(mbt.loss_mask)
+    mbt.token_scale = (0.1 + (mbt.labels % 7) / 10.0 + position / 100.0).float() * mbt.loss_mask
+    fake = SimpleNamespace(method=SimpleNamespace(reweighting="reco", reco=ReCoConfig(token_scale="gini")))
+    Trainer._attach_token_scale(fake, [SimpleNamespace(microbatches=[mbt])])
+    out = {}
+    for t in range(mbt.tokens.shape[1]):
+        s = int(mbt.seq_index[0, t])
+        if s >= 0 and mbt.loss_mask[0, t] > 0 and mbt.advantages[0, t] != 0:
+            start = int(mbt.cu_seqlens_padded[s])
+            out[(int(mbt.seq_ids[s]), t - start)] = float(mbt.token_scale[0, t])
+    return out
+
+
+def test_token_scale_is_the_same_with_and_without_drop_zero_variance():
+    """c_t's normaliser counts the tokens that carry a policy-gradient term: a zero-variance group
+    (A = 0) leaves it alone whether drop_zero_variance removed it before the pi_old pass or not."""
+    on, off = _token_scales(True), _token_scales(False)
+    assert on.keys() == off.keys() and len(on) > 10
+    for k in on:
+        assert on[k] == pytest.approx(off[k], rel=1e-6), k
+    assert len({round(v, 6) for v in on.values()}) > 3  # c varies over tokens: the comparison can fail

@@ -327,3 +327,114 @@ def _tp_worker():
 
 if __name__ == "__main__":
     sys.exit(_tp_worker() if "LOCAL_RANK" in os.environ else 0)
+
+
+# --- the teacher context in chat mode, through the trainer's packing (megatron_dppo/distill.py) ---
+
+
+def _chat_tokenizers():
+    from thinking_template import thinking_tokenizer
+    from transformers import AutoTokenizer
+
+    tiny = AutoTokenizer.from_pretrained("examples/tiny/model")
+    return {"tiny": tiny, "thinking": thinking_tokenizer()}
+
+
+def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
+    """The teacher and student rows of the one pair's packed micro-batch, as the trainer builds them."""
+    from megatron_dppo import distill
+    from megatron_dppo.data import PromptRecord
+    from megatron_dppo.rollout.records import Group
+
+    tok = renderer.tokenizer
+    group = Group(
+        PromptRecord("q", "12+34=", None, "46"), 0, 0, prompt_ids, [correct, wrong], [1.0, 0.0], train_weight=1.0
+    )
+    group.prefix_len = prefix_len
+
+    def ids(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    tokens = {"header": ids("("), "instruction": ids(")"), "strip": [tok.eos_token_id]}
+    tokens["suffix"] = ids(renderer.generation_suffix())
+    layout = dict(max_context=64, capacity=128, window=4, dp_rank=0, dp_size=1, pad_multiple=1, pad_id=0)
+    cfg = SSOPDConfig(min_positions=1)
+    pair = distill.AuxPair(group, correct=0, wrong=1, omega=1.0)
+    (mb,), stats = distill.aux_microbatches([pair], cfg=cfg, num_prompts=1.0, tokens=tokens, layout=layout)
+    cu = mb.cu_seqlens.tolist()
+    return mb.tokens[0][cu[0] : cu[1]].tolist(), mb.tokens[0][cu[1] : cu[2]].tolist()
+
+
+@pytest.mark.parametrize("system", [None, "1"])
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("template", ["tiny", "thinking"])
+def test_chat_teacher_context_is_the_template_rendering_the_problem_with_the_block(template, thinking, system):
+    """SEED 4.1.3: the solution block goes after the problem text, inside the user turn, in every
+    prompt mode. The reference is independent of the insertion code: the chat template rendering
+    a user message whose content is the problem followed by the block's text (the tokenizer is
+    character-level, so text and ids agree). The student is the ordinary prompt + o_w*."""
+    from megatron_dppo.data import PromptRecord, PromptRenderer
+
+    tok = _chat_tokenizers()[template]
+    renderer = PromptRenderer(tok, "chat", system, {} if thinking else {"enable_thinking": False})
+    prompt = renderer.token_ids(PromptRecord("q", "12+34=", None, "46"))
+    correct, wrong = tok("46", add_special_tokens=False)["input_ids"] + [tok.eos_token_id], [7, 8, 9, 10]
+    teacher, student = _aux_teacher_student(renderer, prompt, correct, wrong)
+    want = renderer.token_ids(PromptRecord("q", "12+34=(46)", None, "46"))
+    assert teacher == want + wrong and student == prompt + wrong
+    if renderer.generation_suffix():  # the old rule (the block after the whole prompt) differs here
+        assert teacher[: len(prompt)] != prompt
+    assert ssopd.check_only_block_differs(student, teacher) == len(prompt) - len(
+        tok(renderer.generation_suffix(), add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_chat_teacher_block_goes_before_an_adaprefix_prefix():
+    """With AdaPrefix the prompt ends with the thinking opener and the reference prefix (prefix_len
+    ids after the rendered prompt): the block still goes after the problem text, before them."""
+    from megatron_dppo.data import PromptRecord, PromptRenderer
+
+    tok = _chat_tokenizers()["thinking"]
+    renderer = PromptRenderer(tok, "chat")
+    prompt = renderer.token_ids(PromptRecord("q", "12+34=", None, "46"))
+    added = tok("<think>10+", add_special_tokens=False)["input_ids"]
+    correct, wrong = tok("46", add_special_tokens=False)["input_ids"], [7, 8, 9]
+    teacher, _ = _aux_teacher_student(renderer, prompt + added, correct, wrong, prefix_len=len(added))
+    assert teacher == renderer.token_ids(PromptRecord("q", "12+34=(46)", None, "46")) + added + wrong
+    with pytest.raises(ValueError, match="generation suffix"):  # a prefix_len that is not the prefix's
+        _aux_teacher_student(renderer, prompt + added, correct, wrong, prefix_len=1)
+
+
+def test_the_trainers_context_check_fails_on_a_template_mismatch(monkeypatch):
+    """check_only_block_differs can fail where the trainer calls it: a teacher prompt rendered
+    with another template mode (thinking on for the teacher, off for the student: the mismatch
+    OPSD's repo documents) is refused, naming the difference."""
+    from megatron_dppo.data import PromptRecord, PromptRenderer
+
+    tok = _chat_tokenizers()["thinking"]
+    student_renderer = PromptRenderer(tok, "chat", None, {"enable_thinking": False})
+    teacher_renderer = PromptRenderer(tok, "chat")
+    prompt = student_renderer.token_ids(PromptRecord("q", "12+34=", None, "46"))
+    mismatched = teacher_renderer.token_ids(PromptRecord("q", "12+34=(46)", None, "46"))
+    original = ssopd.teacher_prompt
+
+    def other_template(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return ssopd.TeacherPrompt(ids=mismatched, insert_at=t.insert_at, block=t.block)
+
+    correct, wrong = tok("46", add_special_tokens=False)["input_ids"], [7, 8, 9]
+    _aux_teacher_student(student_renderer, prompt, correct, wrong)  # the real teacher passes
+    monkeypatch.setattr(ssopd, "teacher_prompt", other_template)
+    with pytest.raises(ValueError, match="teacher context"):
+        _aux_teacher_student(student_renderer, prompt, correct, wrong)
+
+
+def test_ssopd_teacher_keys_that_nothing_built_are_refused():
+    """The teacher is the current policy; `teacher: fixed|ema` and `teacher_ema` were accepted and
+    read by nothing: now an unknown key, named."""
+    from megatron_dppo.config import load_config
+
+    base = ["algorithm.aux=ssopd"]
+    for key in ("algorithm.ssopd.teacher=fixed", "algorithm.ssopd.teacher_ema=0.9"):
+        with pytest.raises(ValueError, match=key.split("=")[0].replace(".", r"\.")):
+            load_config("examples/tiny/addition.yaml", overrides=[*base, key])

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_dppo.algorithms import pruning
 from megatron_dppo.algorithms.losses import LOSS_AGGS
-from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
+from megatron_dppo.unbiased_check import CheckConfig, bias_estimate, run_check, run_dynamic_check
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
@@ -75,6 +75,47 @@ def test_check_catches_a_missing_reweighting(monkeypatch):
     assert not res.unbiased
 
 
+@pytest.mark.parametrize("agg", LOSS_AGGS)
+def test_removing_the_prompt_weight_is_caught(agg):
+    """The negative control of prompt pruning, per aggregation: DPPO's kept prompts trained with
+    w_q = 1 must be BIASED. The setting gives the check power: at seed 3 (r_q = 0.5, r_o = 0, so
+    only the prompt draws are random) some candidate prompts carry gradient, and 600 draws put the
+    missing weight's bias at 15-16% of the gradient against an s.e. of 0.7% (max|z| 50-90 against
+    the limit 4.0; measured): with a normal approximation the power is 1 - Phi(4 - 50) ~ 1. At
+    seed 1 the check has none for the per-sequence aggregations: its candidates are all
+    zero-variance groups, whose zero gradient w_q only rescales (rel.err 0.0000 +- 0.0000)."""
+    cfg = CheckConfig(strategy="dppo", loss_agg=agg, r_q=0.5, r_o=0.0, draws=600, seed=3, without_prompt_weight=True)
+    res = run_check(cfg)
+    assert not res.unbiased, res.summary(cfg)
+    if res.exact:  # decided by the z-test: by a wide margin
+        assert res.max_z > 5 * res.z_threshold, res.summary(cfg)
+    else:  # decided by the bias test: a resolved bias over the 5% tolerance
+        assert bias_estimate(res.rel_error, res.rel_std_error) > 2 * cfg.approx_tol, res.summary(cfg)
+        assert res.rel_std_error <= cfg.approx_tol / 2
+    assert "WITHOUT w_q (negative control)" in res.summary(cfg) and "BIASED" in res.summary(cfg)
+    # The same setting with the weight is unbiased: the control isolates w_q.
+    assert run_check(CheckConfig(strategy="dppo", loss_agg=agg, r_q=0.5, r_o=0.0, draws=600, seed=3)).unbiased
+
+
+def test_a_consistent_verdict_names_the_test_that_decided_and_the_bias():
+    """A ratio estimator's line says that the bias test decided, the bias's size and sign, and
+    whether the draws resolved it (max|z| against the limit), instead of a broken z-limit beside
+    UNBIASED."""
+    from megatron_dppo.unbiased_check import CheckResult, verdict_text
+
+    res = CheckResult(0.0195, 0.0047, 4.18, 4.0, 0.1, 0.2, 0.5, 0.9, True, False, True, bias_along=-0.018)
+    line = verdict_text(res, 0.05, judged_by_z=False)
+    assert line.startswith("consistent, decided by the bias test: bias 1.89% (along the target -1.80%; ")
+    assert "resolved by the draws: max|z| 4.18 > limit 4.00" in line and line.endswith("UNBIASED")
+    assert "not resolved" in verdict_text(
+        CheckResult(0.02, 0.01, 2.0, 4.0, 0, 0, 0, 0, True, False, True), 0.05, judged_by_z=False
+    )
+    exact = CheckResult(0.01, 0.01, 4.18, 4.0, 0, 0, 0, 0, True, True, False)
+    assert (
+        verdict_text(exact, 0.05, judged_by_z=True) == "exact, decided by the z-test: max|z| 4.18 > limit 4.00: BIASED"
+    )
+
+
 def test_cli_exit_codes():
     ok = subprocess.run(
         [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--draws", "800"], capture_output=True, text=True
@@ -87,6 +128,10 @@ def test_cli_exit_codes():
         text=True,
     )
     assert bad.returncode == 1 and "BIASED" in bad.stdout
+    control = [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--without-prompt-weight"]
+    control += ["--seed", "3", "--r-o", "0", "--draws", "300"]
+    bad = subprocess.run(control, capture_output=True, text=True)
+    assert bad.returncode == 1 and "WITHOUT w_q (negative control)" in bad.stdout, bad.stdout + bad.stderr
 
 
 # ---- DAPO dynamic sampling + DPPO: the refill rule (docs/algorithm.md) ---------------------------
@@ -147,7 +192,29 @@ def test_cli_dynamic_sampling_exit_codes():
     ]
     ok = subprocess.run(base + ["--r-q", "0"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "total weight 8.000 vs 8" in ok.stdout and "exact: UNBIASED" in ok.stdout
+    assert "total weight 8.000 vs 8" in ok.stdout and "exact, decided by the z-test" in ok.stdout
     bad = subprocess.run(base + ["--refill-by", "count"], capture_output=True, text=True)
     assert bad.returncode == 1 and "refill by count" in bad.stdout and "BIASED" in bad.stdout, bad.stdout + bad.stderr
     assert "total weight 8.000" not in bad.stdout
+
+
+def test_bppo_ratio_bias_decomposition_matches_the_full_gradient():
+    """bppo_prompt_pruning_bias's per-prompt decomposition sum n / sum d is the unpruned BPPO
+    gradient computed by the method check; with nothing pruned (r_q = 0) there is no bias at all;
+    at r_q = 0.5 (seed 0, B = 16, seq-mean-token-mean) the ratio's bias is resolved (over 3 s.e.)"""
+    import torch
+
+    from megatron_dppo import unbiased_methods as um
+
+    for agg in LOSS_AGGS:
+        cfg = CheckConfig(method="bppo", r_o=0.0, r_q=0.5, loss_agg=agg, seed=0)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        rewards, _, lengths, J, _, seq_index, seq_len, sums, aux, _ = um._setting(cfg, gen)
+        method = um._method(cfg, pruning.get_strategy("dppo"), dynamic_sampling=False)
+        full = um._full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
+        res = um.bppo_prompt_pruning_bias(cfg, draws=20000 if agg == "seq-mean-token-mean" else 100)
+        torch.testing.assert_close(res["full"], full, rtol=1e-10, atol=1e-12)
+        if agg == "seq-mean-token-mean":  # 2.4% +- 0.2%
+            assert res["rel_bias"] > 3 * res["rel_se"], (agg, res)
+        none = um.bppo_prompt_pruning_bias(CheckConfig(method="bppo", r_o=0.0, r_q=0.0, loss_agg=agg), draws=100)
+        assert none["rel_bias"] < 1e-12 and none["rel_se"] < 1e-12

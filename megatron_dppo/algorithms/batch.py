@@ -286,6 +286,8 @@ def weigh_completions(
         u = torch.cat([p[3].flatten() for p in parts])
         extra["reco/response_weight_mean"] = float(u.mean())
         extra["reco/frequent_frac"] = float((u < 1).float().mean())  # G pi_b(o|x) > 1: u acts
+    if method.selection == "bppo":
+        extra.update(bppo.step_metrics([p[4] for p in parts], [p[0] for p in parts]))
     trained = torch.cat([sequence_weights(run).flatten() for run in runs])
     trained = trained[trained > 0]
     return {
@@ -301,10 +303,13 @@ def weigh_completions(
 
 
 def _weigh_groups(method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator):
-    """weigh_completions for groups of one size: -> (advantages, keep, w_o, ReCo's u or None), [P, G]."""
+    """weigh_completions for groups of one size: -> (advantages, keep, w_o, ReCo's u or None,
+    BPPO's prefix lengths or None), [P, G]."""
     adv = group_advantages(stack_rewards(groups), method.advantage)
+    prefix = None
     if method.selection == "bppo":  # the pair replaces completion pruning (r_o = 0 with it)
         keep, w_o = _bppo_selection(method, groups)
+        prefix = torch.tensor([g.trained_tokens for g in groups])  # before the overlong filter zeroes any
     else:
         keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
     w_o, u = w_o * keep, None
@@ -320,7 +325,7 @@ def _weigh_groups(method: Method, strategy: PruningStrategy, groups: list[Group]
             g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.loss_lengths())]
     for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
         g.advantages, g.completion_weights = a, w
-    return adv, keep, w_o, u
+    return adv, keep, w_o, u, prefix
 
 
 # ---- mini-batches: what each optimizer step trains and its full-batch denominator ----------------

@@ -3,7 +3,8 @@
 The rules are algorithms/methods/adaprefix.py's (pure, on token ids); this module adds what needs
 the tokenizer and the data: each record's reference (data.solution_key, tokenised once and cut at
 token boundaries, so vLLM continues from exactly the ids the trainer trains on), the step-boundary
-token ids, the prompt vLLM gets (the rendered prompt + the prefix: the prefix is part of the
+token ids, the prompt vLLM gets (the rendered prompt + the template's thinking opener, if it opens
+one at the assistant turn's start, + the prefix: the prefix is part of the
 prompt segment, so the completion-only loss masks it and token counts are the generated tokens'),
 the controller's update after every visit, and the state a checkpoint keeps.
 """
@@ -29,10 +30,14 @@ class PrefixCurriculum:
     """The run's AdaPrefix state and the tokenizer-side rules. One per rank; every rank makes the
     same updates (from the gathered groups), so the state agrees everywhere."""
 
-    def __init__(self, cfg, tokenizer, total_steps: int):
+    def __init__(self, cfg, tokenizer, total_steps: int, assistant_opening: str = ""):
+        """assistant_opening: data.PromptRenderer.assistant_opening(), what the chat template
+        writes at the assistant turn's start; its thinking opener precedes every prefix."""
         self.cfg, self.key, self.total_steps = cfg.algorithm.adaprefix, cfg.data.solution_key, total_steps
         self.max_new_tokens, self.max_model_len = cfg.rollout.max_new_tokens, cfg.rollout.max_model_len
         self.tokenizer = tokenizer
+        opener = adaprefix.thinking_opener(assistant_opening)
+        self.opener_ids = tokenizer(opener, add_special_tokens=False)["input_ids"] if opener else []
         self.fractions = adaprefix.PrefixFractions(self.cfg.f0)
         texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         self.boundary_ids = adaprefix.boundary_token_ids(texts, self.cfg.boundaries)
@@ -50,7 +55,8 @@ class PrefixCurriculum:
         return adaprefix.withdrawal_cap(step, self.total_steps, self.cfg.withdraw_start, self.cfg.withdraw_end)
 
     def assisted(self, record: PromptRecord, prompt_ids: list[int], step: int) -> tuple[list[int], int]:
-        """(the ids vLLM continues from, the number of reference tokens among them)."""
+        """(the ids vLLM continues from, the number of tokens after the prompt: the thinking
+        opener, if the template has one, and the reference prefix; no loss on any of them)."""
         ids, cap = self._reference(record)
         if not ids:
             return list(prompt_ids), 0
@@ -63,6 +69,7 @@ class PrefixCurriculum:
             f_cap=cap,
             max_new_tokens=self.max_new_tokens,
             max_model_len=self.max_model_len,
+            opener_ids=self.opener_ids,
         )
 
     def observe(self, groups, step: int) -> dict:

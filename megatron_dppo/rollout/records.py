@@ -39,7 +39,7 @@ class Group:
     # How many leading completion tokens carry loss, per completion (BPPO's prefix; 0 under DAPO's
     # overlong filter); empty: all of them. Set by the step's planning (algorithms/batch.py).
     trained_tokens: list[int] = field(default_factory=list)
-    prefix_len: int = 0  # AdaPrefix: reference-solution tokens at the end of prompt_ids (no loss)
+    prefix_len: int = 0  # AdaPrefix: tokens it added at the end of prompt_ids (thinking opener + prefix; no loss)
 
     @property
     def group_size(self) -> int:

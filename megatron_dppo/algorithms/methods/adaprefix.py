@@ -14,6 +14,8 @@ otherwise stock. Everything else here is our choice:
   - answer cap f_cap = start of the line `margin` steps before the line holding the final answer,
     over |ref| (`answer_cap`): the answer is never given;
   - prompt + prefix + max_new_tokens > context: shrink the prefix, not the budget (`fit_prefix`).
+With a thinking template the prefix follows the template's thinking opener ("<think>\\n" for
+Qwen3 in thinking mode, `thinking_opener`), else it starts the assistant turn.
 The prefix goes to vLLM as token ids (the reference is tokenised once, cut at a token boundary),
 so the continuation's log-probs match between engine and trainer. The verifier sees prefix +
 continuation. f_q must be fixed before the step's pruning draws (it is: the previous visit's).
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from megatron_dppo.algorithms.methods.configs import AdaPrefixConfig
+from megatron_dppo.rewards.extract import THINK_OPEN
 
 __all__ = [
     "AdaPrefixConfig",
@@ -38,6 +41,7 @@ __all__ = [
     "loss_mask",
     "prefix_length",
     "step_starts",
+    "thinking_opener",
     "withdrawal_cap",
 ]
 
@@ -198,23 +202,41 @@ def assisted_prompt(
     f_cap: float,
     max_new_tokens: int,
     max_model_len: int,
+    opener_ids: Sequence[int] = (),
 ) -> tuple[list[int], int]:
-    """(token ids to give vLLM, prefix length l). prompt_ids must already open the assistant
-    turn (for Qwen3 thinking mode: end with "<think>\\n", where the prefix goes: our choice); the
-    reference prefix ref_ids[:l] follows, with f clipped to f_cap (answer never shown) and l
-    shrunk to fit the context. No reference (empty ref_ids): the plain prompt, l = 0."""
+    """(token ids to give vLLM, the number of tokens added after the prompt). prompt_ids open the
+    assistant turn (the rendered prompt with its generation prompt); when a prefix is shown,
+    opener_ids (the template's thinking opener, `thinking_opener`: "<think>\\n" for Qwen3 in
+    thinking mode, where the prefix goes: SEED 3.1.2) come first, then the reference prefix
+    ref_ids[:l], with f clipped to f_cap (answer never shown) and l shrunk to fit the context.
+    No prefix (empty ref_ids, or l = 0): the plain prompt, nothing added (the model opens its
+    thinking itself)."""
     bounds = frozenset(boundary_ids)
     # round() is monotone and snapping only moves back: the prefix <= round(f_cap |ref|), the cap's step start.
     shown = prefix_length(min(f, f_cap), ref_ids, bounds) if ref_ids else 0
     shown = fit_prefix(
         shown,
-        prompt_len=len(prompt_ids),
+        prompt_len=len(prompt_ids) + len(opener_ids),
         max_new_tokens=max_new_tokens,
         max_model_len=max_model_len,
         ref_ids=ref_ids,
         boundary_ids=bounds,
     )
-    return list(prompt_ids) + list(ref_ids[:shown]), shown
+    if shown == 0:
+        return list(prompt_ids), 0
+    added = [*opener_ids, *ref_ids[:shown]]
+    return list(prompt_ids) + added, len(added)
+
+
+def thinking_opener(assistant_opening: str, open_tag: str = THINK_OPEN) -> str:
+    """The text that opens the template's thinking block at the assistant turn's start, where
+    a prefix goes after it: "<think>\\n" when the opening (data.PromptRenderer.assistant_opening:
+    "<think>\\n\\n</think>\\n\\n" for Qwen3 in thinking mode) starts with the tag (and a
+    newline after it when the template writes one); "" otherwise (no thinking block, or the
+    generation prompt already opened or closed it: the prefix goes at the prompt's end)."""
+    if not assistant_opening.startswith(open_tag):
+        return ""
+    return open_tag + ("\n" if assistant_opening[len(open_tag) :].startswith("\n") else "")
 
 
 def loss_mask(prefix_len: int, continuation_len: int) -> torch.Tensor:

@@ -53,6 +53,7 @@ __all__ = [
     "prefix_token_mask",
     "select_pairs",
     "selection_weights",
+    "step_metrics",
 ]
 
 
@@ -229,4 +230,26 @@ def prefix_length_histogram(prefix_len: torch.Tensor, edges: Sequence[int] = (1,
     return {
         f"{lo}-{'' if hi == math.inf else hi - 1}": int(((p >= lo) & (p < hi)).sum())
         for lo, hi in zip(bounds, bounds[1:])
+    }
+
+
+def step_metrics(prefix_len: Sequence[torch.Tensor], advantages: Sequence[torch.Tensor]) -> dict:
+    """What SEED_METHODS.md 1 asks to log per step, from each run of equal-size groups' plan:
+    prefix_len [P, G] (BPPOPlan.prefix_len: > 0 = the pair) and the full-group advantages [P, G].
+    bppo/prefix_len/<bucket>: the trained prefixes' lengths (`prefix_length_histogram`);
+    bppo/pair_abs_adv: mean |A| of the pairs' completions; bppo/group_abs_adv: mean |A| over all
+    completions of the groups that have a pair (what the pair's two advantages are drawn from);
+    bppo/pairs: the number of pairs. Means are 0 when no group has a pair."""
+    flat = torch.cat([p.flatten() for p in prefix_len]) if prefix_len else torch.zeros(0, dtype=torch.long)
+    pair, group = [], []
+    for p, a in zip(prefix_len, advantages):
+        chosen = p > 0
+        pair.append(a[chosen].abs().double())
+        group.append(a[chosen.any(dim=1)].abs().double().flatten())
+    pair_abs, group_abs = torch.cat(pair) if pair else torch.zeros(0), torch.cat(group) if group else torch.zeros(0)
+    return {
+        **{f"bppo/prefix_len/{k}": v for k, v in prefix_length_histogram(flat).items()},
+        "bppo/pairs": int((flat > 0).sum()) // 2,
+        "bppo/pair_abs_adv": float(pair_abs.mean()) if pair_abs.numel() else 0.0,
+        "bppo/group_abs_adv": float(group_abs.mean()) if group_abs.numel() else 0.0,
     }

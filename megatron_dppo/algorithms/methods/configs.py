@@ -23,7 +23,6 @@ ReCoTokenScale = Literal["gini", "bernoulli", "var_ratio", "none"]
 SSOPDDivergence = Literal["fkl_clip", "fkl", "jsd", "rkl_sampled"]
 SSOPDFrontier = Literal["variance", "indicator"]
 SSOPDWrongPool = Literal["all", "terminated"]
-SSOPDTeacher = Literal["current", "fixed", "ema"]
 
 
 def _check(prefix: str, section, rows) -> None:
@@ -134,7 +133,9 @@ class AdaPrefixConfig:
 @dataclass
 class SSOPDConfig:
     """SSOPD (SEED_METHODS.md section 4). fkl_clip with tau = 0.05 is [3rd]; the frontier weight's
-    form, lambda, the templates and every length rule are our choices."""
+    form, lambda, the templates and every length rule are our choices. The teacher is always the
+    current policy under stop-gradient [3rd]; SEED's `fixed` (initial policy) and `ema` teachers are
+    not built (docs/algorithm.md section 6), so there is no key to choose one."""
 
     coef: float = 1.0  # lambda: L = L_GRPO + lambda * L_aux (sweep 0.1, 0.3, 1.0)
     div: SSOPDDivergence = "fkl_clip"  # per-position divergence d_t
@@ -146,8 +147,6 @@ class SSOPDConfig:
     min_correct_len: int = 0  # skip the aux term when the shortest correct is shorter than this
     aux_max_len: int = 0  # T_q = min(L_w*, aux_max_len); 0 = all of L_w*
     min_positions: int = 16  # skip the pair when fewer positions fit the context
-    teacher: SSOPDTeacher = "current"  # current: pi_old under no_grad [3rd]; fixed: the initial policy; ema
-    teacher_ema: float = 0.99  # decay of teacher=ema (our choice)
     solution_header: str = "\n\nHere is a correct solution:\n"  # inserted after the problem (our choice)
     instruction: str = "\n\nAfter reading it, solve the problem again in your own words.\n"  # (our choice)
 
@@ -163,7 +162,6 @@ class SSOPDConfig:
                 ("min_correct_len", _is_int(self.min_correct_len) and self.min_correct_len >= 0, "an integer >= 0"),
                 ("aux_max_len", _is_int(self.aux_max_len) and self.aux_max_len >= 0, "an integer >= 0 (0 = all)"),
                 ("min_positions", _is_int(self.min_positions) and self.min_positions >= 1, "an integer >= 1"),
-                ("teacher_ema", 0 < self.teacher_ema < 1, "a number in (0, 1)"),
             ],
         )
         return self

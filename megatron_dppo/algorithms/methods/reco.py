@@ -22,9 +22,11 @@ larger where alternatives remain plausible. Every formula below is our reconstru
    zero the token (trust region, our choice); the KL term is unchanged (losses.kl_penalty, added
    by the caller).
 
-DPPO composition: u and c are fixed before any update and do not depend on the pruning masks,
-except through the step mean of g when it is estimated from the trained tokens only (see
-`token_scale`), so DPPO stays unbiased for the ReCo full-batch loss. Biased vs GRPO by design.
+DPPO composition: u and g are fixed before any update and do not depend on the pruning masks;
+c's normaliser, the step mean of g, is estimated from the trained tokens (`step_mean_terms`), a
+ratio: with token_scale gini or bernoulli, DPPO is consistent (not exact) for the ReCo
+full-batch loss whenever pruning draws; with none or var_ratio it is as exact as for GRPO.
+Biased vs GRPO by design.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "processed_logprobs",
     "renormalise",
     "response_weights",
+    "step_mean_terms",
     "surrogate",
     "token_scale",
     "var_ratio_scale",
@@ -153,13 +156,36 @@ def bernoulli_impurity(old_logp: torch.Tensor) -> torch.Tensor:
     return p * (1 - p)
 
 
+def step_mean_terms(
+    g: torch.Tensor,
+    loss_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    seq_index: torch.Tensor,
+    seq_weight: torch.Tensor,
+) -> tuple[float, float]:
+    """One micro-batch's share (sum w g, sum w) of the step mean of g that `token_scale` divides
+    by; sum both over the step's micro-batches and DP ranks. g, loss_mask, advantages, seq_index
+    are a packed micro-batch's per-position tensors, seq_weight its [S] sequence weights.
+
+    Our choice (SEED 2.1.3 reads "the mean over the step's valid tokens"): the tokens that carry
+    a policy-gradient term, i.e. loss tokens with A != 0, each weighted by its sequence's trained
+    weight w = w_q w_o u. Why A != 0: c_t multiplies A, so a zero-advantage token's scale is
+    irrelevant, and counting zero-variance groups' tokens would make every c_t depend on whether
+    `pruning.drop_zero_variance` removed them before the pi_old pass (it does; with it off they
+    have one); this way it does not. Why w: sum w c / sum w = 1 over the trained tokens, so c only
+    redistributes the step's loss over its tokens, at GRPO's total weight; under DPPO pruning the
+    ratio sum w g / sum w estimates the unpruned step's u-weighted mean (w_q w_o are
+    Horvitz-Thompson weights): consistent, not exact, whenever pruning draws."""
+    w = torch.where(seq_index >= 0, seq_weight[seq_index.clamp(min=0)], 0.0).double()
+    w = w * loss_mask.double() * (advantages != 0).double()
+    return float((w * g.double()).sum()), float(w.sum())
+
+
 def token_scale(g: torch.Tensor, step_mean: float) -> torch.Tensor:
-    """c = g / step_mean (no gradient). step_mean is the mean of g over the step's valid tokens:
-    every micro-batch and DP rank of the step, so sum(g) and count are all-reduced before the
-    first update. With DPPO pruning only the trained tokens have a pi_old pass; weighting each
-    token by its w_q * w_o (sum w g / sum w) estimates the unpruned step's mean (a
-    Horvitz-Thompson ratio: consistent, not exact). Guard (SEED 2.2): step_mean <= 1e-8 (every
-    position saturated) gives c = 0, no update, instead of 0/0 (our choice)."""
+    """c = g / step_mean (no gradient). step_mean: the step's mean of g (`step_mean_terms`), over
+    every micro-batch and DP rank, all-reduced before the first update. Guard (SEED 2.2):
+    step_mean <= 1e-8 (every position saturated) gives c = 0, no update, instead of 0/0 (our
+    choice)."""
     if step_mean <= MIN_MEAN_IMPURITY:
         return torch.zeros_like(g, dtype=torch.float32)
     return (g.detach().float() / step_mean).float()
