@@ -21,7 +21,7 @@ ThdAttention = Literal["auto", "varlen", "bucketed", "loop"]  # the local path's
 WandbMode = Literal["offline", "online", "disabled"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
-# The founding documents' other methods (../shared/SEED_METHODS.md), each an option of the step:
+# The four other methods (docs/methods.md), each an option of the step:
 Selection = Literal["all", "bppo"]  # which completions train: all (GRPO), BPPO's prefix pair
 Reweighting = Literal["none", "reco"]  # ReCo: response weight by expected occurrence + token scale
 Curriculum = Literal["none", "adaprefix"]  # AdaPrefix-GRPO: a reference-solution prefix held at 50% success

@@ -55,7 +55,7 @@ def _verify_unbiased(args) -> int:
 
 
 def _verify_methods(args, strategies, aggs) -> int:
-    """--method: each SEED_METHODS.md method, biased by design against GRPO, and DPPO unbiased for
+    """--method: each method of docs/methods.md, biased by design against GRPO, and DPPO unbiased for
     its own full-batch loss (megatron_dppo/unbiased_methods.py)."""
     from megatron_dppo.unbiased_check import CheckConfig
     from megatron_dppo.unbiased_methods import METHODS, run_method_check
@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--method",
         action="append",
-        help="a SEED_METHODS.md method (bppo, reco, adaprefix, ssopd, or all; repeatable): biased by design "
+        help="a method of docs/methods.md (bppo, reco, adaprefix, ssopd, or all; repeatable): biased by design "
         "against GRPO, and DPPO checked for the method's own full-batch loss",
     )
     v.add_argument(

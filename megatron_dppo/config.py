@@ -135,7 +135,7 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3
-    # ../shared/SEED_METHODS.md's methods; docs/algorithm.md section 6 says which details are ours.
+    # The four other methods (docs/methods.md); docs/algorithm.md section 6 says which details are ours.
     selection: Selection = "all"  # bppo: shortest correct + shortest incorrect, prefixes only
     bppo: BPPOConfig = field(default_factory=BPPOConfig)
     reweighting: Reweighting = "none"  # reco: ReCo's response weight and token scale
@@ -470,7 +470,7 @@ def _check_bppo_waves(cfg: Config, strategy) -> None:
 
 
 def _check_methods(cfg: Config) -> None:
-    """The SEED_METHODS.md options: their sections, and the combinations that cannot work."""
+    """The four other methods' options (docs/methods.md): their sections, and the combinations that cannot work."""
     from megatron_dppo.algorithms.pruning import get_strategy
 
     a = cfg.algorithm

@@ -1,4 +1,4 @@
-"""Dense Prompt Packing (DPPO.md section 6): sequences -> micro-batches -> THD batches.
+"""Dense Prompt Packing (docs/dppo.md section 6): sequences -> micro-batches -> THD batches.
 
 Three stages, all plain python/torch (nothing here imports Megatron: the THD batch becomes
 Megatron's PackedSeqParams in megatron_dppo.megatron.attention.packed_seq_params):
@@ -51,7 +51,7 @@ def _check_lengths(lengths, capacity: int, allow_oversize: bool = False) -> list
 
 
 def pack(lengths, capacity: int, window: int = 64, *, allow_oversize: bool = False) -> list[list[int]]:
-    """Window greedy (DPPO.md section 6) -> list of packs, each a list of indices into `lengths`.
+    """Window greedy (docs/dppo.md section 6) -> list of packs, each a list of indices into `lengths`.
 
     Keeps arrival order (a prompt's completions stay close): the window is always the first
     `window` unplaced sequences; the open pack takes the LONGEST of them that fits (ties: the

@@ -1,6 +1,6 @@
 """Bundled synthetic verifiable tasks: arithmetic prompts with exact answers.
 
-They make the tiny CPU main job possible (DESIGN.md): a task that a 0.74M-parameter model can
+They make the tiny CPU main job possible (docs/platform.md section 2): a task that a 0.74M-parameter model can
 partly solve after a short warm-up, with a verifier that is a plain string comparison.
 
 Two kinds:
@@ -108,7 +108,7 @@ class WorkedMultiplication:
         return 1.0 if final_answer(completion) == str(answer).strip() else 0.0
 
 
-# "add3" is the one DESIGN.md measured (the tiny main job); the others are there for variety.
+# "add3" is the one docs/platform.md section 2 measured (the tiny main job); the others are there for variety.
 # add2 is too easy to show a difference between methods (60% -> 90% in seconds).
 TASKS = {
     "add3": ArithmeticTask("add3", "+", 100, 999),

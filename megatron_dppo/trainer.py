@@ -653,7 +653,7 @@ class Trainer:
 
     def _attach_token_scale(self, minibatches) -> float:
         """ReCo's c_t = g_t / mean g over the step's trained tokens with A != 0, every micro-batch
-        and rank, each token weighted by its sequence's weight (SEED_METHODS.md 2.1.3;
+        and rank, each token weighted by its sequence's weight (docs/methods.md 2.1.3;
         reco.step_mean_terms says why). g is the Gini impurity from the pi_old pass, or
         pi_old(a)(1 - pi_old(a)) (bernoulli)."""
         last_stage = [mbt for mb in minibatches for mbt in mb.microbatches if mbt.old_logp is not None]

@@ -1,4 +1,4 @@
-"""Monte Carlo check that a pruning strategy keeps the full-batch gradient (DPPO.md section 4).
+"""Monte Carlo check that a pruning strategy keeps the full-batch gradient (docs/dppo.md section 4).
 
 A synthetic step: B prompts x G completions with binary rewards, a prompt history, ragged
 completion lengths, and a linear "policy" logp_t = phi_t . theta (theta in R^D). The per-token
@@ -198,7 +198,7 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     c.algorithm.advantage, c.algorithm.loss_agg, c.algorithm.kl_coef = cfg.advantage, cfg.loss_agg, cfg.kl_coef
     c.algorithm.dynamic_sampling, c.algorithm.max_resample_rounds = dynamic_sampling, cfg.max_resample_rounds
     c.algorithm.overlong_filter = cfg.overlong_filter
-    # unbiased_methods.py: the SEED_METHODS.md method under check, as its config keys set it
+    # unbiased_methods.py: the method of docs/methods.md under check, as its config keys set it
     c.algorithm.selection = "bppo" if cfg.method == "bppo" else "all"
     c.algorithm.reweighting = "reco" if cfg.method == "reco" else "none"
     c.algorithm.aux = "ssopd" if cfg.method == "ssopd" else "none"

@@ -1,4 +1,4 @@
-"""verify-unbiased for the founding documents' other methods (../shared/SEED_METHODS.md 5).
+"""verify-unbiased for the four other methods (docs/methods.md section 5).
 
 Two questions per method, on unbiased_check's synthetic step (linear policy, binary rewards,
 ragged lengths, a prompt history):

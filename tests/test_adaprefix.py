@@ -1,4 +1,4 @@
-"""AdaPrefix-GRPO's rules (SEED_METHODS.md 3 and 5): the controller holds a synthetic problem's
+"""AdaPrefix-GRPO's rules (docs/methods.md sections 3 and 5): the controller holds a synthetic problem's
 success near 50% (Monte Carlo, tolerance from the noise), f never passes f_cap or f_max(t), the
 prefix is cut at step boundaries and never shows the answer, the context rule shrinks the
 prefix, prefix tokens carry no gradient (finite differences), and the state round-trips JSON."""
@@ -174,7 +174,7 @@ def test_boundary_tokens_and_config_checks():
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_prefix_follows_the_thinking_opener_of_a_thinking_template(thinking):
-    """SEED 3.1.2: with a thinking template in thinking mode the prefix goes right after the
+    """docs/methods.md 3.1.2: with a thinking template in thinking mode the prefix goes right after the
     thinking opener ("<think>\\n" for Qwen3; "<think>" on this tokenizer); with thinking off (the
     generation prompt holds the empty block) or a template with no thinking block, the prefix
     starts the assistant turn, right after the rendered prompt."""

@@ -1,4 +1,4 @@
-"""BPPO's rules (SEED_METHODS.md 1 and 5): the pair, the prefixes, the weights, the denominator
+"""BPPO's rules (docs/methods.md sections 1 and 5): the pair, the prefixes, the weights, the denominator
 computed once per step, the config checks and the waves decision. References are brute-force
 Python over (length, index) and direct formulas of the loss, never the module's own output."""
 
@@ -258,7 +258,7 @@ def test_histogram_counts_every_trained_prefix():
 
 
 def test_step_logs_prefix_histogram_and_advantage_magnitudes():
-    """SEED_METHODS.md 1 asks to log the prefix lengths and the advantage magnitudes: through the
+    """docs/methods.md section 1 asks to log the prefix lengths and the advantage magnitudes: through the
     trainer's planning (batch.weigh_completions), against values computed by hand from the groups."""
     from megatron_dppo.algorithms import batch
     from megatron_dppo.algorithms.pruning import get_strategy

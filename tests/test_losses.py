@@ -1,4 +1,4 @@
-"""The loss core against straightforward re-implementations of DPPO.md section 1."""
+"""The loss core against straightforward re-implementations of docs/dppo.md section 1."""
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ class TinyPolicy(torch.nn.Module):
 
 
 def _reference_grpo_loss(logp, old_logp, ref_logp, adv, lengths, agg, clip_low, clip_high, beta, lmax):
-    """DPPO.md section 1 written as loops over sequences and tokens."""
+    """docs/dppo.md section 1 written as loops over sequences and tokens."""
     B, G = adv.shape
     total, t0, all_tokens = 0.0, 0, int(lengths.sum())
     for q in range(B):

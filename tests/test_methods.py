@@ -1,4 +1,4 @@
-"""The founding documents' other methods as options of the step (../shared/SEED_METHODS.md): their
+"""The four other methods (BPPO, ReCo, AdaPrefix-GRPO, SSOPD) as options of the step (docs/methods.md): their
 planning in algorithms/batch.py, SSOPD's micro-batches, AdaPrefix's prompts, and verify-unbiased's
 verdicts on them (biased by design against GRPO; DPPO unbiased for each method's own loss)."""
 

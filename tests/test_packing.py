@@ -51,7 +51,7 @@ def _check_partition(packs, lengths, cap):
 
 
 def _reference_window(lengths, cap, window):
-    """DPPO.md section 6, written the obvious O(N*W) way."""
+    """docs/dppo.md section 6, written the obvious O(N*W) way."""
     pending, packs, cur, room = list(range(len(lengths))), [], [], cap
     while pending:
         fit = [i for i in pending[:window] if lengths[i] <= room]

@@ -1,4 +1,4 @@
-"""ReCo's rules (SEED_METHODS.md 2 and 5): the response weight, the token scale (Gini impurity
+"""ReCo's rules (docs/methods.md sections 2 and 5): the response weight, the token scale (Gini impurity
 vocab-parallel over a real 2-process gloo group), the surrogate's trust region and KL, and the
 check that the sampling log-probs are the processed distribution. References: direct formulas,
 full-vocabulary softmax, PPO's own gradient (losses.policy_loss), and vLLM's sampler code.

@@ -1,4 +1,4 @@
-"""SSOPD's rules (SEED_METHODS.md 4 and 5): the pair from the full group, the frontier weight,
+"""SSOPD's rules (docs/methods.md sections 4 and 5): the pair from the full group, the frontier weight,
 the teacher context, the length rules, each divergence against a direct full-vocabulary
 computation (values and student gradients; also sharded over a real 2-process gloo TP group),
 and the whole aux term on a tiny Qwen3: zero when teacher and student contexts match, zero for
@@ -369,7 +369,7 @@ def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
 @pytest.mark.parametrize("thinking", [True, False])
 @pytest.mark.parametrize("template", ["tiny", "thinking"])
 def test_chat_teacher_context_is_the_template_rendering_the_problem_with_the_block(template, thinking, system):
-    """SEED 4.1.3: the solution block goes after the problem text, inside the user turn, in every
+    """docs/methods.md 4.1.3: the solution block goes after the problem text, inside the user turn, in every
     prompt mode. The reference is independent of the insertion code: the chat template rendering
     a user message whose content is the problem followed by the block's text (the tokenizer is
     character-level, so text and ids agree). The student is the ordinary prompt + o_w*."""

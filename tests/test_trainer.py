@@ -454,7 +454,7 @@ METHOD_OVERRIDES = {  # the README's list: each method from the main job's confi
     "reco": ["algorithm.reweighting=reco"],
     "adaprefix": [
         "algorithm.curriculum=adaprefix",
-        "data.solution_key=answer",  # addition: the answer's digits as the reference (SEED_METHODS 3.4)
+        "data.solution_key=answer",  # addition: the answer's digits as the reference (docs/methods.md 3.4)
         "algorithm.adaprefix.boundaries='0123456789'",
     ],
     "ssopd": [  # the tiny character tokenizer has no letters: a symbol for each template text
@@ -508,7 +508,7 @@ def test_bppo_waves_draw_each_group_until_mixed_and_continue_the_seed_stream(tmp
     def verdict(row):  # the reward before DAPO's penalty, 0 up to 1 token, then (1 - L) / 5
         return row["reward"] - max(-1.0, min(0.0, (1 - row["length"]) / 5)) >= 1 - 1e-6
 
-    def wanted(verdicts):  # SEED_METHODS.md 1.1.9 (a): waves of 4 until mixed (>= 4 drawn) or 8
+    def wanted(verdicts):  # docs/methods.md 1.1.9 (a): waves of 4 until mixed (>= 4 drawn) or 8
         n = 4
         while n < 8 and not (0 < sum(verdicts[:n]) < n):
             n += 4

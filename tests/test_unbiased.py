@@ -1,4 +1,4 @@
-"""Monte Carlo unbiasedness of the pruned-and-reweighted gradient (DPPO.md section 4)."""
+"""Monte Carlo unbiasedness of the pruned-and-reweighted gradient (docs/dppo.md section 4)."""
 
 import subprocess
 import sys

@@ -1,5 +1,5 @@
 """Dense packing, measured: density of the packers, packed-attention speed, and the trainer's
-train phase with packed vs padded micro-batches (DPPO.md section 6, docs/packing.md).
+train phase with packed vs padded micro-batches (docs/dppo.md section 6, docs/packing.md).
 
 Every comparison is side by side in ONE run, interleaved (A B A B ...), and printed as a ratio:
 timings on a shared machine drift too much to compare across runs.

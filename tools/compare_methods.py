@@ -56,7 +56,7 @@ PYTHON = sys.executable
 # The methods, as plain data: name, label, overrides on top of COMMON. `default: False` methods run
 # only when named with --methods.
 
-# GRPO as DPPO.md section 1 defines it; every method starts from here.
+# GRPO as docs/dppo.md section 1 defines it; every method starts from here.
 COMMON = {
     "pruning.strategy": "none",
     "pruning.r_q": 0.0,
@@ -144,7 +144,7 @@ METHODS = [
         "default": False,
         "overrides": {"pruning.strategy": "greso-simple", "pruning.r_q": 0.5},
     },
-    # The paper's ablation (DPPO.md section 6) without dense packing until its last row: GRPO on padded
+    # The paper's ablation (docs/dppo.md section 6) without dense packing until its last row: GRPO on padded
     # rows is the base, then completion pruning (0, 0.5), then prompt pruning (0.5, 0.5), both on padded
     # rows (dppo-0.5-0.5-padded above), then dense packing (= dppo-0.5-0.5). See ABLATION.
     {
@@ -166,7 +166,7 @@ METHODS = [
         "default": False,
         "overrides": {"pruning.drop_zero_variance": False},
     },
-    # The founding documents' other methods (../shared/SEED_METHODS.md; docs/algorithm.md section 6:
+    # The four other methods (docs/methods.md; docs/algorithm.md section 6:
     # every detail past their abstracts is ours), alone and with DPPO: run them by name with
     # --methods SEED_METHOD_NAMES (and --docs-name results_methods). "by_task": settings of the
     # task's data and tokenizer, keyed by the config file's name.
@@ -189,7 +189,7 @@ METHODS = [
         "label": "AdaPrefix-GRPO",
         "default": False,
         "overrides": {"algorithm.curriculum": "adaprefix"},
-        "by_task": {  # addition's reference is the answer's digits (SEED_METHODS.md 3.4)
+        "by_task": {  # addition's reference is the answer's digits (docs/methods.md 3.4)
             "addition": {"data.solution_key": "answer", "algorithm.adaprefix.boundaries": "'0123456789'"},
             "longtail": {"data.solution_key": "solution", "algorithm.adaprefix.boundaries": "','"},
         },

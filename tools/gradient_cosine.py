@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """BPPO's premise on a tiny model: are per-completion policy gradients of the same class nearly
-parallel, and correct-vs-incorrect ones distinct? (SEED_METHODS.md 1.4: the BPPO paper reports
+parallel, and correct-vs-incorrect ones distinct? (docs/methods.md 1.4: the BPPO paper reports
 such a gradient-similarity diagnostic; its numbers were not seen.)
 
     .venv/bin/python tools/gradient_cosine.py                        # long-tailed task, 32 prompts x 8

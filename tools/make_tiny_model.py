@@ -17,7 +17,7 @@
    on it only; AdamW 1e-3, batch 128) that stops once greedy accuracy on a validation split
    (disjoint from train and test) reaches --threshold, because a random model earns no reward
    and GRPO would have nothing to learn from; a --max-seconds cap bounds it. The accuracy curve
-   is steep (DESIGN.md), so a threshold, not a time, fixes the starting point.
+   is steep (docs/platform.md section 2), so a threshold, not a time, fixes the starting point.
 5. Saves config.json, model.safetensors, generation_config.json, tokenizer files, and
    warmup.json (accuracies, seconds, the curve; for worked tasks also the completion lengths of
    greedy and sampled test completions). Exit code 1 if the threshold was not reached.

@@ -54,9 +54,9 @@ class Method:
     drop_zero_variance: zero-variance groups get weight 0 (exact only without a KL term).
     overlong_filter: truncated completions get weight 0 and no loss tokens (DAPO's overlong
         filtering; docs/algorithm.md says what it does to each aggregation's denominator).
-    denominator: "full" (the unpruned batch's normaliser, DPPO.md section 4), "refill" (the
+    denominator: "full" (the unpruned batch's normaliser, docs/dppo.md section 4), "refill" (the
         trained groups' weights stand for the unpruned DAPO batch), "kept" (what was trained,
-        CPPO as published) or "bppo" (BPPO's own: its selected prefixes, SEED_METHODS.md 1.1.7).
+        CPPO as published) or "bppo" (BPPO's own: its selected prefixes, docs/methods.md 1.1.7).
     selection: "all" completions, or BPPO's pair per mixed group (replaces completion pruning).
     reweighting: "reco": ReCo's response weight (in the completion weights) and token scale.
     """

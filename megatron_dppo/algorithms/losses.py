@@ -1,4 +1,4 @@
-"""Per-token policy losses and their aggregation with DPPO weights (DPPO.md sections 1 and 4).
+"""Per-token policy losses and their aggregation with DPPO weights (docs/dppo.md sections 1 and 4).
 
 Every tensor here is flat over the LOSS tokens of a batch (completion tokens only, any number
 of sequences, any order): `seq_index[t]` says which sequence token t belongs to. That layout

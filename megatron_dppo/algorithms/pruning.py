@@ -1,4 +1,4 @@
-"""DPPO pruning (DPPO.md sections 2, 3, 5) and the baseline strategies, in one registry.
+"""DPPO pruning (docs/dppo.md sections 2, 3, 5) and the baseline strategies, in one registry.
 
 Both DPPO levels use the same Horvitz-Thompson machinery: a candidate set C (the
 low-information members), a FIXED count m = floor(r * |C|) of them dropped uniformly at

@@ -1,7 +1,7 @@
 """Qwen3 HF <-> Megatron-Core GPTModel weight mapping, with TP and PP sharding.
 
 Plain torch on state dicts (no megatron import), so the conversion tools, the trainer's weight
-push to vLLM and the tests share one mapping. Names (measured, PLATFORM.md):
+push to vLLM and the tests share one mapping. Names (measured, docs/platform.md section 1):
 
   model.embed_tokens.weight                 embedding.word_embeddings.weight   (vocab padded)
   model.layers.L.input_layernorm.weight     decoder.layers.L.input_layernorm.weight

@@ -5,7 +5,7 @@ Two attention paths behind one switch (megatron/attention_backend.py decides "au
   "local" Megatron-Core's local spec with core_attention replaced by PackedDotProductAttention
           (torch SDPA per packed sequence); works on CPU and on a GPU without TE.
 
-Parameter names follow the spec (PLATFORM.md has the HF <-> Megatron table): the local spec
+Parameter names follow the spec (docs/platform.md section 1 has the HF <-> Megatron table): the local spec
 has decoder.layers.L.{input,pre_mlp}_layernorm.weight, the TE spec folds them into
 linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight.
 """

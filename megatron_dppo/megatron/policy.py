@@ -1,6 +1,6 @@
 """The policy on Megatron-Core: packed micro-batches through forward_backward with the DPPO loss.
 
-How the DPPO loss enters Megatron's distributed reduction (DPPO.md section 4): each micro-batch's
+How the DPPO loss enters Megatron's distributed reduction (docs/dppo.md section 4): each micro-batch's
 loss is sum_t coef_t * loss_t (megatron/loss.py), fixed before the step. The gradient we want is
 the gradient of the sum of those over every micro-batch of every rank. So:
   * calculate_per_token_loss=True: the schedule neither divides a micro-batch's loss by its token

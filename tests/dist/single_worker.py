@@ -46,7 +46,7 @@ def check_cpu_compat(cfg):
 
 def hf_to_megatron(hf_model, cfg) -> dict:
     """Full (TP=1) Megatron state dict from HF Qwen3 weights: test-only conversion following
-    the table in PLATFORM.md (fused QKV grouped per KV head, fc1 = [gate; up])."""
+    the table in docs/platform.md section 1 (fused QKV grouped per KV head, fc1 = [gate; up])."""
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     heads, groups, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],

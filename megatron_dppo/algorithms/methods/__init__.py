@@ -1,4 +1,4 @@
-"""The four GRPO-family methods of ../shared/SEED_METHODS.md as pure rules: BPPO, ReCo,
+"""The four GRPO-family methods of docs/methods.md as pure rules: BPPO, ReCo,
 AdaPrefix-GRPO and SSOPD. Tensors and lists in, tensors and lists out; nothing here imports the
 trainer or Megatron, so the step's planning (algorithms/batch.py) and the policy's loss call them.
 
@@ -9,6 +9,6 @@ belong to none of them, the selection of shortest/longest correct/incorrect comp
 torch-free `configs.py` that megatron_dppo/config.py can import at module level without making
 config parsing import torch.
 
-Every detail that SEED_METHODS.md marks "(our choice)" or "[guess]" is marked so in the docstring
+Every detail that docs/methods.md marks "(our choice)" or "[guess]" is marked so in the docstring
 that implements it: none of the four papers' full texts could be read.
 """

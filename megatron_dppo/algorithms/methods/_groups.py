@@ -3,7 +3,7 @@ shortest / longest pick BPPO and SSOPD share. Ties always go to the lowest compl
 choice): completions are i.i.d., so that is a uniform tie-break, and it is layout independent.
 
 "Correct" is reward >= correct_threshold (0.5: our choice), so binary 0/1 rewards, and rewards
-like GRESO's 0.1 for a wrong answer, classify as SEED_METHODS.md's r_i in {0, 1}.
+like GRESO's 0.1 for a wrong answer, classify as docs/methods.md's r_i in {0, 1}.
 """
 
 from __future__ import annotations

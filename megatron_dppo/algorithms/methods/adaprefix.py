@@ -1,4 +1,4 @@
-"""AdaPrefix-GRPO: a feedback controller on the reference-solution prefix (SEED_METHODS.md 3).
+"""AdaPrefix-GRPO: a feedback controller on the reference-solution prefix (docs/methods.md section 3).
 
 Paper facts [paper]: each training problem has a reference solution; a correct prefix of it is
 prepended to the assistant turn; the prefix length per problem is adjusted throughout training to
@@ -207,7 +207,7 @@ def assisted_prompt(
     """(token ids to give vLLM, the number of tokens added after the prompt). prompt_ids open the
     assistant turn (the rendered prompt with its generation prompt); when a prefix is shown,
     opener_ids (the template's thinking opener, `thinking_opener`: "<think>\\n" for Qwen3 in
-    thinking mode, where the prefix goes: SEED 3.1.2) come first, then the reference prefix
+    thinking mode, where the prefix goes: docs/methods.md 3.1.2) come first, then the reference prefix
     ref_ids[:l], with f clipped to f_cap (answer never shown) and l shrunk to fit the context.
     No prefix (empty ref_ids, or l = 0): the plain prompt, nothing added (the model opens its
     thinking itself)."""

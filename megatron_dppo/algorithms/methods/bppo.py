@@ -1,4 +1,4 @@
-"""BPPO, Binary Prefix Policy Optimization (SEED_METHODS.md section 1), as pure rules.
+"""BPPO, Binary Prefix Policy Optimization (docs/methods.md section 1), as pure rules.
 
 Per mixed group (0 < k < G correct) the update unit is one pair [paper]: c = the shortest
 correct completion and w = the shortest incorrect one, ties to the lowest index (our choice).
@@ -76,7 +76,7 @@ def prefix_lengths(selection: PairSelection, lengths: torch.Tensor, cfg: BPPOCon
     pair_min (default, our choice: the prefix both share in length, so the longer one's tail, the
     redundant suffix, is never reinforced or penalised): P_c = P_w = min(L_c, L_w).
     ratio: P_i = ceil(prefix_ratio * L_i). fixed: P_i = min(prefix_fixed, L_i).
-    Then P_i = clamp(P_i, 1, L_i) and P_i <= ceil(max_ratio * L_i). SEED_METHODS.md states the
+    Then P_i = clamp(P_i, 1, L_i) and P_i <= ceil(max_ratio * L_i). docs/methods.md states the
     max_ratio cap for pair_min; it is applied after every mode here (a no-op at the default 1.0).
     """
     lengths = check_lengths(lengths, lengths.shape)
@@ -224,7 +224,7 @@ def next_wave(
 
 def prefix_length_histogram(prefix_len: torch.Tensor, edges: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128)) -> dict:
     """Counts of the trained prefix lengths by bucket [edge_i, edge_{i+1}) and the last one open,
-    for logging (SEED_METHODS.md 1.2: very short correct answers give P of a few tokens)."""
+    for logging (docs/methods.md 1.2: very short correct answers give P of a few tokens)."""
     p = prefix_len[prefix_len > 0]
     bounds = [*edges, math.inf]
     return {
@@ -234,7 +234,7 @@ def prefix_length_histogram(prefix_len: torch.Tensor, edges: Sequence[int] = (1,
 
 
 def step_metrics(prefix_len: Sequence[torch.Tensor], advantages: Sequence[torch.Tensor]) -> dict:
-    """What SEED_METHODS.md 1 asks to log per step, from each run of equal-size groups' plan:
+    """What docs/methods.md section 1 asks to log per step, from each run of equal-size groups' plan:
     prefix_len [P, G] (BPPOPlan.prefix_len: > 0 = the pair) and the full-group advantages [P, G].
     bppo/prefix_len/<bucket>: the trained prefixes' lengths (`prefix_length_histogram`);
     bppo/pair_abs_adv: mean |A| of the pairs' completions; bppo/group_abs_adv: mean |A| over all

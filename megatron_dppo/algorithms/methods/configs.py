@@ -1,11 +1,11 @@
-"""Config sections of BPPO, ReCo, AdaPrefix-GRPO and SSOPD (SEED_METHODS.md sections 1-4).
+"""Config sections of BPPO, ReCo, AdaPrefix-GRPO and SSOPD (docs/methods.md sections 1-4).
 
 Torch-free on purpose: megatron_dppo/config.py imports only choices.py at module level ("imports
 nothing, so config parsing stays fast") and can nest these as fields, e.g.
 `AlgorithmConfig.bppo: BPPOConfig = field(default_factory=BPPOConfig)`, then call
 `cfg.algorithm.bppo.validate("algorithm.bppo")` from `validate`. Each `validate(prefix)` raises a
 one-line ValueError in config.py's own format, naming `<prefix>.<field>`. The defaults are
-SEED_METHODS.md's "(our choice)" values: none of the papers' hyperparameters could be read.
+docs/methods.md's "(our choice)" values: none of the papers' hyperparameters could be read.
 The Literal choices are declared here; they can move to choices.py when the lead wires them in.
 """
 
@@ -46,7 +46,7 @@ def _is_int(x) -> bool:
 
 @dataclass
 class BPPOConfig:
-    """BPPO (SEED_METHODS.md section 1). Every default is our choice: the paper's are unknown."""
+    """BPPO (docs/methods.md section 1). Every default is our choice: the paper's are unknown."""
 
     prefix_mode: BPPOPrefixMode = "pair_min"  # pair_min: P_c = P_w = min(L_c, L_w); ratio; fixed
     prefix_ratio: float = 0.5  # alpha of prefix_mode=ratio: P_i = ceil(alpha * L_i), in (0, 1] (our choice)
@@ -78,7 +78,7 @@ class BPPOConfig:
 
 @dataclass
 class ReCoConfig:
-    """ReCo (SEED_METHODS.md section 2). The forms are guesses from the abstract; 'none' of either
+    """ReCo (docs/methods.md section 2). The forms are guesses from the abstract; 'none' of either
     option turns that half off (our addition, for ablations)."""
 
     response_weight: ReCoResponseWeight = "expected"  # u_i = 1 / max(1, G pi_b(o_i|x)); count: 1 / #duplicates
@@ -92,13 +92,13 @@ class ReCoConfig:
 
 @dataclass
 class AdaPrefixConfig:
-    """AdaPrefix-GRPO (SEED_METHODS.md section 3). p* = 0.5 is the paper's ("near 50%"); the
+    """AdaPrefix-GRPO (docs/methods.md section 3). p* = 0.5 is the paper's ("near 50%"); the
     controller's form, f0, eta, the EMA and the withdrawal schedule are our choices."""
 
     f0: float = 0.0  # initial fraction of the reference solution shown (our choice)
     target: float = 0.5  # p*: the success rate the controller holds
     eta: float = 0.5  # f <- f + eta * (p* - p_hat): a 0/G visit adds 0.25 of the solution
-    ema: float = 0.0  # beta of an EMA of p_hat over visits; 0 = this visit's p_hat (SEED's option: 0.5)
+    ema: float = 0.0  # beta of an EMA of p_hat over visits; 0 = this visit's p_hat (docs/methods.md 3.1.6: 0.5)
     withdraw_start: float = 0.5  # f_max(t) = 1 before this fraction of the run's steps...
     withdraw_end: float = 0.8  # ...falling linearly to 0 here, then 0 (plain GRPO)
     answer_margin_steps: int = 1  # the prefix stops this many steps before the line holding the answer
@@ -132,9 +132,9 @@ class AdaPrefixConfig:
 
 @dataclass
 class SSOPDConfig:
-    """SSOPD (SEED_METHODS.md section 4). fkl_clip with tau = 0.05 is [3rd]; the frontier weight's
+    """SSOPD (docs/methods.md section 4). fkl_clip with tau = 0.05 is [3rd]; the frontier weight's
     form, lambda, the templates and every length rule are our choices. The teacher is always the
-    current policy under stop-gradient [3rd]; SEED's `fixed` (initial policy) and `ema` teachers are
+    current policy under stop-gradient [3rd]; docs/methods.md 4.1.3's `fixed` (initial policy) and `ema` teachers are
     not built (docs/algorithm.md section 6), so there is no key to choose one."""
 
     coef: float = 1.0  # lambda: L = L_GRPO + lambda * L_aux (sweep 0.1, 0.3, 1.0)

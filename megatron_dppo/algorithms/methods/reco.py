@@ -1,4 +1,4 @@
-"""ReCo: reweighting GRPO against distributional concentration (SEED_METHODS.md section 2).
+"""ReCo: reweighting GRPO against distributional concentration (docs/methods.md section 2).
 
 The abstract gives two ideas [paper]: each response's contribution is divided by its expected
 occurrence in the group, and the importance ratio is replaced by a variance-based ratio that is
@@ -58,7 +58,7 @@ __all__ = [
     "var_ratio_scale",
 ]
 
-MIN_MEAN_IMPURITY = 1e-8  # SEED_METHODS.md 2.2's guard on mean(g)
+MIN_MEAN_IMPURITY = 1e-8  # docs/methods.md 2.2's guard on mean(g)
 
 
 def expected_occurrence_weights(sampling_logprob_sums: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ def step_mean_terms(
     by; sum both over the step's micro-batches and DP ranks. g, loss_mask, advantages, seq_index
     are a packed micro-batch's per-position tensors, seq_weight its [S] sequence weights.
 
-    Our choice (SEED 2.1.3 reads "the mean over the step's valid tokens"): the tokens that carry
+    Our choice (docs/methods.md 2.1.3 reads "the mean over the step's valid tokens"): the tokens that carry
     a policy-gradient term, i.e. loss tokens with A != 0, each weighted by its sequence's trained
     weight w = w_q w_o u. Why A != 0: c_t multiplies A, so a zero-advantage token's scale is
     irrelevant, and counting zero-variance groups' tokens would make every c_t depend on whether
@@ -183,7 +183,7 @@ def step_mean_terms(
 
 def token_scale(g: torch.Tensor, step_mean: float) -> torch.Tensor:
     """c = g / step_mean (no gradient). step_mean: the step's mean of g (`step_mean_terms`), over
-    every micro-batch and DP rank, all-reduced before the first update. Guard (SEED 2.2):
+    every micro-batch and DP rank, all-reduced before the first update. Guard (docs/methods.md 2.2):
     step_mean <= 1e-8 (every position saturated) gives c = 0, no update, instead of 0/0 (our
     choice)."""
     if step_mean <= MIN_MEAN_IMPURITY:

@@ -1,4 +1,4 @@
-"""SSOPD, self-supervised on-policy distillation (SEED_METHODS.md section 4), as pure rules.
+"""SSOPD, self-supervised on-policy distillation (docs/methods.md section 4), as pure rules.
 
 Paper facts [paper]: in a mixed group the teacher is a distribution conditioned on the shortest
 correct completion; it is distilled into prefixes of the longest wrong completion; an auxiliary
