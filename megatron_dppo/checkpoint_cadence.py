@@ -2,10 +2,10 @@
 whichever comes first, and at the end.
 
 A hard kill (kill -9, a node lost, an OOM kill) loses what was trained since the last save; a
-cadence in steps alone bounds that loss in steps, which can be hours at scale and was the whole
-8-minute main job at the old default (50 steps). The time bound caps it in minutes whatever a step
-costs. The decision reads the wall clock, which differs between ranks: every rank must act on
-the same answer, so the caller takes rank 0's (megatron_dppo.distributed.agree).
+cadence in steps alone bounds that loss in steps, which can be hours at scale. The time bound
+caps it in minutes whatever a step costs. The decision reads the wall clock, which differs
+between ranks: every rank must act on the same answer, so the caller takes rank 0's
+(megatron_dppo.distributed.agree).
 """
 
 from __future__ import annotations

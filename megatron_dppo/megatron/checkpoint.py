@@ -22,16 +22,13 @@ CheckpointError naming the file and what was expected: a checkpoint without one 
 checkpoints (tools/convert_hf_to_megatron.py) and checkpoints of older versions have no
 manifest; they get the other checks.
 
-Writer processes: Megatron-Core 0.16.1's torch_dist save forks `thread_count` writer processes
-per rank from the (multi-threaded) trainer and collects their results through a
-multiprocessing Manager, a spawned server process that lives as long as the trainer. A forked
-child can block forever on a lock another thread held at fork() time, and neither the writers
-nor the Manager die with a SIGKILLed trainer (one was seen stuck 12 minutes on a futex holding
-600 MB). Here the same files are written by threads of the saving process (_InProcessTorchDistSave):
-file writes release the GIL, so the writes still overlap, and nothing outlives the trainer.
-megatron-core >= 0.17 writes with threads itself, but its writer keeps only the type of a failed
-write ("An error is caught while starting worker 0, error: <class 'OSError'>"): ours keeps the
-exception, so a full disk is still named as one (save_checkpoint) at every version.
+Writer processes: the files of a torch_dist save are written by threads of the saving process
+(_InProcessTorchDistSave), not by the writer processes Megatron-Core 0.16.1 forks from the
+multi-threaded trainer (with a Manager server process to collect their results): a forked child
+can block forever on a lock another thread held at fork() time, and neither the writers nor the
+Manager die with a SIGKILLed trainer. File writes release the GIL, so the writes still overlap,
+and nothing outlives the trainer. The writer keeps a failed write's exception (megatron-core
+>= 0.17's threaded writer keeps only its type), so save_checkpoint names a full disk as one.
 
 Pruning (keep_last) orders checkpoints by step number, not name, and deletes only checkpoints
 of this run (the run_id in trainer_state.json: a fresh id for a new run, the loaded
