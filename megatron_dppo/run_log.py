@@ -84,20 +84,11 @@ class RunLogger:
         line anywhere else is an error naming the file and line."""
         if not os.path.exists(self.metrics_path):
             return
-        with open(self.metrics_path) as f:
-            lines = f.readlines()
         rows = []
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if i == len(lines) and not line.endswith("\n"):
-                    self.message(f"{self.metrics_path}: dropping the partial last line (a kill while it was written)")
-                    continue
-                raise ValueError(f"{self.metrics_path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
-            if row.get("step", 0) <= step:
+        for line, row in _metric_lines(self.metrics_path):
+            if row is None:
+                self.message(f"{self.metrics_path}: dropping the partial last line (a kill while it was written)")
+            elif row.get("step", 0) <= step:
                 rows.append(line if line.endswith("\n") else line + "\n")
         tmp = self.metrics_path + ".tmp"
         with open(tmp, "w") as f:
@@ -187,22 +178,27 @@ def _logged_steps(path: str) -> set:
     return {row.get("step") for row in read_metrics(path)}
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl; a partial last line (a kill while it was written) is left out,
-    a bad line anywhere else is a ValueError naming the file and line."""
+def _metric_lines(path: str):
+    """(line, row) of each row of a metrics.jsonl; a partial last line (a kill while it was
+    written) comes as (line, None); a bad line anywhere else is a ValueError naming file and line."""
     with open(path) as f:
         lines = f.readlines()
-    rows = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(parse_row(line))
+            yield line, parse_row(line)
         except json.JSONDecodeError:
             if i == len(lines) and not line.endswith("\n"):
-                break
+                yield line, None
+                return
             raise ValueError(f"{path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
-    return rows
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a partial last line (a kill while it was written) is left out,
+    a bad line anywhere else is a ValueError naming the file and line."""
+    return [row for _, row in _metric_lines(path) if row is not None]
 
 
 def plot_curves(metrics_path: str, png_path: str) -> None:

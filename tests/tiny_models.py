@@ -8,6 +8,8 @@ The mixture-of-experts variant (tiny_qwen3_moe_*) has the same shape around its 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from megatron_dppo.convert.qwen3 import hf_model_tensors as hf_checkpoint_tensors  # noqa: F401 (tests import it from here)
+
 SHAPE = dict(
     vocab_size=50,
     hidden_size=64,
@@ -75,22 +77,3 @@ def tiny_qwen3_moe_model(seed: int, **overrides):
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return cfg, model
-
-
-def hf_checkpoint_tensors(model, grads: bool = False) -> dict:
-    """A Qwen3 MoE model's weights (or gradients) under the names its safetensors files use:
-    transformers 5 holds each layer's experts as 3-D gate_up_proj [E, 2I, H] (gate rows, then up)
-    and down_proj [E, H, I], and writes them per expert (mlp.experts.<e>.{gate,up,down}_proj)."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = (p.grad if grads else p).detach()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
-        elif name.endswith("mlp.experts.down_proj"):
-            for e, x in enumerate(t):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = x
-        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
-            out[name] = t
-    return out

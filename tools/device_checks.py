@@ -103,25 +103,6 @@ def _hf_model(cfg: dict, seed: int):
     return model
 
 
-def _checkpoint_tensors(model, grads: bool = False) -> dict:
-    """The model's weights (or gradients) under its checkpoint's names, the names hf_grads and
-    hf_state_dict use: transformers 5 holds a layer's experts as 3-D gate_up_proj [E, 2I, H] and
-    down_proj [E, H, I] and writes them per expert (mlp.experts.<e>.{gate,up,down}_proj.weight)."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = (p.grad if grads else p).detach()
-        if name.endswith("mlp.experts.gate_up_proj"):
-            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
-                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
-                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
-        elif name.endswith("mlp.experts.down_proj"):
-            for e, x in enumerate(t):
-                out[name.replace("down_proj", f"{e}.down_proj.weight")] = x
-        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
-            out[name] = t
-    return out
-
-
 def machine_gpu_settings(attention: str, moe: bool):
     """parallel's GPU performance keys as a run on this machine resolves them
     (config.resolve_gpu_settings): with CUDA the overlapped gradient reduce, on the TE path also
@@ -175,6 +156,7 @@ def grad_check(
     log-probs against transformers'."""
     from megatron_dppo.algorithms import losses
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
+    from megatron_dppo.convert.qwen3 import hf_model_tensors
     from megatron_dppo.megatron.model import module_device
     from megatron_dppo.megatron.policy import MegatronPolicy
     from megatron_dppo.packing import Sample, build_thd_batch, pack
@@ -194,7 +176,7 @@ def grad_check(
     )
     device = module_device(policy.model)
     model = _hf_model(cfg, seed)
-    hf_sd = {k: v.detach().clone() for k, v in _checkpoint_tensors(model).items()}
+    hf_sd = {k: v.detach().clone() for k, v in hf_model_tensors(model).items()}
     ref_model = None
     if kl_coef > 0:  # a reference policy a little off the trained one, so that the KL term has a gradient
         ref_model = copy.deepcopy(model)
@@ -203,7 +185,7 @@ def grad_check(
             for p in ref_model.parameters():
                 p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
                 p.copy_(p.to(dtype).float())
-        policy.load_hf_state_dict({k: v.to(dtype) for k, v in _checkpoint_tensors(ref_model).items()})
+        policy.load_hf_state_dict({k: v.to(dtype) for k, v in hf_model_tensors(ref_model).items()})
         ref_model.to(device)
     policy.load_hf_state_dict({k: v.to(dtype) for k, v in hf_sd.items()}, into_reference=ref_model is None)
     with torch.no_grad():  # the reference sees the weights the policy holds
@@ -264,7 +246,7 @@ def grad_check(
         seq_index, torch.tensor([s.weight for s in samples], device=device), seq_len, loss_cfg.loss_agg, denom
     )
     losses.aggregate(token_loss, coef).backward()
-    ref = {n: g.float().cpu() for n, g in _checkpoint_tensors(model, grads=True).items()}
+    ref = {n: g.float().cpu() for n, g in hf_model_tensors(model, grads=True).items()}
 
     lens = [len(s.tokens) for s in samples]
     packs = pack(lens, 512, window=len(lens))

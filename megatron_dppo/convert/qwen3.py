@@ -527,3 +527,24 @@ def shard_for_rank(
             "output_layer.weight", full_mg["embedding.word_embeddings.weight"], tp_rank, tp_size
         )
     return out
+
+
+def hf_model_tensors(model, grads: bool = False) -> dict:
+    """A transformers Qwen3 / Qwen3-MoE model's weights (or gradients) under the names its
+    safetensors files use (what hf_to_megatron and load_hf_state_dict take): transformers 5 holds
+    each layer's experts as 3-D gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj
+    [E, H, I], and writes them per expert (mlp.experts.<e>.{gate,up,down}_proj.weight); a tied
+    lm_head is not written."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.grad if grads else p).detach()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, x in enumerate(t):
+                out[name.replace("down_proj", f"{e}.down_proj.weight")] = x
+        elif not (model.config.tie_word_embeddings and name == "lm_head.weight"):
+            out[name] = t
+    return out
