@@ -109,13 +109,17 @@ def run_evaluate(cfg, checkpoint: str | None = None, out_dir: str | None = None,
     renderer = PromptRenderer(
         tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
     )
+    warnings: list[str] = []
     sets = load_eval_sets(
         cfg,
         renderer,
         max_prompt_tokens=rc.max_model_len - rc.max_new_tokens,
         skip=cfg.data.skip_long_prompts,
         limit_desc=f"rollout.max_model_len {rc.max_model_len} - rollout.max_new_tokens {rc.max_new_tokens}",
+        warnings=warnings,
     )
+    for line in warnings:
+        out(line)
     if not sets:
         raise ValueError("evaluate: no validation sets: set eval.sets (name -> path) or data.eval")
     model_dir, temp_dir = cfg.model.hf_dir, None

@@ -62,12 +62,17 @@ def eval_set_paths(cfg) -> dict:
     return sets
 
 
-def load_eval_sets(cfg, renderer: PromptRenderer, max_prompt_tokens: int, skip: bool, limit_desc: str):
-    """Each set's first trainer.eval_size records, length-checked like the training prompts."""
+def load_eval_sets(
+    cfg, renderer: PromptRenderer, max_prompt_tokens: int, skip: bool, limit_desc: str, warnings: list | None = None
+):
+    """Each set's first trainer.eval_size records, length-checked like the training prompts;
+    `warnings`, if given, gets the sets' mostly-unknown-token prompts as the training data does."""
     out = []
     for name, path in eval_set_paths(cfg).items():
         records = load_records(path, cfg.data.prompt_key, cfg.data.answer_key)[: cfg.trainer.eval_size]
-        records, _ = check_prompt_lengths(records, renderer, max_prompt_tokens, path, skip=skip, limit_desc=limit_desc)
+        records, _ = check_prompt_lengths(
+            records, renderer, max_prompt_tokens, path, skip=skip, limit_desc=limit_desc, warnings=warnings
+        )
         named_all = next((r for r in records if r.data_source == ALL), None)
         if named_all is not None:
             raise ValueError(f"{named_all.source}: data_source {ALL!r} is reserved (val/<set>/all/ is every source)")

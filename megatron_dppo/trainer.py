@@ -189,12 +189,12 @@ class Trainer:
             prompt_key=cfg.data.prompt_key,
             answer_key=cfg.data.answer_key,
         )
-        self.eval_sets = load_eval_sets(cfg, self.renderer, **limit)
+        eval_warnings: list[str] = []
+        self.eval_sets = load_eval_sets(cfg, self.renderer, **limit, warnings=eval_warnings)
         sets = [self.data.records, *(s.records for s in self.eval_sets)]
         sources = [r.data_source for records in sets for r in records]
-        self.config_warnings += self.data.warnings + preflight.input_warnings(
-            cfg, self.tokenizer, self.hf_config, sources
-        )
+        self.config_warnings += self.data.warnings + eval_warnings
+        self.config_warnings += preflight.input_warnings(cfg, self.tokenizer, self.hf_config, sources)
 
     @staticmethod
     def _attention_backend(cfg: Config) -> str:

@@ -299,6 +299,12 @@ def test_eval_sets_from_config(tmp_path, renderer):
         ("eval", [r.id for r in sets[1].records[:3]]),
         ("mix", ["src-a/0", "src-a/1", "src-a/2"]),
     ]
+    warnings = []
+    unknown = [{"prompt": "héllo wörld", "answer": "2"}, {"prompt": "1+1=", "answer": "2"}]
+    write_jsonl(unknown, str(tmp_path / "u.jsonl"))
+    cfg.eval.sets = {"unk": str(tmp_path / "u.jsonl")}
+    load_eval_sets(cfg, renderer, max_prompt_tokens=20, skip=False, limit_desc="", warnings=warnings)
+    assert len(warnings) == 1 and "1 prompt(s) of" in warnings[0] and "u.jsonl:line 1" in warnings[0], warnings
     write_jsonl([{"prompt": "1+1=", "answer": "2", "data_source": "all"}], str(tmp_path / "all.jsonl"))
     cfg.eval.sets = {"bad": str(tmp_path / "all.jsonl")}
     with pytest.raises(ValueError, match=r"all\.jsonl:line 1: data_source 'all' is reserved"):
