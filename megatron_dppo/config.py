@@ -695,11 +695,13 @@ def resolve(
     num_experts: int = 0,
     moe_ffn_hidden_size: int | None = None,
     te: bool = False,
+    wgrad_kernel: bool | None = None,
 ) -> Config:
     """Fill in every value that depends on the model, the machine or the data, in one place, before
     the config is saved or read by anything else: after this no key is None or means "decide later".
     The cluster shape is the launch's (torchrun's world and processes per node), not the config's.
-    te: the model runs on the Transformer Engine path (megatron/attention_backend.py's choice)."""
+    te: the model runs on the Transformer Engine path (megatron/attention_backend.py's choice);
+    wgrad_kernel: APEX's fused wgrad extension imports (None: look; resolve_gpu_settings)."""
     cfg.parallel.gpus_per_node = local_world_size
     cfg.parallel.nodes = max(world_size // local_world_size, 1)
     check_layout(
@@ -721,7 +723,9 @@ def resolve(
         cfg.pruning.drop_zero_variance = cfg.algorithm.kl_coef == 0
     if cfg.parallel.distributed_optimizer is None:  # shards Adam state over DP; pointless on CPU
         cfg.parallel.distributed_optimizer = cuda
-    resolve_gpu_settings(cfg.parallel, cuda=cuda, te=te, moe=num_experts > 0, world_size=world_size)
+    resolve_gpu_settings(
+        cfg.parallel, cuda=cuda, te=te, moe=num_experts > 0, world_size=world_size, wgrad_kernel=wgrad_kernel
+    )
     if cfg.optim.decay_steps == 0:
         t = cfg.trainer
         cfg.optim.decay_steps = t.max_steps * t.minibatches_per_step * t.epochs_per_step
@@ -738,10 +742,18 @@ RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 DDP_BUCKET_MIN, DDP_BUCKET_PER_RANK = 40_000_000, 1_000_000  # Megatron DDP's default bucket size rule
 
 
-def resolve_gpu_settings(par: ParallelConfig, *, cuda: bool, te: bool, moe: bool, world_size: int) -> None:
+def resolve_gpu_settings(
+    par: ParallelConfig, *, cuda: bool, te: bool, moe: bool, world_size: int, wgrad_kernel: bool | None = None
+) -> None:
     """parallel's GPU performance keys: None -> on where they can run (overlap: CUDA; the fusions:
     the TE path, the MoE ones for an MoE model), off otherwise; a fusion asked for where TE does not
-    run, or overlap_param_gather, is refused naming the key."""
+    run, or overlap_param_gather, is refused naming the key. wgrad_kernel: APEX's
+    fused_weight_gradient_mlp_cuda is importable (None: look here), which gradient_accumulation_fusion
+    needs beside TE: Megatron's own output layer refuses to build without it."""
+    if wgrad_kernel is None:
+        import importlib.util
+
+        wgrad_kernel = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
     if par.overlap_param_gather:
         raise ValueError(
             "config key 'parallel.overlap_param_gather': expected false; the weight sync reads the parameters "
@@ -755,7 +767,7 @@ def resolve_gpu_settings(par: ParallelConfig, *, cuda: bool, te: bool, moe: bool
     if par.ddp_bucket_size < 0:
         raise ValueError(f"config key 'parallel.ddp_bucket_size': expected an integer >= 0, got {par.ddp_bucket_size}")
     for key, wanted in (
-        ("gradient_accumulation_fusion", te),
+        ("gradient_accumulation_fusion", te and wgrad_kernel),
         ("moe_permute_fusion", te and moe),
         ("moe_router_fusion", te and moe),
     ):
@@ -766,6 +778,11 @@ def resolve_gpu_settings(par: ParallelConfig, *, cuda: bool, te: bool, moe: bool
                 f"config key 'parallel.{key}': expected false (or unset) here; it needs the Transformer Engine "
                 "path (model.attention resolving to te: a GPU with transformer_engine)"
             )
+    if par.gradient_accumulation_fusion and not wgrad_kernel:
+        raise ValueError(
+            "config key 'parallel.gradient_accumulation_fusion': expected false (or unset) here; it needs APEX's "
+            "fused_weight_gradient_mlp_cuda extension (NVIDIA's containers ship it), which does not import"
+        )
     if par.recompute_modules is None and par.recompute == "selective":  # else unused (not saved)
         # On the TE path flash attention keeps no s x s scores and the norms are fused into their
         # linears, so Megatron's own default, core_attn (+ the MoE layer's unfused pre-MLP norm),

@@ -440,7 +440,7 @@ def gpu_settings(par, arch: Arch, world: int) -> dict:
     from megatron_dppo.config import resolve_gpu_settings
 
     resolved = dataclasses.replace(par, recompute_modules=par.recompute_modules and list(par.recompute_modules))
-    resolve_gpu_settings(resolved, cuda=True, te=True, moe=arch.experts > 0, world_size=world)
+    resolve_gpu_settings(resolved, cuda=True, te=True, moe=arch.experts > 0, world_size=world, wgrad_kernel=True)
     keys = ("overlap_grad_reduce", "ddp_bucket_size", "overlap_param_gather", "gradient_accumulation_fusion")
     keys += ("moe_permute_fusion", "moe_router_fusion")
     out = {k: getattr(resolved, k) for k in keys}

@@ -51,8 +51,8 @@ def input_warnings(cfg, tokenizer, hf_config, data_sources) -> list[str]:
                     f"warning: algorithm.{key}={getattr(a, key):g} is ignored: model.hf_dir {cfg.model.hf_dir} is a "
                     "dense model (no router)"
                 )
-    if cfg.data.prompt_mode == "chat" and cfg.data.chat_template_kwargs:
-        read = template_variables(tokenizer.chat_template)
+    read = template_variables(tokenizer.chat_template) if cfg.data.prompt_mode == "chat" else None
+    if cfg.data.chat_template_kwargs and read is not None:
         for key in sorted(set(cfg.data.chat_template_kwargs) - read):
             out.append(
                 f"warning: data.chat_template_kwargs.{key} is ignored: the chat template of model.hf_dir "
@@ -77,15 +77,25 @@ def input_warnings(cfg, tokenizer, hf_config, data_sources) -> list[str]:
     return out
 
 
-def template_variables(template) -> set[str]:
+def template_variables(template) -> set[str] | None:
     """The variables a chat template (a jinja string, or a {name: template} mapping) reads from
-    its context: jinja2.meta's undeclared variables, what apply_chat_template's kwargs can set."""
+    its context: jinja2.meta's undeclared variables, what apply_chat_template's kwargs can set.
+    Parsed with the extension transformers renders with (loop controls: {% break %}); its own
+    {% generation %} tag is a block around assistant text, read as plain content here. None: a
+    template this parser cannot read (transformers may still render it: no warning then)."""
+    import re
+
     import jinja2
     import jinja2.meta
 
     templates = template.values() if isinstance(template, dict) else [template or ""]
-    env = jinja2.Environment()
-    return set().union(*(jinja2.meta.find_undeclared_variables(env.parse(t)) for t in templates))
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    generation_tags = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
+    try:
+        parsed = [env.parse(generation_tags.sub("", t)) for t in templates]
+    except jinja2.TemplateSyntaxError:
+        return None
+    return set().union(*(jinja2.meta.find_undeclared_variables(p) for p in parsed))
 
 
 def _leaf_keys(cfg, key: str) -> list[str]:
@@ -111,29 +121,40 @@ def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
 
 
+# vLLM 0.32's _get_and_verify_max_len: these RoPE types leave max_position_embeddings already scaled.
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
 def check_context(max_model_len: int, hf_dir: str) -> None:
-    """rollout.max_model_len against the model's context (config.json's max_position_embeddings,
-    times rope_scaling's factor where it has one, as vLLM derives it: a yarn model's original
-    positions times the factor, never less than max_position_embeddings): past it vLLM refuses
-    the length in a long pydantic error that suggests an environment variable."""
+    """rollout.max_model_len against the model's context as vLLM 0.32 derives it: config.json's
+    max_position_embeddings, at most tokenizer_config.json's model_max_length, times the RoPE
+    factor (rope_parameters, or rope_scaling before transformers 5) unless the RoPE type is one
+    whose max_position_embeddings is already scaled (yarn, llama3, longrope, ...). Past it vLLM
+    refuses the length in a long pydantic error that suggests an environment variable."""
     import json
 
-    path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return  # an unreadable config.json is check_hf_model_dir's error, named there
-    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    def read(name):
+        try:
+            with open(os.path.join(hf_dir, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}  # an unreadable config.json is check_hf_model_dir's error, named there
+        return data if isinstance(data, dict) else {}
+
+    config, path = read("config.json"), os.path.join(hf_dir, "config.json")
+    context = config.get("max_position_embeddings")
     if not isinstance(context, int):
         return
     what = f"max_position_embeddings {context}"
-    scaling = config.get("rope_scaling")
-    factor = scaling.get("factor") if isinstance(scaling, dict) else None
-    if isinstance(factor, (int, float)) and factor > 1:
-        base = scaling.get("original_max_position_embeddings", context)
-        context = max(context, int(base * factor))
-        what += f", rope_scaling factor {factor:g}: {context} positions"
+    limit = read("tokenizer_config.json").get("model_max_length")
+    if isinstance(limit, int) and limit < context:
+        context, what = limit, f"{what}, tokenizer_config.json's model_max_length {limit}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    rope = rope if isinstance(rope, dict) else {}
+    rope_type, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if rope_type not in _PRESCALED_ROPE and isinstance(factor, (int, float)) and factor != 1:
+        context = int(context * factor)
+        what += f", RoPE {rope_type} factor {factor:g}: {context} positions"
     if max_model_len > context:
         raise ValueError(
             f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "

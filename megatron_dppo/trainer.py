@@ -766,18 +766,27 @@ class Trainer:
         from megatron_dppo.megatron.weights import save_hf_checkpoint
 
         out = os.path.join(self.run_dir, "hf", step_dir_name(step))
-        try:
+        error = None
+        try:  # rank 0 writes; every rank agrees on its outcome, so none is left in a collective
             if self.is_main and os.path.lexists(out):
                 if not os.path.isdir(out) or os.path.islink(out):
                     raise FileExistsError(errno.EEXIST, "exists and is not a directory", out)
                 shutil.rmtree(out)
-            save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
         except OSError as e:
+            error = e
+        if mdist.agree(error is None):
+            try:
+                save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+            except OSError as e:
+                error = e
+        if not mdist.agree(error is None):
+            why = "on rank 0"
+            if error is not None:
+                why = f"{error.strerror or error}{': ' + str(error.filename) if error.filename else ''}"
             raise OSError(
                 f"config key 'trainer.save_hf_every': exporting step {step} as an HF model to {out} failed "
-                f"({e.strerror or e}{': ' + str(e.filename) if e.filename else ''}); step {step}'s metrics are "
-                "written and --resume continues after the latest checkpoint"
-            ) from None
+                f"({why}); step {step}'s metrics are written and --resume continues after the latest checkpoint"
+            )
         return out
 
     def _resume(self) -> None:

@@ -63,10 +63,15 @@ def test_gpu_resolution_follows_megatron_lm_recipes():
     from megatron_dppo.megatron.model import GpuSettings
     from megatron_dppo.megatron.policy import _config_overrides
 
-    moe = _resolved(cuda=True, te=True, num_experts=4, moe_ffn_hidden_size=64, world_size=16, local_world_size=8)
+    gpu = dict(cuda=True, te=True, wgrad_kernel=True)  # a GPU with TE and APEX's fused wgrad kernel
+    moe = _resolved(**gpu, num_experts=4, moe_ffn_hidden_size=64, world_size=16, local_world_size=8)
     assert moe.overlap_grad_reduce and moe.ddp_bucket_size == 40_000_000  # max(40M, 1M x DP=16)
     assert moe.gradient_accumulation_fusion and moe.moe_permute_fusion and moe.moe_router_fusion
-    wide = _resolved(cuda=True, te=True, world_size=64, local_world_size=8)
+    # without APEX's kernel Megatron's output layer refuses gradient_accumulation_fusion: off, or named
+    assert not _resolved(cuda=True, te=True, wgrad_kernel=False).gradient_accumulation_fusion
+    with pytest.raises(ValueError, match=r"'parallel\.gradient_accumulation_fusion'.*fused_weight_gradient_mlp_cuda"):
+        _resolved(["parallel.gradient_accumulation_fusion=true"], cuda=True, te=True, wgrad_kernel=False)
+    wide = _resolved(**gpu, world_size=64, local_world_size=8)
     assert wide.ddp_bucket_size == 64_000_000 and not wide.moe_permute_fusion  # dense: no MoE fusions
     local = _resolved(cuda=True, te=False)  # a GPU without TE: overlap yes, TE fusions no
     assert local.overlap_grad_reduce and not local.gradient_accumulation_fusion

@@ -186,6 +186,20 @@ def test_chat_template_kwargs_the_template_never_reads_are_warned_about():
     assert input_warnings(cfg, tok, hf, [""]) == []
 
 
+def test_template_variables_reads_templates_that_transformers_renders():
+    """Loop controls ({% break %}, an extension transformers enables) and HF's {% generation %} block
+    made jinja2's bare parser raise at start-up, for a warning; unparseable is None (no warning)."""
+    from megatron_dppo.preflight import template_variables
+
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{% break %}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}{% if think %}<think>{% endif %}"
+    )
+    assert template_variables(template) == {"messages", "think"}
+    assert template_variables({"default": template, "tool_use": "{{ tools }}"}) == {"messages", "think", "tools"}
+    assert template_variables("{% if %}") is None
+
+
 def test_a_by_source_reward_for_no_source_in_the_data_is_warned_about():
     from megatron_dppo.preflight import input_warnings
 
@@ -240,12 +254,27 @@ def test_a_warning_writes_the_value_as_an_override_would():
     ]
 
 
-def test_a_rope_scaled_context_is_the_positions_times_the_factor(tmp_path):
+@pytest.mark.parametrize(
+    "config_changes, tokenizer_max, allowed",
+    [
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}, None, 128),  # transformers 5
+        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, None, 256),  # before transformers 5
+        # yarn (and llama3, longrope): max_position_embeddings is already the scaled context
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, None, 64),
+        ({}, 48, 48),  # the tokenizer's model_max_length caps it
+    ],
+)
+def test_the_context_is_derived_as_vllm_derives_it(tmp_path, config_changes, tokenizer_max, allowed):
+    """vLLM 0.32's _get_and_verify_max_len, on the tiny model (max_position_embeddings 64)."""
     from megatron_dppo.preflight import check_context
 
     config = json.loads(open(f"{TINY}/config.json").read())
-    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    if "rope_scaling" in config_changes:  # a config written before transformers 5 has no rope_parameters
+        config.pop("rope_parameters", None)
+    config.update(config_changes)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    check_context(128, str(tmp_path))  # 32 x 4: what vLLM allows
-    with pytest.raises(ValueError, match="max_position_embeddings 64, rope_scaling factor 4: 128 positions"):
-        check_context(129, str(tmp_path))
+    if tokenizer_max:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": tokenizer_max}))
+    check_context(allowed, str(tmp_path))
+    with pytest.raises(ValueError, match=f"rollout.max_model_len': {allowed + 1} is more .* at most {allowed}$"):
+        check_context(allowed + 1, str(tmp_path))

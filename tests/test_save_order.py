@@ -8,6 +8,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import megatron_dppo.megatron.checkpoint as ckpt_module
 from megatron_dppo.config import load_config
@@ -179,3 +180,27 @@ def test_a_step_repeated_after_a_resume_replaces_its_hf_export(tmp_path, monkeyp
     assert _steps(run_dir) == [1, 2, 3]
     assert sorted(os.listdir(run_dir / "hf")) == ["step_000001", "step_000002", "step_000003"]
     assert not (run_dir / "hf" / "step_000001" / "stale").exists()
+
+
+def test_a_failed_hf_write_on_rank_0_still_iterates_every_bucket(tmp_path, monkeypatch):
+    """The buckets' gathers are collective: rank 0 giving up at a failed shard write left the other
+    ranks waiting in the next gather until the process group's timeout. It now consumes every
+    bucket, then raises; nothing is left at the output path."""
+    from megatron_dppo.megatron import weights
+
+    consumed = []
+
+    def buckets():
+        for i in range(4):
+            consumed.append(i)
+            yield [(f"w{i}", torch.zeros(4))]
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "save_file", full_disk)
+    out = tmp_path / "hf" / "step_000001"
+    with pytest.raises(OSError, match="No space left"):
+        weights.save_hf_checkpoint(buckets(), str(out), "examples/tiny/model", is_main=True, max_shard_bytes=1)
+    assert consumed == [0, 1, 2, 3]
+    assert not out.exists()

@@ -364,18 +364,25 @@ def save_hf_checkpoint(buckets, out_dir: str, source_hf_dir: str, is_main: bool,
     """An HF model directory of the policy's current weights: safetensors shards + index, the
     source model's config.json, tokenizer and chat template; loadable by transformers and vLLM as
     it is. buckets: policy.hf_weight_buckets() (collective: every rank iterates it, rank 0 writes).
-    All or nothing: written beside out_dir and renamed into place (convert/hf_io.staged_output_dir)."""
+    All or nothing: written beside out_dir and renamed into place (convert/hf_io.staged_output_dir).
+    A write that fails on rank 0 is raised only after every bucket was iterated: the buckets'
+    gathers are collective, and the other ranks would wait in them for rank 0 until the timeout."""
     from megatron_dppo.convert.hf_io import INDEX, copy_assets, staged_output_dir
 
     staging = staged_output_dir(out_dir) if is_main else contextlib.nullcontext()
     with staging as stage:
         shard, size, files, weight_map, total = {}, 0, [], {}, 0
+        failed: list[OSError] = []
 
         def flush():
             nonlocal shard, size
-            if shard and is_main:
+            if shard and is_main and not failed:
                 name = f"shard-{len(files):05d}.safetensors"
-                save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(stage, name), {"format": "pt"})
+                tensors = {k: v.contiguous() for k, v in shard.items()}
+                try:
+                    save_file(tensors, os.path.join(stage, name), {"format": "pt"})
+                except OSError as e:
+                    failed.append(e)
                 files.append((name, list(shard)))
             shard, size = {}, 0
 
@@ -390,6 +397,8 @@ def save_hf_checkpoint(buckets, out_dir: str, source_hf_dir: str, is_main: bool,
         flush()
         if not is_main:
             return
+        if failed:
+            raise failed[0]
         for i, (name, names) in enumerate(files):  # HF's naming, now that the count is known
             final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             os.rename(os.path.join(stage, name), os.path.join(stage, final))
