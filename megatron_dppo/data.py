@@ -214,10 +214,13 @@ def load_records(paths, prompt_key: str = "", answer_key: str = "") -> list[Prom
     paths = data_paths(paths)
     by_file = [_file_records(path, prompt_key, answer_key) for path in paths]
     if _index_ids_repeat_across_files(by_file):
-        for path, recs in zip(paths, by_file):
+        # the file's path below the files' common folder: its name, unless names repeat (a/train.parquet)
+        where = [os.path.abspath(os.path.normpath(p)) for p in paths]
+        common = os.path.commonpath([os.path.dirname(w) for w in where])
+        for path, recs in zip(where, by_file):
             for rec, kind in recs:
                 if kind == "index":
-                    rec.id = f"{os.path.basename(os.path.normpath(path))}:{rec.id}"
+                    rec.id = f"{os.path.relpath(path, common)}:{rec.id}"
     records, where_by_id = [], {}
     for recs in by_file:
         for rec, kind in recs:
@@ -389,17 +392,13 @@ class PromptRenderer:
                     "set data.prompt_mode=chat (the tokenizer's chat template)"
                 )
             return rec.prompt
-        messages = rec.messages or [{"role": "user", "content": rec.prompt}]
-        if self.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **self.chat_template_kwargs
-        )
+        return self._render(rec.messages or [{"role": "user", "content": rec.prompt}], add_generation_prompt=True)
 
     _PROBE = "\x00probe-content\x00"  # a content no template writes itself: where a message goes
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        if self.system_prompt:
+        """The chat template over messages, data.system_prompt first unless they open with their own."""
+        if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs

@@ -544,6 +544,11 @@ def test_verl_index_ids_repeated_across_files_get_the_file_name(tmp_path):
     ids = [r.id for r in load_records([a, b])]
     assert ids == [f"shard0.parquet:addsrc/{i}" for i in range(4)] + [f"shard1.parquet:addsrc/{i}" for i in range(4)]
     assert [r.id for r in load_records(a)] == [f"addsrc/{i}" for i in range(4)]  # one file: as before
+    (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()  # shards of one name in two folders
+    x, y = str(tmp_path / "x" / "train.parquet"), str(tmp_path / "y" / "train.parquet")
+    write_parquet(as_layout(add[:2], "verl", "addsrc"), x)
+    write_parquet(as_layout(add[2:4], "verl", "addsrc"), y)
+    assert [r.id for r in load_records([x, y])] == [f"{d}/train.parquet:addsrc/{i}" for d in "xy" for i in range(2)]
     same = as_layout(add[:2], "verl", "addsrc")
     same[1]["extra_info"]["index"] = 0
     dup = str(tmp_path / "dup.parquet")
