@@ -226,8 +226,12 @@ class RolloutEngine:
         except BaseException:
             # A failed start leaves the process as it found it: the world vLLM made for itself
             # (when the caller had none) would make the caller's next init_process_group fail.
+            # vLLM's own groups go with it, or its next start would reuse their destroyed world.
             if not self._caller_owns_world and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
             raise
         finally:  # vLLM's CPU worker replaced it by a no-op, also when its start-up fails
             torch.set_num_threads = set_num_threads
