@@ -13,6 +13,8 @@ test: env
 	$(PY) -m pytest -q tests
 
 # ruff: lint and format check (pyproject.toml); `ruff format .` fixes the formatting.
+# lint-imports: the folders' dependency direction ([tool.importlinter] in pyproject.toml).
 lint: env
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	.venv/bin/lint-imports --no-cache

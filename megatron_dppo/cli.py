@@ -7,12 +7,12 @@ import os
 import sys
 from typing import get_args
 
-from megatron_dppo.choices import AdvantageKind, LossAgg, RatioType
+from megatron_dppo.algorithms.choices import AdvantageKind, LossAgg, RatioType
 
 
 def _verify_unbiased(args) -> int:
     from megatron_dppo.algorithms.pruning import STRATEGIES
-    from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
+    from megatron_dppo.jobs.verify_unbiased import CheckConfig, run_check, run_dynamic_check
 
     strategies = args.strategy or ["dppo"]
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -56,9 +56,9 @@ def _verify_unbiased(args) -> int:
 
 def _verify_methods(args, strategies, aggs) -> int:
     """--method: each method of docs/methods.md, biased by design against GRPO, and DPPO unbiased for
-    its own full-batch loss (megatron_dppo/unbiased_methods.py)."""
-    from megatron_dppo.unbiased_check import CheckConfig
-    from megatron_dppo.unbiased_methods import METHODS, run_method_check
+    its own full-batch loss (megatron_dppo/jobs/verify_methods.py)."""
+    from megatron_dppo.jobs.verify_methods import METHODS, run_method_check
+    from megatron_dppo.jobs.verify_unbiased import CheckConfig
 
     methods = list(METHODS) if "all" in args.method else args.method
     unknown = [m for m in methods if m not in METHODS]
@@ -96,11 +96,11 @@ def _at_least(low, kind=int):
 
 def _train(args) -> int:
     from megatron_dppo.config import load_config, validate
-    from megatron_dppo.quiet import quiet_libraries
+    from megatron_dppo.run.quiet import quiet_libraries
 
     cfg = load_config(args.config, args.overrides, check=False)  # fails fast, before the heavy imports
     quiet_libraries(verbose=cfg.logging.verbose)  # before torch is imported (validate imports it)
-    from megatron_dppo.distributed import set_launch_env_defaults
+    from megatron_dppo.run.collectives import set_launch_env_defaults
 
     set_launch_env_defaults()  # CUDA_DEVICE_MAX_CONNECTIONS, the allocator: before CUDA starts
     validate(cfg)
@@ -108,10 +108,10 @@ def _train(args) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank under torchrun: stop (and save) if the launcher dies
         import signal
 
-        from megatron_dppo.process import die_with_parent
+        from megatron_dppo.run.process import die_with_parent
 
         die_with_parent(signal.SIGTERM)
-    from megatron_dppo.trainer import StopRequested, Trainer
+    from megatron_dppo.train.trainer import StopRequested, Trainer
 
     trainer = None
     try:
@@ -127,7 +127,7 @@ def _train(args) -> int:
 
 def _evaluate(args) -> int:
     from megatron_dppo.config import load_config, validate
-    from megatron_dppo.quiet import quiet_libraries
+    from megatron_dppo.run.quiet import quiet_libraries
 
     cfg = load_config(args.config, args.overrides, check=False)
     quiet_libraries(verbose=cfg.logging.verbose)
@@ -135,7 +135,7 @@ def _evaluate(args) -> int:
         cfg.data.train = "(not read by evaluate)"
     validate(cfg)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from megatron_dppo.evaluate_job import run_evaluate
+    from megatron_dppo.jobs.evaluate import run_evaluate
 
     run_evaluate(cfg, checkpoint=args.checkpoint, out_dir=args.out_dir)
     return 0
@@ -152,7 +152,7 @@ def _run_reporting_errors(func, args) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI's one place that turns any failure into a message
-        from megatron_dppo.process import rank_prefix
+        from megatron_dppo.run.process import rank_prefix
 
         message = " ".join(str(e).split()) or type(e).__name__
         print(f"{rank_prefix()}error: {message}  ({type(e).__name__}; --debug shows the traceback)", file=sys.stderr)
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # the planner owns its arguments (config + dotted overrides)
-        from megatron_dppo.plan import plan_main
+        from megatron_dppo.jobs.plan import plan_main
 
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)

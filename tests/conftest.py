@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_dppo.process import free_port
+from megatron_dppo.run.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # Every process a test starts inherits these (exec'd or forked, in whatever session): how the

@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_dppo.data import PromptRenderer, load_records  # noqa: E402
+from megatron_dppo.data.prompts import PromptRenderer, load_records  # noqa: E402
 from megatron_dppo.rollout import RolloutEngine  # noqa: E402
 
 

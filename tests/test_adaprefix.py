@@ -12,7 +12,7 @@ import torch
 
 from megatron_dppo.algorithms.methods import adaprefix
 from megatron_dppo.algorithms.methods.adaprefix import AdaPrefixConfig, PrefixFractions
-from megatron_dppo.tasks import get_task
+from megatron_dppo.data.tasks import get_task
 
 G = 8
 
@@ -181,9 +181,9 @@ def test_prefix_follows_the_thinking_opener_of_a_thinking_template(thinking):
     from thinking_template import thinking_tokenizer
     from transformers import AutoTokenizer
 
+    from megatron_dppo.algorithms.curriculum import PrefixCurriculum
     from megatron_dppo.config import Config
-    from megatron_dppo.data import PromptRecord, PromptRenderer
-    from megatron_dppo.rollout.curriculum import PrefixCurriculum
+    from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
 
     cfg = Config()
     cfg.algorithm.adaprefix.f0, cfg.algorithm.adaprefix.boundaries = 1.0, "+"

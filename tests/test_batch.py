@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 
-from megatron_dppo import trainer, unbiased_check
 from megatron_dppo.algorithms import batch, losses
 from megatron_dppo.algorithms.pruning import PromptStats, get_strategy
+from megatron_dppo.algorithms.records import Group
 from megatron_dppo.config import Config
-from megatron_dppo.rollout.records import Group
-from megatron_dppo.unbiased_check import CheckConfig, run_check, run_dynamic_check
+from megatron_dppo.jobs import verify_unbiased as unbiased_check
+from megatron_dppo.jobs.verify_unbiased import CheckConfig, run_check, run_dynamic_check
+from megatron_dppo.train import trainer
 
 
 class _Prompt:

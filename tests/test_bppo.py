@@ -262,9 +262,9 @@ def test_step_logs_prefix_histogram_and_advantage_magnitudes():
     trainer's planning (batch.weigh_completions), against values computed by hand from the groups."""
     from megatron_dppo.algorithms import batch
     from megatron_dppo.algorithms.pruning import get_strategy
+    from megatron_dppo.algorithms.records import Group
     from megatron_dppo.config import Config
-    from megatron_dppo.data import PromptRecord
-    from megatron_dppo.rollout.records import Group
+    from megatron_dppo.data.prompts import PromptRecord
 
     cfg = Config()
     cfg.trainer.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 3, 4, 64

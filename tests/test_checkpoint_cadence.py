@@ -4,8 +4,8 @@ moment, the time since the last save is at most the cadence plus one step."""
 
 import random
 
-from megatron_dppo.checkpoint_cadence import save_cost_line, should_save
 from megatron_dppo.config import TrainerConfig, load_config
+from megatron_dppo.run.cadence import save_cost_line, should_save
 
 
 def simulate(cfg, step_seconds, max_steps):

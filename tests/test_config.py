@@ -6,8 +6,7 @@ import typing
 import pytest
 import yaml
 
-from megatron_dppo import choices
-from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms import choices, losses
 from megatron_dppo.algorithms.advantages import ADVANTAGE_KINDS
 from megatron_dppo.config import Config, check_layout, load_config, resolve, save_config
 

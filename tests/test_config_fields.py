@@ -11,7 +11,7 @@ import typing
 import pytest
 
 from megatron_dppo.config import Config, load_config
-from megatron_dppo.preflight import config_warnings
+from megatron_dppo.train.preflight import config_warnings
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_dppo"
 CONFIG_MODULES = {PACKAGE / "config.py", PACKAGE / "algorithms" / "methods" / "configs.py"}

@@ -4,8 +4,8 @@ import pytest
 import torch
 from tiny_models import tiny_qwen3_model
 
-from megatron_dppo.convert import qwen3
-from megatron_dppo.vocab import padded_vocab_size
+from megatron_dppo.model import qwen3
+from megatron_dppo.model.vocab import padded_vocab_size
 
 
 def _hf(tied, vocab=50, seed=0):

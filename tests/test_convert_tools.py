@@ -294,7 +294,7 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
     # HF -> Megatron, killed after 6 of its megatron tensors were built (several .distcp written).
     sig = tmp_path / "mg.stalled"
     proc = _start_stalled(
-        "megatron_dppo.convert.qwen3:megatron_tensor_from_hf", 6, sig, TO_MG, "--hf-dir", hf, "--out-dir", mg, "--tp", 2
+        "megatron_dppo.model.qwen3:megatron_tensor_from_hf", 6, sig, TO_MG, "--hf-dir", hf, "--out-dir", mg, "--tp", 2
     )
     _kill_when_stalled(proc, sig)
     (staging,) = out.glob(".mg.partial-*")
@@ -306,7 +306,7 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
     # Megatron -> HF, killed after 3 tensors went into the (pre-sized, partly zero) shards.
     sig = tmp_path / "hf.stalled"
     proc = _start_stalled(
-        "megatron_dppo.convert.hf_io:SafetensorsShardWriter.write",
+        "megatron_dppo.model.hf_io:SafetensorsShardWriter.write",
         3,
         sig,
         TO_HF,

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from megatron_dppo.data import (
+from megatron_dppo.data.prompts import (
     PromptDataset,
     PromptRecord,
     PromptRenderer,
@@ -16,7 +16,8 @@ from megatron_dppo.data import (
     parse_record,
     prompt_id,
 )
-from megatron_dppo.tasks import exact_match, make_splits, write_task_data
+from megatron_dppo.data.tasks import make_splits, write_task_data
+from megatron_dppo.rewards.verifiers import exact_match
 
 
 def _write_jsonl(path, rows):
@@ -315,7 +316,7 @@ def test_missing_file_is_named(tmp_path):
 
 
 # ---- community layouts, file formats, several files (issue 19 item 1, issue 24's data cases) ----
-from megatron_dppo.tasks import as_layout, write_jsonl, write_parquet  # noqa: E402
+from megatron_dppo.data.tasks import as_layout, write_jsonl, write_parquet  # noqa: E402
 
 
 def _tasks(n=6):

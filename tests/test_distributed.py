@@ -1,4 +1,4 @@
-"""Host-side collectives (megatron_dppo/distributed.py) and gradients gathered under the
+"""Host-side collectives (megatron_dppo/run/collectives.py) and gradients gathered under the
 distributed optimizer (MegatronPolicy.hf_grads), in torchrun workers over gloo.
 
 This file is also the worker: `python tests/test_distributed.py --case NAME` under torchrun.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE / "dist_convert"))
 
 # ---------------------------------------------------------------------------------- the tests
 def test_one_process_fallback():
-    from megatron_dppo import distributed as D
+    from megatron_dppo.run import collectives as D
 
     assert not dist.is_initialized()
     assert D.world() == (0, 1) and D.backend() is None and D.collective_device() == torch.device("cpu")
@@ -84,7 +84,7 @@ def test_vllm_timeout_kwargs_are_engine_args():
     ],
 )
 def test_launch_env_defaults(monkeypatch, environ, torch_version, want):
-    from megatron_dppo import distributed as D
+    from megatron_dppo.run import collectives as D
 
     monkeypatch.setattr(torch, "__version__", torch_version)
     env = dict(environ)
@@ -95,7 +95,7 @@ def test_launch_env_defaults(monkeypatch, environ, torch_version, want):
 
 
 def test_launch_env_defaults_refuse_to_run_after_cuda_started(monkeypatch):
-    from megatron_dppo import distributed as D
+    from megatron_dppo.run import collectives as D
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="after CUDA was initialised, so CUDA_DEVICE_MAX_CONNECTIONS"):
@@ -108,7 +108,7 @@ def test_launch_env_defaults_refuse_to_run_after_cuda_started(monkeypatch):
 def _collectives():
     from fake_cuda import FakeCuda, on_fake_cuda
 
-    from megatron_dppo import distributed as D
+    from megatron_dppo.run import collectives as D
 
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo import evaluate_job
 from megatron_dppo.config import load_config
+from megatron_dppo.jobs import evaluate as evaluate_job
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dppo.evaluation import metrics_from_rows
-from megatron_dppo.tasks import as_layout, write_parquet
+from megatron_dppo.data.tasks import as_layout, write_parquet
+from megatron_dppo.rollout.validation import metrics_from_rows
 
 pytestmark = pytest.mark.slow  # two subprocesses with vLLM start-ups (~30 s each on an idle machine)
 

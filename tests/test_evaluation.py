@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.config import load_config
-from megatron_dppo.data import PromptRenderer, load_records
-from megatron_dppo.evaluation import (
+from megatron_dppo.data.prompts import PromptRenderer, load_records
+from megatron_dppo.data.tasks import as_layout, make_splits, write_jsonl, write_parquet
+from megatron_dppo.rollout.validation import (
     EvalSet,
     eval_set_paths,
     extract_answer,
@@ -25,7 +26,6 @@ from megatron_dppo.evaluation import (
     pass_at_k,
     run_validation,
 )
-from megatron_dppo.tasks import as_layout, make_splits, write_jsonl, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = str(REPO / "examples" / "tiny" / "model")

@@ -103,7 +103,8 @@ def test_a_gpu_setting_that_cannot_run_is_refused_naming_its_key(override, facts
 def test_plan_shows_the_gpu_settings_and_follows_the_recompute_modules():
     from test_plan import QWEN3_32B, _cfg
 
-    from megatron_dppo.plan import Arch, format_plan, layer_activation_elems, memory_plan, moe_layer_activation_elems
+    from megatron_dppo.jobs.plan import format_plan, layer_activation_elems, memory_plan, moe_layer_activation_elems
+    from megatron_dppo.model.arch import Arch
 
     arch = Arch(vocab=1000, hidden=1024, layers=4, heads=16, kv_heads=16, head_dim=64, ffn=4096, tied=True)
     none = layer_activation_elems(arch, 1, False, "none")["kept"]

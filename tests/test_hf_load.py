@@ -98,7 +98,7 @@ def _header_len(path: Path) -> int:
 
 
 def _error(path) -> str:
-    from megatron_dppo.megatron.hf_load import HFModelDirError, check_hf_model_dir
+    from megatron_dppo.model.hf_dir import HFModelDirError, check_hf_model_dir
 
     t0 = time.perf_counter()
     with pytest.raises(HFModelDirError) as info:
@@ -110,7 +110,7 @@ def _error(path) -> str:
 
 
 def test_model_dir_errors_are_one_line_and_name_the_file(hf_models, tmp_path):
-    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+    from megatron_dppo.model.hf_dir import check_hf_model_dir
 
     tied, untied = hf_models["tied"], hf_models["untied"]
     assert check_hf_model_dir(str(tied)).config.tie_word_embeddings  # the good ones pass
@@ -200,7 +200,8 @@ def test_loader_reads_slices_exactly(hf_models):
     """SliceReader: rows, columns and empty ranges equal indexing the whole tensor (bf16 and fp32)."""
     from safetensors.torch import load_file
 
-    from megatron_dppo.megatron.hf_load import SliceReader, check_hf_model_dir
+    from megatron_dppo.megatron.hf_load import SliceReader
+    from megatron_dppo.model.hf_dir import check_hf_model_dir
 
     for which in ("tied", "untied"):
         md = check_hf_model_dir(str(hf_models[which]))

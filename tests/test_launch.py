@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.config import check_layout, load_config
-from megatron_dppo.plan import load_hf_config
-from megatron_dppo.process import free_port
+from megatron_dppo.jobs.plan import load_hf_config
+from megatron_dppo.run.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "qwen3_32b"

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-from megatron_dppo import plan
+from megatron_dppo.jobs import plan
 from megatron_dppo.megatron import logprobs
 
 VOCAB, PADDED = 50, 64
@@ -188,7 +188,7 @@ def _count_syncing_ops(fn):
 
 
 def _loss_batch():
-    from megatron_dppo import packing
+    from megatron_dppo.algorithms import packing
 
     g = torch.Generator().manual_seed(5)
     samples = []

@@ -270,8 +270,8 @@ def test_packed_seq_params_from_thd_batches():
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_dppo.algorithms.packing import Sample, build_padded_batch, build_thd_batch
     from megatron_dppo.megatron.attention import packed_seq_params
-    from megatron_dppo.packing import Sample, build_padded_batch, build_thd_batch
 
     has_flag = "pad_between_seqs" in {f.name for f in dataclasses.fields(PackedSeqParams)}
     samples = [Sample(tokens=list(range(1, n + 1)), prompt_len=1) for n in (5, 8, 3)]

@@ -5,14 +5,13 @@ verdicts on them (biased by design against GRPO; DPPO unbiased for each method's
 import pytest
 import torch
 
-from megatron_dppo import distill
-from megatron_dppo.algorithms import batch
+from megatron_dppo.algorithms import batch, distill
 from megatron_dppo.algorithms.pruning import get_strategy
+from megatron_dppo.algorithms.records import Group
 from megatron_dppo.config import Config
-from megatron_dppo.data import PromptRecord
-from megatron_dppo.rollout.records import Group
-from megatron_dppo.unbiased_check import CheckConfig
-from megatron_dppo.unbiased_methods import METHODS, run_method_check
+from megatron_dppo.data.prompts import PromptRecord
+from megatron_dppo.jobs.verify_methods import METHODS, run_method_check
+from megatron_dppo.jobs.verify_unbiased import CheckConfig
 
 
 def _method(**algorithm):
@@ -83,7 +82,7 @@ def test_ssopd_pairs_come_from_the_full_group_and_their_rows_align():
 def test_adaprefix_shows_whole_steps_of_the_reference_and_never_its_answer():
     from transformers import AutoTokenizer
 
-    from megatron_dppo.rollout.curriculum import PrefixCurriculum
+    from megatron_dppo.algorithms.curriculum import PrefixCurriculum
 
     cfg = Config()
     cfg.algorithm.adaprefix.boundaries, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = ",", 40, 80

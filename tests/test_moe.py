@@ -11,7 +11,7 @@ import torch
 from test_convert_tools import _ok, _weights
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model
 
-from megatron_dppo.convert import qwen3
+from megatron_dppo.model import qwen3
 
 REPO = Path(__file__).resolve().parents[1]
 DIST = REPO / "tests" / "dist"

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-import megatron_dppo.packing
-from megatron_dppo.packing import (
+import megatron_dppo.algorithms.packing
+from megatron_dppo.algorithms.packing import (
     Sample,
     ThdBatch,
     balance_packs,
@@ -175,11 +175,11 @@ def test_packing_module_does_not_import_megatron():
     """Issue 15: megatron_dppo/megatron/ is the only place that imports megatron.core (the
     PackedSeqParams of a THD batch are built in megatron/attention.py)."""
     code = (
-        "import sys, megatron_dppo.packing; "
+        "import sys, megatron_dppo.algorithms.packing; "
         "assert not [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-    with open(megatron_dppo.packing.__file__, encoding="utf-8") as f:
+    with open(megatron_dppo.algorithms.packing.__file__, encoding="utf-8") as f:
         assert "megatron.core" not in f.read()
 
 

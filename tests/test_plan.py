@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dppo.config import check_layout, load_config
-from megatron_dppo.plan import (
+from megatron_dppo.jobs.plan import (
     Arch,
     format_plan,
     layer_activation_elems,
@@ -20,7 +20,7 @@ from megatron_dppo.plan import (
     plan_main,
     sync_peak_bytes,
 )
-from megatron_dppo.vocab import padded_vocab_size
+from megatron_dppo.model.vocab import padded_vocab_size
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny" / "model"
@@ -105,7 +105,7 @@ def test_qwen3_configs_have_the_published_sizes(size):
 
 def test_tp_pp_shards_add_up():
     arch = Arch.from_hf(json.loads((REPO / "examples/qwen3_configs/32B/config.json").read_text()))
-    from megatron_dppo.plan import stage_params
+    from megatron_dppo.jobs.plan import stage_params
 
     one = stage_params(arch, 1, 1)["only"]
     split = stage_params(arch, 4, 2)
@@ -481,9 +481,9 @@ def test_ep_on_a_dense_model_is_refused():
 )
 def test_plan_refuses_every_model_the_trainer_refuses(tmp_path, edit, message, capsys):
     """Issue 24: `plan` said FITS for a Llama model that `train` refuses. Both now run the same
-    check (convert/qwen3.layout_from_hf_config): the trainer's (qwen3.read_model_config, what
-    hf_load.check_hf_model_dir calls) and the plan's refusals carry the same words."""
-    from megatron_dppo.convert import qwen3
+    check (model/qwen3.layout_from_hf_config): the trainer's (qwen3.read_model_config, what
+    hf_dir.check_hf_model_dir calls) and the plan's refusals carry the same words."""
+    from megatron_dppo.model import qwen3
 
     d = dict(json.loads((REPO / "examples/qwen3_configs/8B/config.json").read_text()), **edit)
     (tmp_path / "config.json").write_text(json.dumps(d))

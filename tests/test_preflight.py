@@ -7,8 +7,9 @@ import shutil
 import pytest
 
 from megatron_dppo.config import load_config
-from megatron_dppo.preflight import check_config, check_vocab, config_warnings, load_tokenizer
-from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
+from megatron_dppo.model.hf_dir import check_vocab, load_tokenizer
+from megatron_dppo.run.identity import check_resume_compatible, resume_metadata
+from megatron_dppo.train.preflight import check_config, config_warnings
 
 TINY = "examples/tiny/model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -54,7 +55,7 @@ def _model_dir(tmp_path, name, vocab, tokenizer_from=TINY):
 
 def test_tokenizer_larger_than_the_config_vocabulary_is_refused(tmp_path):
     """The run trained with prompt tokens outside the embedding table, exit 0 (issue 24)."""
-    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+    from megatron_dppo.model.hf_dir import check_hf_model_dir
 
     path = _model_dir(tmp_path, "small-vocab", vocab=15)
     model_dir = check_hf_model_dir(str(path))
@@ -72,7 +73,7 @@ def test_tokenizer_larger_than_the_config_vocabulary_is_refused(tmp_path):
 def test_config_vocabulary_other_than_the_weights_rows_is_refused(tmp_path):
     """config.json says 15 tokens, the safetensors hold 21 rows: vLLM's loader raised a bare
     AssertionError. Found from the header alone."""
-    from megatron_dppo.megatron.hf_load import check_hf_model_dir
+    from megatron_dppo.model.hf_dir import check_hf_model_dir
 
     path = tmp_path / "model"
     shutil.copytree(TINY, path)
@@ -156,7 +157,7 @@ def _inputs(*overrides):
 
 
 def test_router_coefficients_on_a_dense_model_are_warned_about():
-    from megatron_dppo.preflight import input_warnings
+    from megatron_dppo.train.preflight import input_warnings
 
     cfg, tok, hf = _inputs("algorithm.moe_aux_loss_coeff=0.01", "algorithm.moe_z_loss_coeff=0.001")
     assert input_warnings(cfg, tok, hf, [""]) == [
@@ -170,8 +171,8 @@ def test_router_coefficients_on_a_dense_model_are_warned_about():
 def test_chat_template_kwargs_the_template_never_reads_are_warned_about():
     """Judged by the variables the jinja template references (the tiny template reads
     enable_thinking): a misspelt one renders the same prompt as none, and is named."""
-    from megatron_dppo.data import PromptRecord, PromptRenderer
-    from megatron_dppo.preflight import input_warnings
+    from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
+    from megatron_dppo.train.preflight import input_warnings
 
     cfg, tok, hf = _inputs("data.prompt_mode=chat", "data.chat_template_kwargs={enable_thinkin: false}")
     assert input_warnings(cfg, tok, hf, [""]) == [
@@ -189,7 +190,7 @@ def test_chat_template_kwargs_the_template_never_reads_are_warned_about():
 def test_template_variables_reads_templates_that_transformers_renders():
     """Loop controls ({% break %}, an extension transformers enables) and HF's {% generation %} block
     made jinja2's bare parser raise at start-up, for a warning; unparseable is None (no warning)."""
-    from megatron_dppo.preflight import template_variables
+    from megatron_dppo.train.preflight import template_variables
 
     template = (
         "{% for m in messages %}{% if m.role == 'tool' %}{% break %}{% endif %}"
@@ -201,7 +202,7 @@ def test_template_variables_reads_templates_that_transformers_renders():
 
 
 def test_a_by_source_reward_for_no_source_in_the_data_is_warned_about():
-    from megatron_dppo.preflight import input_warnings
+    from megatron_dppo.train.preflight import input_warnings
 
     cfg, tok, hf = _inputs("reward.by_source={addsrc: math, adsrc: math}")
     assert input_warnings(cfg, tok, hf, ["addsrc", "mulsrc", "addsrc"]) == [
@@ -212,7 +213,7 @@ def test_a_by_source_reward_for_no_source_in_the_data_is_warned_about():
 
 def test_adaprefix_boundaries_no_token_ends_in_are_warned_about():
     """The tiny tokenizer has no "\\n" token: with the default boundaries no prefix is ever cut."""
-    from megatron_dppo.preflight import input_warnings
+    from megatron_dppo.train.preflight import input_warnings
 
     cfg, tok, hf = _inputs("algorithm.curriculum=adaprefix")
     assert input_warnings(cfg, tok, hf, [""]) == [
@@ -234,7 +235,7 @@ def test_a_system_prompt_in_raw_mode_is_warned_about():
 def test_a_max_model_len_past_the_model_context_is_named_before_vllm_starts():
     """The tiny model's context is 64 (config.json): 65 was vLLM's pydantic error naming an
     environment variable; the engine now refuses it before vLLM is imported."""
-    from megatron_dppo.preflight import check_context
+    from megatron_dppo.model.hf_dir import check_context
     from megatron_dppo.rollout.vllm_engine import RolloutEngine
 
     check_context(64, TINY)
@@ -266,7 +267,7 @@ def test_a_warning_writes_the_value_as_an_override_would():
 )
 def test_the_context_is_derived_as_vllm_derives_it(tmp_path, config_changes, tokenizer_max, allowed):
     """vLLM 0.32's _get_and_verify_max_len, on the tiny model (max_position_embeddings 64)."""
-    from megatron_dppo.preflight import check_context
+    from megatron_dppo.model.hf_dir import check_context
 
     config = json.loads(open(f"{TINY}/config.json").read())
     if "rope_scaling" in config_changes:  # a config written before transformers 5 has no rope_parameters

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_dppo import profiling
-from megatron_dppo.plan import Arch
+from megatron_dppo.model.arch import Arch
+from megatron_dppo.run import profiling
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "qwen3_configs"

@@ -206,13 +206,12 @@ def _token_scales(drop_zero_variance: bool) -> dict:
     of the token (what the pi_old pass would give for this rollout)."""
     from types import SimpleNamespace
 
-    from megatron_dppo import packing
-    from megatron_dppo.algorithms import batch
+    from megatron_dppo.algorithms import batch, packing
     from megatron_dppo.algorithms.pruning import get_strategy
+    from megatron_dppo.algorithms.records import Group
     from megatron_dppo.config import Config
-    from megatron_dppo.data import PromptRecord
-    from megatron_dppo.rollout.records import Group
-    from megatron_dppo.trainer import Trainer
+    from megatron_dppo.data.prompts import PromptRecord
+    from megatron_dppo.train.trainer import Trainer
 
     cfg = Config()
     cfg.trainer.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 3, 4, 16

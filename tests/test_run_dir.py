@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megatron_dppo.config import load_config
-from megatron_dppo.run_dir import MARKER, RunDirError, plan_run_dir, prepare_run_dir
+from megatron_dppo.run.run_dir import MARKER, RunDirError, plan_run_dir, prepare_run_dir
 
 
 def tree(path) -> dict:
@@ -137,7 +137,7 @@ def test_a_legacy_run_dir_without_marker_still_resumes(project):
 
 def test_only_rank_0_writes(tmp_path):
     plan = plan_run_dir(str(tmp_path), "r", resume=False, overwrite=False)
-    from megatron_dppo.run_dir import make_run_dir
+    from megatron_dppo.run.run_dir import make_run_dir
 
     assert make_run_dir(plan, is_main=False) == str(tmp_path / "r") and not (tmp_path / "r").exists()
     make_run_dir(plan, is_main=True)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from megatron_dppo.config import load_config
-from megatron_dppo.run_log import RunLogger, read_metrics
+from megatron_dppo.run.log import RunLogger, read_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import compare_methods  # noqa: E402  (tools/ is not a package)

@@ -12,8 +12,8 @@ import torch
 
 import megatron_dppo.megatron.checkpoint as ckpt_module
 from megatron_dppo.config import load_config
-from megatron_dppo.run_log import PENDING, RunLogger
-from megatron_dppo.trainer import Trainer
+from megatron_dppo.run.log import PENDING, RunLogger
+from megatron_dppo.train.trainer import Trainer
 
 MAX_STEPS = 3
 
@@ -148,7 +148,7 @@ def test_each_stage_of_the_save_fails_and_the_resume_loses_no_step_and_repeats_n
 
 def test_a_file_named_hf_in_the_run_dir_is_refused_at_start_naming_the_key(tmp_path):
     """The issue's case before any step: a resumed run dir holding a file `hf`."""
-    from megatron_dppo.run_dir import RunDirPlan
+    from megatron_dppo.run.run_dir import RunDirPlan
 
     cfg = _cfg(tmp_path, save_hf_every=1)
     run_dir = tmp_path / cfg.trainer.run_name

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_dppo import trainer
+from megatron_dppo.train import trainer
 
 
 def test_a_burst_of_sigterms_is_one_request(capfd):

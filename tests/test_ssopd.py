@@ -329,7 +329,7 @@ if __name__ == "__main__":
     sys.exit(_tp_worker() if "LOCAL_RANK" in os.environ else 0)
 
 
-# --- the teacher context in chat mode, through the trainer's packing (megatron_dppo/distill.py) ---
+# --- the teacher context in chat mode, through the trainer's packing (megatron_dppo/algorithms/distill.py) ---
 
 
 def _chat_tokenizers():
@@ -342,9 +342,9 @@ def _chat_tokenizers():
 
 def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
     """The teacher and student rows of the one pair's packed micro-batch, as the trainer builds them."""
-    from megatron_dppo import distill
-    from megatron_dppo.data import PromptRecord
-    from megatron_dppo.rollout.records import Group
+    from megatron_dppo.algorithms import distill
+    from megatron_dppo.algorithms.records import Group
+    from megatron_dppo.data.prompts import PromptRecord
 
     tok = renderer.tokenizer
     group = Group(
@@ -373,7 +373,7 @@ def test_chat_teacher_context_is_the_template_rendering_the_problem_with_the_blo
     prompt mode. The reference is independent of the insertion code: the chat template rendering
     a user message whose content is the problem followed by the block's text (the tokenizer is
     character-level, so text and ids agree). The student is the ordinary prompt + o_w*."""
-    from megatron_dppo.data import PromptRecord, PromptRenderer
+    from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
 
     tok = _chat_tokenizers()[template]
     renderer = PromptRenderer(tok, "chat", system, {} if thinking else {"enable_thinking": False})
@@ -392,7 +392,7 @@ def test_chat_teacher_context_is_the_template_rendering_the_problem_with_the_blo
 def test_chat_teacher_block_goes_before_an_adaprefix_prefix():
     """With AdaPrefix the prompt ends with the thinking opener and the reference prefix (prefix_len
     ids after the rendered prompt): the block still goes after the problem text, before them."""
-    from megatron_dppo.data import PromptRecord, PromptRenderer
+    from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
 
     tok = _chat_tokenizers()["thinking"]
     renderer = PromptRenderer(tok, "chat")
@@ -409,7 +409,7 @@ def test_the_trainers_context_check_fails_on_a_template_mismatch(monkeypatch):
     """check_only_block_differs can fail where the trainer calls it: a teacher prompt rendered
     with another template mode (thinking on for the teacher, off for the student: the mismatch
     OPSD's repo documents) is refused, naming the difference."""
-    from megatron_dppo.data import PromptRecord, PromptRenderer
+    from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
 
     tok = _chat_tokenizers()["thinking"]
     student_renderer = PromptRenderer(tok, "chat", None, {"enable_thinking": False})

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from megatron_dppo.data import PromptRenderer, load_records
-from megatron_dppo.tasks import exact_match
+from megatron_dppo.data.prompts import PromptRenderer, load_records
+from megatron_dppo.rewards.verifiers import exact_match
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "tiny")
 MODEL = os.path.join(ROOT, "model")
@@ -89,7 +89,7 @@ def longtail():
 def test_longtail_data_and_tokenizer(longtail):
     """Disjoint splits of worked multiplications whose solutions are right, in the model's
     vocabulary; the gold solution lengths are long-tailed (independent of the model)."""
-    from megatron_dppo.tasks import final_answer_reward, get_task
+    from megatron_dppo.data.tasks import final_answer_reward, get_task
 
     tok, model = longtail
     task = get_task("mulsteps")
@@ -116,7 +116,7 @@ def test_longtail_model_is_long_tailed_and_partly_right(longtail):
     the warm-up: 0.90 and 5.6), accuracy between 20% and 45% (measured: 0.306 on 500)."""
     from collections import defaultdict
 
-    from megatron_dppo.tasks import final_answer_reward
+    from megatron_dppo.data.tasks import final_answer_reward
 
     tok, model = longtail
     records = load_records(os.path.join(LONGTAIL, "test.jsonl"))[:100]
@@ -149,7 +149,7 @@ def test_mulsteps_task_rules():
     import random
     from collections import Counter
 
-    from megatron_dppo.tasks import final_answer, final_answer_reward, get_task, make_splits
+    from megatron_dppo.data.tasks import final_answer, final_answer_reward, get_task, make_splits
 
     t = get_task("mulsteps")
     assert t.record(47, 4) == {"prompt": "47*4=", "answer": "188", "solution": "2:94,3:141,4:188"}

@@ -402,8 +402,8 @@ def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_
     a user function given by file path returning a dict with extras, and a module function),
     chat-rendered, trained 3 steps and validated with sampling (avg@4, pass@k, maj@4 per source);
     the logged val/ rows equal a recomputation from the validation dump."""
-    from megatron_dppo import tasks
-    from megatron_dppo.evaluation import metrics_from_rows, read_dump
+    from megatron_dppo.data.prompts import tasks
+    from megatron_dppo.rollout.validation import metrics_from_rows, read_dump
 
     tiny = REPO / "examples" / "tiny"
 
@@ -434,7 +434,7 @@ def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_
             "rollout.max_new_tokens=40",
             "rollout.max_model_len=64",
             f"reward.by_source.add3={REPO / 'tests' / 'trainer_rewards.py'}:exact_with_extras",
-            "reward.by_source.mulsteps=megatron_dppo.tasks:final_answer_reward",
+            "reward.by_source.mulsteps=megatron_dppo.data.tasks:final_answer_reward",
         )
     )
     rows = metrics(tmp_path, "verl")

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_dppo.process import free_port
+from megatron_dppo.run.process import free_port
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 

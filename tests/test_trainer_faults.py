@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 from test_trainer import SMALL as TRAINER_SMALL
 
-from megatron_dppo.process import free_port
+from megatron_dppo.run.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [*TRAINER_SMALL, "data.train_size=8"]  # test_trainer's small runs, one batch of prompts

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_dppo.algorithms import pruning
 from megatron_dppo.algorithms.losses import LOSS_AGGS
-from megatron_dppo.unbiased_check import CheckConfig, bias_estimate, run_check, run_dynamic_check
+from megatron_dppo.jobs.verify_unbiased import CheckConfig, bias_estimate, run_check, run_dynamic_check
 
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
@@ -101,7 +101,7 @@ def test_a_consistent_verdict_names_the_test_that_decided_and_the_bias():
     """A ratio estimator's line says that the bias test decided, the bias's size and sign, and
     whether the draws resolved it (max|z| against the limit), instead of a broken z-limit beside
     UNBIASED."""
-    from megatron_dppo.unbiased_check import CheckResult, verdict_text
+    from megatron_dppo.jobs.verify_unbiased import CheckResult, verdict_text
 
     res = CheckResult(0.0195, 0.0047, 4.18, 4.0, 0.1, 0.2, 0.5, 0.9, True, False, True, bias_along=-0.018)
     line = verdict_text(res, 0.05, judged_by_z=False)
@@ -204,7 +204,7 @@ def test_bppo_ratio_bias_decomposition_matches_the_full_gradient():
     at r_q = 0.5 (seed 0, B = 16, seq-mean-token-mean) the ratio's bias is resolved (over 3 s.e.)"""
     import torch
 
-    from megatron_dppo import unbiased_methods as um
+    from megatron_dppo.jobs import verify_methods as um
 
     for agg in LOSS_AGGS:
         cfg = CheckConfig(method="bppo", r_o=0.0, r_q=0.5, loss_agg=agg, seed=0)

@@ -8,7 +8,7 @@ The mixture-of-experts variant (tiny_qwen3_moe_*) has the same shape around its 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from megatron_dppo.convert.qwen3 import hf_model_tensors as hf_checkpoint_tensors  # noqa: F401 (tests import it from here)
+from megatron_dppo.model.qwen3 import hf_model_tensors as hf_checkpoint_tensors  # noqa: F401 (tests import it from here)
 
 SHAPE = dict(
     vocab_size=50,

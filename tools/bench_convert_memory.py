@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron_dppo.convert.hf_io import INDEX, SafetensorsShardWriter, parse_size  # noqa: E402
+from megatron_dppo.model.hf_io import INDEX, SafetensorsShardWriter, parse_size  # noqa: E402
 
 PRESETS = {
     "medium": dict(

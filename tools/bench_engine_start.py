@@ -53,7 +53,7 @@ def worker(model_dir: str, mode: str) -> None:
     import torch.distributed as dist
     from bench_load_memory import hwm_mib, reset_peak, rss_mib  # tools/: this script's own folder
 
-    from megatron_dppo.convert.hf_io import HFCheckpoint
+    from megatron_dppo.model.hf_io import HFCheckpoint
     from megatron_dppo.rollout import RolloutEngine
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

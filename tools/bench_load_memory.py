@@ -32,7 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tools"))
-from megatron_dppo.process import free_port  # noqa: E402
+from megatron_dppo.run.process import free_port  # noqa: E402
 
 MIB = 2**20
 DIMS = dict(
@@ -84,10 +84,11 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
-    from megatron_dppo.convert import qwen3 as mapping
     from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel
-    from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_models, load_hf_into_policy, rank_layout
+    from megatron_dppo.megatron.hf_load import load_hf_into_models, load_hf_into_policy, rank_layout
     from megatron_dppo.megatron.policy import MegatronPolicy
+    from megatron_dppo.model import qwen3 as mapping
+    from megatron_dppo.model.hf_dir import check_hf_model_dir
 
     torch.set_num_threads(1)
     initialize_parallel(args.tp, args.pp, seed=0)
@@ -208,7 +209,7 @@ def main():
 
     import bench_convert_memory  # its random-model writer: tensor by tensor, sharded, with an index
 
-    from megatron_dppo.convert.hf_io import parse_size
+    from megatron_dppo.model.hf_io import parse_size
 
     bench_convert_memory.PRESETS.setdefault("load-bench", DIMS)
     hf_dir = os.path.join(args.workdir, f"hf_L{args.layers}")

@@ -47,7 +47,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron_dppo.packing import balance_packs, density, dp_imbalance, pack, pack_ffd, pack_padded  # noqa: E402
+from megatron_dppo.algorithms.packing import balance_packs, density, dp_imbalance, pack, pack_ffd, pack_padded  # noqa: E402
 
 TASK_CONFIGS = {"addition": "examples/tiny/addition.yaml", "longtail": "examples/tiny/longtail.yaml"}
 
@@ -136,7 +136,7 @@ def section_density(args) -> dict:
 def task_lengths(task: str, rng: random.Random, n: int) -> list[int]:
     """Sequence lengths (<bos> + prompt + completion + <eos>) of n problems of a bundled task,
     completions at their worked-solution / answer length (what a warmed-up model emits)."""
-    from megatron_dppo.tasks import get_task
+    from megatron_dppo.data.tasks import get_task
 
     t = get_task(task)
     out = []
@@ -239,7 +239,7 @@ def section_attention(args) -> dict:
 def tiny_train_batches(task: str, hf_dir: str, vocab: int, packing: str, capacity: int, seed: int):
     """The micro-batches a DPPO step of the tiny job trains: 32 prompts x 8 completions at the
     task's lengths, a random half of each group kept (r_o = 0.5), packed as the trainer does."""
-    from megatron_dppo import packing as pk
+    from megatron_dppo.algorithms import packing as pk
 
     rng = random.Random(seed)
     samples = []

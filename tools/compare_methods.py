@@ -638,7 +638,7 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
                 cum_cpu += step_cpu[r["step"]]
         if "eval/accuracy" in r:
             curve.append((r["step"], cum, r["eval/accuracy"], cum_cpu if step_cpu is not None else None))
-    from megatron_dppo.profiling import phase_totals
+    from megatron_dppo.run.profiling import phase_totals
 
     phases = phase_totals(steps)
     return {
@@ -699,7 +699,7 @@ def time_to_target(curve: list[tuple], target: float):
 
 
 def aggregate(methods: list[dict], per_run: list[dict], seeds: list[int], max_steps: int, config: str = "") -> dict:
-    from megatron_dppo.profiling import PHASES
+    from megatron_dppo.run.profiling import PHASES
 
     by_method = {m["name"]: [r for r in per_run if r["method"] == m["name"] and r["finished"]] for m in methods}
     rows = []

@@ -30,8 +30,8 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from megatron_dppo.process import free_port  # noqa: E402
-from megatron_dppo.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
+from megatron_dppo.run.process import free_port  # noqa: E402
+from megatron_dppo.run.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
 
 DTYPES = {"auto": None, "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 

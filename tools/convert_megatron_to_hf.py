@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from megatron_dppo.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
+from megatron_dppo.run.quiet import quiet_libraries  # noqa: E402  (before torch is imported)
 
 
 def main(argv=None) -> int:
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     quiet_libraries()
     import torch
 
-    from megatron_dppo.convert.hf_io import parse_size
     from megatron_dppo.megatron.convert_ckpt import megatron_to_hf_checkpoint
+    from megatron_dppo.model.hf_io import parse_size
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     try:

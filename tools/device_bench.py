@@ -75,7 +75,8 @@ if _missing:
 import device_checks  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_dppo import packing, profiling  # noqa: E402
+from megatron_dppo.algorithms import packing  # noqa: E402
+from megatron_dppo.run import profiling
 
 CONFIGS = REPO / "examples" / "qwen3_configs"
 TINY = REPO / "examples" / "tiny" / "model" / "config.json"
@@ -245,7 +246,7 @@ def _estimate_s(cfg, seqs, args, measured: list[dict]) -> float:
 def main(argv=None) -> int:
     t_start = time.perf_counter()
     args = parse_args(argv)
-    from megatron_dppo.distributed import set_launch_env_defaults
+    from megatron_dppo.run.collectives import set_launch_env_defaults
 
     env_set = set_launch_env_defaults()  # what the trainer runs under, set before CUDA starts
     out_path = Path(

@@ -155,11 +155,11 @@ def grad_check(
     attention path or ("te") Transformer Engine's; with kl_coef > 0 also the reference model's
     log-probs against transformers'."""
     from megatron_dppo.algorithms import losses
+    from megatron_dppo.algorithms.packing import Sample, build_thd_batch, pack
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
-    from megatron_dppo.convert.qwen3 import hf_model_tensors
     from megatron_dppo.megatron.model import module_device
     from megatron_dppo.megatron.policy import MegatronPolicy
-    from megatron_dppo.packing import Sample, build_thd_batch, pack
+    from megatron_dppo.model.qwen3 import hf_model_tensors
 
     t0 = time.perf_counter()
     loss_cfg = AlgorithmConfig(loss_agg="seq-mean-token-mean", clip_low=0.2, clip_high=0.28, kl_coef=kl_coef)
@@ -330,10 +330,10 @@ def vllm_cycle(dtype: torch.dtype, model_dir: Path = TINY_MODEL, seed: int = 0, 
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from megatron_dppo.algorithms.packing import Sample, build_thd_batch, pack
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron import suspend_cpu_compat
     from megatron_dppo.megatron.policy import MegatronPolicy
-    from megatron_dppo.packing import Sample, build_thd_batch, pack
     from megatron_dppo.rollout import RolloutEngine
 
     t0 = time.perf_counter()

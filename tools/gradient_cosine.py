@@ -9,7 +9,7 @@ such a gradient-similarity diagnostic; its numbers were not seen.)
 
 For each prompt, G completions are sampled from the HF model at --temperature (the tiny models'
 character tokenizer; tools/make_tiny_model.py's sampling loop) and scored with the task's
-verifier (megatron_dppo.tasks, task from the record id). For each completion o_i the vector
+verifier (megatron_dppo.data.tasks, task from the record id). For each completion o_i the vector
 g_i = grad_theta log pi(o_i | x) over every parameter (EOS included when it ended), and within
 each MIXED group the cosine of every pair: correct-correct, incorrect-incorrect, correct-incorrect,
 and BPPO's own pair (shortest correct, shortest incorrect). The policy-gradient contribution of o_i
@@ -35,13 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-from megatron_dppo.quiet import quiet_libraries
+from megatron_dppo.run.quiet import quiet_libraries
 
 quiet_libraries()  # before torch and transformers load: some of its settings are read at import
 
 import torch
 
-from megatron_dppo.tasks import get_task
+from megatron_dppo.data.tasks import get_task
 
 # "distinct": pairs of different token sequences only (two copies of one completion have one gradient).
 ROWS = (

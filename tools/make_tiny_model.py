@@ -3,7 +3,7 @@
     python tools/make_tiny_model.py                  # examples/tiny/data and examples/tiny/model
     python tools/make_tiny_model.py --task mulsteps  # examples/tiny/longtail/{*.jsonl,model}
 
-1. {data-dir}/{train,test}.jsonl from megatron_dppo.tasks (seeded): 3-digit addition (add3,
+1. {data-dir}/{train,test}.jsonl from megatron_dppo.data.tasks (seeded): 3-digit addition (add3,
    the main job), or worked multiplication with long-tailed completion lengths (mulsteps,
    examples/tiny/longtail.yaml; records also carry the worked `solution`).
 2. A character-level tokenizer wrapped as a transformers fast tokenizer: 21 symbols, plus the
@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from megatron_dppo.tasks import get_task, make_splits, write_jsonl  # noqa: E402
+from megatron_dppo.data.tasks import get_task, make_splits, write_jsonl  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]

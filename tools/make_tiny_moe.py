@@ -29,7 +29,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron_dppo.quiet import quiet_libraries  # noqa: E402
+from megatron_dppo.run.quiet import quiet_libraries  # noqa: E402
 
 DENSE = os.path.join(REPO, "examples", "tiny", "model")
 OUT = os.path.join(REPO, "runs", "tiny_moe", "model")

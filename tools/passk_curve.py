@@ -6,7 +6,7 @@
 For the start model (the config's model.hf_dir) and each run's last checkpoint it runs
 `megatron-dppo evaluate` on the config's validation set with n samples per prompt at temperature 1
 (the rollouts' distribution) and pass@k for k = 1, 2, 4, ..., n: the unbiased estimator of Chen et
-al. (2021), computed by megatron_dppo/evaluation.py from the same answers that land in the dump.
+al. (2021), computed by megatron_dppo/rollout/validation.py from the same answers that land in the dump.
 Prints one row per model and writes the numbers as JSON (--out).
 """
 

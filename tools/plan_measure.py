@@ -40,12 +40,12 @@ from transformers import Qwen3Config  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_dppo import plan as P  # noqa: E402
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, Config, OptimConfig
+from megatron_dppo.jobs import plan as P  # noqa: E402
 from megatron_dppo.megatron import initialize_parallel  # noqa: E402
 from megatron_dppo.megatron import policy as step_mod  # noqa: E402  (where MegatronPolicy builds its model)
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
-from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 
 TINY = REPO / "examples" / "tiny" / "model"
 SEQ = 64  # the tiny model's max_position_embeddings

@@ -23,7 +23,7 @@ every rank of a torchrun worker.
 
 Per step the worker records the sequence lengths the policy trained on (and computed log-probs
 for) and the prompt/completion lengths vLLM generated, and turns them into model FLOPs with
-megatron_dppo.profiling (formula: docs/profiling.md). MFU = model FLOPs / (phase seconds x
+megatron_dppo.run.profiling (formula: docs/profiling.md). MFU = model FLOPs / (phase seconds x
 peak x model-parallel size), per GPU. The first --warmup steps (allocator, vLLM warm-up, empty
 prompt history) are run but not summarised. GRPO/DPPO step time is given three ways: ratio of
 means (what a run costs), of medians, and the median of per-pair ratios (GRPO step k / DPPO step
@@ -49,8 +49,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_dppo import profiling  # noqa: E402  (plain arithmetic; no torch at import)
-from megatron_dppo.process import free_port  # noqa: E402
+from megatron_dppo.run import profiling  # noqa: E402  (plain arithmetic; no torch at import)
+from megatron_dppo.run.process import free_port  # noqa: E402
 
 METHODS = {  # method -> overrides on top of the config and the common overrides
     "grpo": ["pruning.strategy=none", "pruning.r_q=0", "pruning.r_o=0"],
@@ -126,7 +126,7 @@ def worker(args) -> int:
     import torch
 
     from megatron_dppo.config import load_config
-    from megatron_dppo.trainer import Trainer
+    from megatron_dppo.train.trainer import Trainer
 
     hs = Path(args.handshake)
     name, rank = args.worker, int(os.environ.get("RANK", "0"))

@@ -228,7 +228,7 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     from megatron_dppo.config import load_config, validate
-    from megatron_dppo.quiet import quiet_libraries
+    from megatron_dppo.run.quiet import quiet_libraries
 
     out = args.out or tempfile.mkdtemp(prefix="soak-")
     overrides = (
@@ -244,7 +244,7 @@ def main() -> int:
         import vllm._custom_ops
 
         vllm._custom_ops._supports_onednn = False  # read when the engine's model is loaded
-    from megatron_dppo.trainer import Trainer
+    from megatron_dppo.train.trainer import Trainer
 
     log = MemoryLog(args.every, args.warmup, args.steps, args.tracemalloc, args.malloc_trim_every)
     print(

@@ -59,7 +59,7 @@ OVERRIDES=(model.hf_dir="$HF_DIR" data.train="$TRAIN_DATA"
 
 # Refuse a layout that cannot fit before any GPU time is spent (exit 1: does not fit, 2: bad layout).
 if [[ "$SKIP_PLAN" != 1 && "$DRY_RUN" != 1 ]]; then
-    "$PYTHON" -m megatron_dppo.plan --config "$CONFIG" "${OVERRIDES[@]}"
+    "$PYTHON" -m megatron_dppo.jobs.plan --config "$CONFIG" "${OVERRIDES[@]}"
 fi
 
 # c10d rendezvous: node 0 hosts it (is_host is explicit, so two "nodes" on one host, or a

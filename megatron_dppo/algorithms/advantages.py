@@ -5,7 +5,7 @@ from typing import get_args
 import torch
 
 from megatron_dppo.algorithms._checks import check_group_tensor
-from megatron_dppo.choices import AdvantageKind
+from megatron_dppo.algorithms.choices import AdvantageKind
 
 ADVANTAGE_KINDS = get_args(AdvantageKind)
 

@@ -27,10 +27,10 @@ from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.methods import bppo, reco, ssopd
 from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig, SSOPDConfig
+from megatron_dppo.algorithms.packing import Sample
 from megatron_dppo.algorithms.pruning import PromptStats, PruningStrategy, drop_zero_variance_groups
+from megatron_dppo.algorithms.records import Group, size_runs, stack_rewards
 from megatron_dppo.algorithms.refill import take_until_full
-from megatron_dppo.packing import Sample
-from megatron_dppo.rollout.records import Group, size_runs, stack_rewards
 
 # A strategy that replaces what it skips (GRESO) draws until enough prompts survive; when almost
 # every prompt is skipped that would never end. Past this many times the round's target, the
@@ -344,7 +344,7 @@ class MiniBatch:
     density: float = 0.0
     num_prompts: float = 0.0  # B of this mini-batch's full batch (the aux loss's 1/B)
     aux_pairs: list = field(default_factory=list)  # SSOPD: distill.AuxPair of its mixed groups
-    aux_microbatches: list = field(default_factory=list)  # ... packed by megatron_dppo/distill.py
+    aux_microbatches: list = field(default_factory=list)  # ... packed by megatron_dppo/algorithms/distill.py
 
     @property
     def tokens(self) -> int:
@@ -421,7 +421,7 @@ def ssopd_pairs(method: Method, groups: list[Group]) -> list:
     """SSOPD's pair of each mixed group, chosen from the FULL group (before completion pruning):
     shortest correct c*, longest wrong w* (algorithms/methods/ssopd.select_pair), with the frontier
     weight omega; groups without a pair (not mixed, or a too-short correct witness) have none."""
-    from megatron_dppo.distill import AuxPair
+    from megatron_dppo.algorithms.distill import AuxPair
 
     if not groups:
         return []

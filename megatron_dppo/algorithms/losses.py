@@ -16,7 +16,7 @@ from typing import get_args
 
 import torch
 
-from megatron_dppo.choices import KlEstimator, LossAgg, RatioType
+from megatron_dppo.algorithms.choices import KlEstimator, LossAgg, RatioType
 
 LOSS_AGGS = get_args(LossAgg)
 RATIO_TYPES = get_args(RatioType)

@@ -16,7 +16,7 @@ from megatron_dppo.megatron.parallel import (
     initialize_parallel,
     validate_layout,
 )
-from megatron_dppo.vocab import padded_vocab_size
+from megatron_dppo.model.vocab import padded_vocab_size
 
 __all__ = [
     "enable_cpu_compat",

@@ -39,7 +39,7 @@ The config key model.thd_attention (auto | varlen | bucketed | loop) forces one,
 them side by side through the CLI; it is fixed when the model is built (`PackedDotProductAttention(
 thd_impl=...)`), and only the facts of a call (device, dtype, dropout) are read per call.
 
-`packed_seq_params(batch)` turns a packed ThdBatch (megatron_dppo.packing) into Megatron's
+`packed_seq_params(batch)` turns a packed ThdBatch (megatron_dppo.algorithms.packing) into Megatron's
 PackedSeqParams, with each sequence's padding counted as part of it (see there: exact, and TE
 keeps its flash kernels without a device sync); it also precomputes the row layout on the
 host, once per micro-batch, so no layer reads cu_seqlens back from the device.
@@ -59,7 +59,7 @@ from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_dppo.choices import ThdAttention
+from megatron_dppo.algorithms.choices import ThdAttention
 
 try:  # torch >= 2.10 (flash-attention varlen); absent or unusable on older builds
     from torch.nn.attention.varlen import varlen_attn

@@ -52,21 +52,21 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_dppo.config import model_layout_problems
-from megatron_dppo.convert import qwen3
-from megatron_dppo.convert.hf_io import (
+from megatron_dppo.megatron.checkpoint import (  # also installs the safe metadata unpickler
+    check_checkpoint,
+    latest_checkpoint,
+)
+from megatron_dppo.megatron.model import build_gpt_model, module_device
+from megatron_dppo.model import qwen3
+from megatron_dppo.model.hf_io import (
     HFCheckpoint,
     SafetensorsShardWriter,
     check_output_dir,
     copy_assets,
     staged_output_dir,
 )
-from megatron_dppo.convert.qwen3 import load_hf_config  # noqa: F401  (the tools and tests import it from here)
-from megatron_dppo.megatron.checkpoint import (  # also installs the safe metadata unpickler
-    check_checkpoint,
-    latest_checkpoint,
-)
-from megatron_dppo.megatron.model import build_gpt_model, module_device
-from megatron_dppo.vocab import padded_vocab_size
+from megatron_dppo.model.qwen3 import load_hf_config  # noqa: F401  (the tools and tests import it from here)
+from megatron_dppo.model.vocab import padded_vocab_size
 
 MODEL_DIR = "model_optim"
 HF_CONFIG = "hf_config.json"
@@ -569,9 +569,9 @@ def verify_logits(
     from transformers import AutoModelForCausalLM
 
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
-    from megatron_dppo.distributed import all_reduce_max
     from megatron_dppo.megatron.checkpoint import load_checkpoint
     from megatron_dppo.megatron.policy import MegatronPolicy
+    from megatron_dppo.run.collectives import all_reduce_max
 
     ckpt = resolve_checkpoint_dir(ckpt_dir)
     hf_config = load_hf_config(os.path.join(ckpt, HF_CONFIG))

@@ -6,7 +6,7 @@ materialises the whole checkpoint, no shard is mmapped (mmapped pages would coun
 until the file is closed). What a rank holds while loading is one megatron tensor's slice and
 its HF sources (e.g. this rank's rows of q, k and v, then the fused linear_qkv slice).
 
-Slices, per megatron tensor (convert/qwen3.py has the layout rules):
+Slices, per megatron tensor (model/qwen3.py has the layout rules):
   linear_qkv (column)  rank r owns KV groups [r*ng/tp, (r+1)*ng/tp): rows chunk r of q_proj,
                        of k_proj and of v_proj, fused with qwen3.fuse_qkv at ng/tp groups
   linear_fc1 (fc1)     rows chunk r of gate_proj and of up_proj, concatenated (gate, then up)
@@ -20,180 +20,20 @@ Slices, per megatron tensor (convert/qwen3.py has the layout rules):
 With tied embeddings the last PP stage's output_layer.weight is read from model.embed_tokens.
 The slices are fed to qwen3.megatron_tensor_from_hf with a per-rank layout (heads, KV groups
 and padded vocab divided by tp), so whole-checkpoint conversion and this path share one table.
-
-check_hf_model_dir() finds what is wrong with a model directory (missing, no config.json, a
-config without model_type, an unsupported architecture, a broken index, an index naming a
-missing shard, a shard cut short, a tensor the model needs but the files lack) from the files'
-sizes and safetensors headers alone, before anything slow, and says it in one line naming the
-file (and tensor). It never contacts the Hugging Face hub.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dppo.convert import qwen3 as mapping
-from megatron_dppo.convert.hf_io import _DTYPE_NAMES, INDEX, SINGLE, HFCheckpoint
 from megatron_dppo.megatron.model import current_device
-
-
-class HFModelDirError(ValueError):
-    """A model directory that cannot be loaded; the message is one line naming the file."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """Where one HF tensor's bytes are: file, dtype, shape, absolute byte offset."""
-
-    file: str
-    dtype: torch.dtype
-    shape: tuple
-    offset: int
-
-
-@dataclasses.dataclass
-class HFModelDir:
-    """A checked HF model directory: its config (a transformers config) and tensor table."""
-
-    path: str
-    config: object
-    checkpoint: HFCheckpoint
-    tensors: dict  # HF name -> TensorEntry
-
-    @property
-    def layout(self) -> mapping.Qwen3Layout:
-        return mapping.layout_from_hf_config(self.config)
-
-
-# ---- checking a model directory -----------------------------------------------------------------
-def _fail(message: str):
-    raise HFModelDirError(" ".join(message.split()))  # one line, whatever the parts contained
-
-
-def _read_config(path: str, field: str):
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        _fail(
-            f"{cfg_path} is missing: {field} must be a Hugging Face model directory "
-            f"(config.json plus {SINGLE}, or sharded *.safetensors with {INDEX})"
-        )
-    try:
-        with open(cfg_path) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        _fail(f"{cfg_path} is not valid JSON ({e})")
-    if not isinstance(raw, dict) or not raw.get("model_type"):
-        _fail(
-            f'{cfg_path} has no "model_type" key: expected an HF config.json such as Qwen3\'s '
-            '("model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], ...)'
-        )
-    try:
-        config, _ = mapping.read_model_config(cfg_path)  # what `plan` and the converters check too
-    except ValueError as e:
-        _fail(str(e))
-    return config
-
-
-def _check_index(path: str) -> None:
-    index = os.path.join(path, INDEX)
-    if not os.path.isfile(index):
-        return
-    try:
-        with open(index) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        _fail(f"{index} is not valid JSON ({e})")
-    wm = raw.get("weight_map") if isinstance(raw, dict) else None
-    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-        _fail(f'{index} has no "weight_map" object of tensor name -> shard file name')
-
-
-def _shard_entries(file: str) -> dict:
-    """{name: TensorEntry} of one safetensors file, checked against the file's size."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            _fail(f"{file} is truncated: {size} bytes, not even the 8-byte safetensors header length")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            _fail(f"{file} is truncated: {size} bytes, but its header alone says it is {8 + n} bytes long")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            _fail(f"{file}: the safetensors header is not valid JSON ({e}): the file is corrupt")
-    if not isinstance(header, dict):
-        _fail(f"{file}: the safetensors header is not a JSON object: the file is corrupt")
-    base, parsed = 8 + n, []
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            _fail(
-                f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
-                f"{sorted(_DTYPE_NAMES)}"
-            )
-        need = torch.Size(shape).numel() * dtype.itemsize
-        if end - begin != need:
-            _fail(
-                f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
-                f"{e['dtype']} needs {need}"
-            )
-        parsed.append((begin, end, name, dtype, shape))
-    parsed.sort()
-    expected = base + max((end for _, end, *_ in parsed), default=0)
-    for _begin, end, name, _dtype, _shape in parsed:  # in file order: name the first tensor cut short
-        if base + end > size:
-            _fail(
-                f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
-                f"(the header says the file is {expected} bytes long)"
-            )
-    return {name: TensorEntry(file, dtype, shape, base + begin) for begin, end, name, dtype, shape in parsed}
-
-
-def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFModelDir:
-    """Everything that can be wrong with an HF model directory, from config.json, the index and
-    the safetensors headers and file sizes (no tensor data is read; milliseconds). Raises
-    HFModelDirError with one line naming the file (and tensor); never contacts the hub."""
-    if not path:
-        _fail(f"{field} is empty: give a local Hugging Face model directory")
-    if not os.path.exists(path):
-        _fail(
-            f"{field}: {path} does not exist (a local Hugging Face model directory with config.json and "
-            "*.safetensors is expected; nothing is downloaded from the hub)"
-        )
-    if not os.path.isdir(path):
-        _fail(f"{field}: {path} is a file, not a model directory")
-    config = _read_config(path, field)
-    _check_index(path)
-    single = os.path.join(path, SINGLE)
-    if not os.path.isfile(os.path.join(path, INDEX)) and os.path.isfile(single):
-        _shard_entries(single)  # HFCheckpoint reads this header: check it first
-    try:
-        ckpt = HFCheckpoint(path)
-    except (FileNotFoundError, OSError, ValueError) as e:
-        _fail(str(e))
-    tensors = {}
-    for file in sorted(set(ckpt.weight_map.values())):
-        entries = _shard_entries(os.path.join(path, file))
-        for name in (n for n, f in ckpt.weight_map.items() if f == file):
-            if name not in entries:
-                _fail(f"{ckpt.source} maps tensor {name!r} to {file}, whose header does not have it")
-            tensors[name] = entries[name]
-    layout = mapping.layout_from_hf_config(config)
-    absent = [n for n in mapping.hf_tensor_names(layout) if n not in tensors]
-    if absent:
-        _fail(f"{ckpt.source} lacks {len(absent)} tensor(s) that config.json's model needs, e.g. {absent[:3]}")
-    return HFModelDir(path, config, ckpt, tensors)
+from megatron_dppo.model import qwen3 as mapping
+from megatron_dppo.model.hf_dir import HFModelDir, HFModelDirError, _fail, check_hf_model_dir
 
 
 # ---- positioned reads of slices -----------------------------------------------------------------

@@ -161,7 +161,7 @@ def _token_loss(a, logp, old_logp, batch, picked, seq_index):
 
 
 def _aux_loss(batch, logits, cfg, vocab_size: int):
-    """SSOPD's term for a micro-batch of teacher/student pairs (megatron_dppo/distill.py):
+    """SSOPD's term for a micro-batch of teacher/student pairs (megatron_dppo/algorithms/distill.py):
     sum over distilled positions of coef * d_t(teacher, student), the teacher side detached, the
     divergence vocab-parallel over TP and chunked over positions (ssopd.divergence)."""
     aux, dev = batch.aux, logits.device

@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_dppo.megatron import moe
 from megatron_dppo.megatron.attention import PackedDotProductAttention
 from megatron_dppo.megatron.attention_backend import attention_choice
-from megatron_dppo.vocab import VOCAB_DIVISIBLE_BY, padded_vocab_size
+from megatron_dppo.model.vocab import VOCAB_DIVISIBLE_BY, padded_vocab_size
 
 
 def resolve_attention_backend(

@@ -40,8 +40,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_dppo.convert.qwen3 import moe_layer_pattern
 from megatron_dppo.megatron.cpu_compat import patch_moe_without_te
+from megatron_dppo.model.qwen3 import moe_layer_pattern
 
 
 def is_moe(hf_config) -> bool:

@@ -23,7 +23,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
-from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron import weights
 from megatron_dppo.megatron.attention import packed_seq_params
 from megatron_dppo.megatron.attention_backend import attention_choice
@@ -33,6 +32,7 @@ from megatron_dppo.megatron.model import GpuSettings, build_gpt_model, current_d
 from megatron_dppo.megatron.moe import is_moe
 from megatron_dppo.megatron.optimizer import wrap_for_training
 from megatron_dppo.megatron.router_stats import RouterStats, padding_mask, stage_padding_mask
+from megatron_dppo.model import qwen3 as mapping
 
 
 def _config_overrides(

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from safetensors.torch import save_file
 
-from megatron_dppo.convert import qwen3 as mapping
 from megatron_dppo.megatron.hf_load import expert_rank_layout, rank_layout
 from megatron_dppo.megatron.model import current_device
+from megatron_dppo.model import qwen3 as mapping
 
 
 @dataclass(frozen=True)
@@ -364,10 +364,10 @@ def save_hf_checkpoint(buckets, out_dir: str, source_hf_dir: str, is_main: bool,
     """An HF model directory of the policy's current weights: safetensors shards + index, the
     source model's config.json, tokenizer and chat template; loadable by transformers and vLLM as
     it is. buckets: policy.hf_weight_buckets() (collective: every rank iterates it, rank 0 writes).
-    All or nothing: written beside out_dir and renamed into place (convert/hf_io.staged_output_dir).
+    All or nothing: written beside out_dir and renamed into place (model/hf_io.staged_output_dir).
     A write that fails on rank 0 is raised only after every bucket was iterated: the buckets'
     gathers are collective, and the other ranks would wait in them for rank 0 until the timeout."""
-    from megatron_dppo.convert.hf_io import INDEX, copy_assets, staged_output_dir
+    from megatron_dppo.model.hf_io import INDEX, copy_assets, staged_output_dir
 
     staging = staged_output_dir(out_dir) if is_main else contextlib.nullcontext()
     with staging as stage:

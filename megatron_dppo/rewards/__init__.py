@@ -8,7 +8,7 @@ failure counted by kind, and a call that fails too often stops the run.
     scorer.close()
 
 Kinds (a "spec"; spec.py parses them, and names the config key in every error):
-  "exact"          the synthetic tasks' verifier (tasks.exact_match): stripped string equality of
+  "exact"          the synthetic tasks' verifier (verifiers.exact_match): stripped string equality of
                    the whole completion.
   "math"           math-verify equivalence of the completion's final answer with the gold answer:
                    the last \\boxed{...} if there is one, else the text after the last "####" (GSM8K

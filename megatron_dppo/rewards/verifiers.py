@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from megatron_dppo.rewards.extract import answer_after_thinking, gsm8k_final, last_boxed
-from megatron_dppo.tasks import exact_match
 
 BUILTIN_KINDS = {
     "exact": "megatron_dppo.rewards.verifiers:exact_reward",
     "math": "megatron_dppo.rewards.verifiers:math_reward",
 }
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """The synthetic tasks' verifier: 1.0 iff the completion is exactly the answer.
+
+    Only surrounding whitespace is forgiven; "0579", "579 " + junk, or "579=579" are wrong, so the
+    reward cannot be gamed by emitting several candidates.
+    """
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
 
 
 def exact_reward(completion: str, answer: str, record=None) -> float:

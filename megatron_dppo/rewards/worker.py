@@ -20,9 +20,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_dppo.process import die_with_parent
 from megatron_dppo.rewards.spec import resolve_reward_fn
 from megatron_dppo.rewards.verifiers import BUILTIN_KINDS, math_reward
+from megatron_dppo.run.process import die_with_parent
 
 # Imported by multiprocessing's forkserver before it serves (see `protect_forkserver`).
 FORKSERVER_PRELOAD = "megatron_dppo.rewards.forkserver_signals"

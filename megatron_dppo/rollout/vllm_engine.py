@@ -42,12 +42,12 @@ from typing import Literal
 
 import torch
 
-from megatron_dppo import preflight
+from megatron_dppo.model.hf_dir import check_context
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # vLLM logs every weight reload and cache reset at INFO: one line per training step
-# (megatron_dppo/quiet.py raises this to ERROR for the trainer unless logging.verbose).
+# (megatron_dppo/run/quiet.py raises this to ERROR for the trainer unless logging.verbose).
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # Without an explicit KV-cache size vLLM on CPU reserves ~90% of the host's RAM.
@@ -179,7 +179,7 @@ class RolloutEngine:
         context: Callable[[], AbstractContextManager] | None = None,
         **llm_kwargs,
     ):
-        preflight.check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
+        check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
         on_gpu = torch.cuda.is_available()
         self.context = context or contextlib.nullcontext
         self.tensor_parallel_size = tensor_parallel_size

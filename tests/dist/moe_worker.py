@@ -21,12 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import common  # noqa: E402
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
-from megatron_dppo import plan  # noqa: E402
-from megatron_dppo.convert import qwen3  # noqa: E402
+from megatron_dppo.jobs import plan  # noqa: E402
+from megatron_dppo.model import qwen3  # noqa: E402
+from megatron_dppo.model.arch import Arch  # noqa: E402
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs  # noqa: E402
 from megatron_dppo.megatron.attention import packed_seq_params  # noqa: E402
 from megatron_dppo.megatron.hf_load import expert_rank_layout  # noqa: E402
-from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 
 TOL = 1e-5
 LENGTHS = ((7, 19, 3, 12), (5, 11, 16))  # one batch per rank at EP=2
@@ -68,7 +69,7 @@ def check(ep: int, cfg, hf, batches, what: str):
     model = build_gpt_model(cfg)
     assert sum(1 for n, _ in model.named_parameters() if n.endswith("router.weight")) == sum(layout.moe_layers)
     # `megatron-dppo plan` counts what this rank holds: its experts and the dense rest.
-    arch = plan.Arch.from_hf(cfg.to_dict())
+    arch = Arch.from_hf(cfg.to_dict())
     counted = plan.stage_params(arch, 1, 1)["only"] + plan.stage_expert_params(arch, ep, 1, 1)["only"]
     assert counted == sum(p.numel() for p in model.parameters()), (counted, ep)
     weights = local(qwen3.hf_to_megatron(hf_checkpoint_tensors(hf), layout), layout)

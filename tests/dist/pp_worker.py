@@ -14,7 +14,7 @@ from megatron_dppo.megatron import (
     build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
 )
 from megatron_dppo.megatron.attention import packed_seq_params
-from megatron_dppo.packing import Sample, build_thd_batch
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 
 SEED = 4321
 TOL = 1e-5

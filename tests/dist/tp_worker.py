@@ -16,7 +16,7 @@ from megatron_dppo.megatron import (
     token_logprobs_and_entropy,
 )
 from megatron_dppo.megatron.attention import PackedDotProductAttention, packed_seq_params
-from megatron_dppo.packing import Sample, build_thd_batch
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 
 SEED = 1234
 TOL = 1e-5

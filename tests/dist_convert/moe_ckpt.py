@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from megatron_dppo.convert import qwen3  # noqa: E402
-from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
-from megatron_dppo.distributed import all_gather_objects  # noqa: E402
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config, verify_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import expert_rank_layout, load_hf_into_models, rank_layout  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
+from megatron_dppo.model import qwen3  # noqa: E402
+from megatron_dppo.model.hf_io import HFCheckpoint  # noqa: E402
+from megatron_dppo.run.collectives import all_gather_objects  # noqa: E402
 
 
 def expected_local(hf: HFCheckpoint, layout) -> dict:

@@ -27,12 +27,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron.core import dist_checkpointing  # noqa: E402
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
-from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, MODEL_DIR, load_hf_config  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 from megatron_dppo.megatron.sharded_state import checkpoint_keys  # noqa: E402
+from megatron_dppo.model.hf_io import HFCheckpoint  # noqa: E402
 
 TE_NORMS = ("q_layernorm", "k_layernorm", "final_layernorm")
 

@@ -20,13 +20,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
-from megatron_dppo.convert.hf_io import HFCheckpoint  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
-from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
+from megatron_dppo.model.hf_io import HFCheckpoint  # noqa: E402
 
 
 def main():

@@ -1,7 +1,7 @@
 """Worker: the stall watchdog in a real torchrun job over gloo, without the trainer (seconds).
 
 Every rank loops over steps: phase "train" (a little work), then phase "sync" and an all-reduce
-through megatron_dppo.distributed, as the trainer's steps end. At --stall-step, rank --stall-rank
+through megatron_dppo.run.collectives, as the trainer's steps end. At --stall-step, rank --stall-rank
 stops: `sigstop` SIGSTOPs itself (the whole process, its watchdog threads too: what a debugger, a
 frozen node or a swapped-out process looks like), `sleep` hangs in phase "reward" with its threads
 alive. The other ranks then wait in the all-reduce; their watchdogs must name the stalled rank and
@@ -15,8 +15,8 @@ import time
 
 import torch.distributed as dist
 
-from megatron_dppo import distributed as mdist
-from megatron_dppo.watchdog import StallWatchdog, default_store
+from megatron_dppo.run import collectives as mdist
+from megatron_dppo.run.watchdog import StallWatchdog, default_store
 
 
 def main():

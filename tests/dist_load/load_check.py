@@ -32,13 +32,14 @@ import common  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
-from megatron_dppo.convert import qwen3 as mapping  # noqa: E402
-from megatron_dppo.distributed import all_gather_objects  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import megatron_logits  # noqa: E402
-from megatron_dppo.megatron.hf_load import check_hf_model_dir, load_hf_into_policy  # noqa: E402
+from megatron_dppo.megatron.hf_load import load_hf_into_policy  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
+from megatron_dppo.model import qwen3 as mapping  # noqa: E402
+from megatron_dppo.model.hf_dir import check_hf_model_dir  # noqa: E402
+from megatron_dppo.run.collectives import all_gather_objects  # noqa: E402
 
 TOL = 1e-5
 

@@ -130,7 +130,7 @@ def phase_save_steps(args, policy):
 def phase_load(args, policy):
     import warnings
 
-    from megatron_dppo.quiet import quiet_libraries
+    from megatron_dppo.run.quiet import quiet_libraries
 
     warnings.resetwarnings()  # as a user's process has them (run_workers sets PYTHONWARNINGS=ignore)
     warnings.simplefilter("default")

@@ -25,12 +25,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron import policy as policy_module  # noqa: E402
 from megatron_dppo.megatron.model import current_device  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
-from megatron_dppo.packing import Sample, build_thd_batch  # noqa: E402
 
 
 def misplaced(module: torch.nn.Module, device: torch.device) -> list[str]:

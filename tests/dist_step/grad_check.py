@@ -20,11 +20,11 @@ from tiny_models import tiny_qwen3_model
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
+from megatron_dppo.algorithms.packing import Sample, balance_packs, build_thd_batch, pack
 from megatron_dppo.algorithms.pruning import prune_completions, prune_prompts
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel
 from megatron_dppo.megatron.policy import MegatronPolicy
-from megatron_dppo.packing import Sample, balance_packs, build_thd_batch, pack
 
 B, G, MAX_NEW, VOCAB = 4, 4, 8, 50
 

@@ -36,10 +36,10 @@ from grad_check import MAX_NEW, B, G, make_problem, my_microbatches, reference_g
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
 from megatron_dppo.algorithms import losses  # noqa: E402
+from megatron_dppo.algorithms.packing import balance_packs, pack  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
-from megatron_dppo.packing import balance_packs, pack  # noqa: E402
 
 AUX, Z = 1e-3, 1e-4  # Qwen3-MoE's router_aux_loss_coef; the z-loss at a tenth of it
 TOL = 1e-5

@@ -27,9 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
+from megatron_dppo.jobs.plan import sync_peak_bytes  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
-from megatron_dppo.plan import Arch, sync_peak_bytes  # noqa: E402
+from megatron_dppo.model.arch import Arch  # noqa: E402
 from megatron_dppo.rollout.vllm_engine import stream_named_tensors  # noqa: E402
 
 LAYOUTS = {"pp2": dict(tp=1, pp=2, ep=1), "ep2": dict(tp=1, pp=1, ep=2), "tp2": dict(tp=2, pp=1, ep=1)}

@@ -21,11 +21,11 @@ from safetensors import safe_open
 from sync_check import max_err, sampled_sequences
 from transformers import AutoConfig
 
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import initialize_parallel, suspend_cpu_compat
 from megatron_dppo.megatron.hf_load import load_hf_into_policy
 from megatron_dppo.megatron.policy import MegatronPolicy
-from megatron_dppo.packing import Sample, build_thd_batch
 from megatron_dppo.rollout import RolloutEngine
 
 

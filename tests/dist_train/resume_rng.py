@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_dppo.config import load_config
-from megatron_dppo.trainer import Trainer
+from megatron_dppo.train.trainer import Trainer
 
 
 def main():

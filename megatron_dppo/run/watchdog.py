@@ -251,7 +251,7 @@ class StallWatchdog:
         return lines
 
     def _report_and_exit(self, idle: float) -> None:
-        from megatron_dppo.process import rank_prefix
+        from megatron_dppo.run.process import rank_prefix
 
         try:
             text = "".join(f"{rank_prefix()}{line}\n" for line in self.report_lines(idle))

@@ -35,10 +35,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_dppo.data import PromptRecord, PromptRenderer, check_prompt_lengths, load_records
+from megatron_dppo.data.prompts import PromptRecord, PromptRenderer, check_prompt_lengths, load_records
+from megatron_dppo.data.tasks import write_jsonl
 from megatron_dppo.rewards import answer_after_thinking, gsm8k_final, last_boxed
 from megatron_dppo.rewards.metrics import NO_SOURCE
-from megatron_dppo.tasks import write_jsonl
 
 CORRECT = 1.0 - 1e-6  # reward >= this counts as correct
 ALL = "all"
@@ -235,7 +235,7 @@ def run_validation(
     (distributed.all_gather_objects: collective, every rank calls it) collects the rows. The
     main rank writes <dump_dir>/step_<step:06d>.jsonl (dump_dir None: no dump)."""
     if gather is None:
-        from megatron_dppo.distributed import all_gather_objects as gather
+        from megatron_dppo.run.collectives import all_gather_objects as gather
     items = [(s.name, i, rec) for s in sets for i, rec in enumerate(s.records)]
     per = math.ceil(len(items) / num_engines) if items else 0
     mine = items[engine_index * per : (engine_index + 1) * per]

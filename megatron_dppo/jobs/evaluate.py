@@ -24,7 +24,7 @@ import os
 import shutil
 import sys
 
-from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_validation
+from megatron_dppo.rollout.validation import engine_generate, load_eval_sets, run_validation
 
 
 def _checkpoint_step(checkpoint: str, cfg) -> tuple[str, int]:
@@ -32,7 +32,7 @@ def _checkpoint_step(checkpoint: str, cfg) -> tuple[str, int]:
     files, and its model against model.hf_dir (run_identity.check_checkpoint_model)."""
     from megatron_dppo.megatron.checkpoint import check_checkpoint
     from megatron_dppo.megatron.convert_ckpt import resolve_checkpoint_dir
-    from megatron_dppo.run_identity import check_checkpoint_model
+    from megatron_dppo.run.identity import check_checkpoint_model
 
     if not os.path.exists(checkpoint):
         raise FileNotFoundError(
@@ -97,8 +97,8 @@ def format_table(metrics: dict) -> str:
 
 def run_evaluate(cfg, checkpoint: str | None = None, out_dir: str | None = None, out=print) -> dict:
     """Score the model (module docstring); -> the metrics."""
-    from megatron_dppo.data import PromptRenderer
-    from megatron_dppo.preflight import check_model
+    from megatron_dppo.data.prompts import PromptRenderer
+    from megatron_dppo.model.hf_dir import check_model
     from megatron_dppo.rewards import RewardScorer
     from megatron_dppo.rollout import RolloutEngine
 

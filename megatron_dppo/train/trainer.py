@@ -9,7 +9,7 @@ sampling seed (from its prompt's place in the step, never from a rank). The prom
 are split over the vLLM engines (one per `parallel.rollout_tp` ranks); every rank of an engine
 generates the same slice, its first rank scores it, and the groups are gathered once. Each
 data-parallel rank then trains on its share of the packs. Megatron details live in
-megatron_dppo/megatron/, host-side collectives in megatron_dppo/distributed.py.
+megatron_dppo/megatron/, host-side collectives in megatron_dppo/run/collectives.py.
 """
 
 from __future__ import annotations
@@ -28,25 +28,26 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dppo import distributed as mdist
-from megatron_dppo import packing, preflight
-from megatron_dppo.algorithms import batch
+from megatron_dppo.algorithms import batch, packing
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.methods import bppo, reco
 from megatron_dppo.algorithms.pruning import get_strategy
-from megatron_dppo.checkpoint_cadence import save_cost_line, should_save
+from megatron_dppo.algorithms.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
 from megatron_dppo.config import Config, resolve, save_config
-from megatron_dppo.data import PromptDataset, PromptRenderer
-from megatron_dppo.evaluation import engine_generate, load_eval_sets, run_validation
-from megatron_dppo.process import malloc_trim, rank_prefix
-from megatron_dppo.profiling import PHASES
+from megatron_dppo.data.prompts import PromptDataset, PromptRenderer
+from megatron_dppo.model import hf_dir
 from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
-from megatron_dppo.rollout.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
-from megatron_dppo.run_dir import CHECKPOINTS, make_run_dir, plan_run_dir
-from megatron_dppo.run_identity import check_resume_compatible, resume_metadata
-from megatron_dppo.run_log import RunLogger, phase_summary
-from megatron_dppo.watchdog import StallWatchdog, default_store
+from megatron_dppo.rollout.validation import engine_generate, load_eval_sets, run_validation
+from megatron_dppo.run import collectives as mdist
+from megatron_dppo.run.cadence import save_cost_line, should_save
+from megatron_dppo.run.identity import check_resume_compatible, resume_metadata
+from megatron_dppo.run.log import RunLogger, phase_summary
+from megatron_dppo.run.process import malloc_trim, rank_prefix
+from megatron_dppo.run.profiling import PHASES
+from megatron_dppo.run.run_dir import CHECKPOINTS, make_run_dir, plan_run_dir
+from megatron_dppo.run.watchdog import StallWatchdog, default_store
+from megatron_dppo.train import preflight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -165,9 +166,9 @@ class Trainer:
         self.config_warnings = preflight.config_warnings(cfg)
         if tc.threads:  # loading and the policy's build run with the configured threads too
             torch.set_num_threads(tc.threads)
-        self.model_dir, self.tokenizer = preflight.check_model(cfg.model.hf_dir)
+        self.model_dir, self.tokenizer = hf_dir.check_model(cfg.model.hf_dir)
         self.hf_config = self.model_dir.config
-        preflight.check_context(rc.max_model_len, cfg.model.hf_dir)
+        hf_dir.check_context(rc.max_model_len, cfg.model.hf_dir)
         self.renderer = PromptRenderer(
             self.tokenizer, cfg.data.prompt_mode, cfg.data.system_prompt or None, cfg.data.chat_template_kwargs
         )
@@ -275,7 +276,7 @@ class Trainer:
         """AdaPrefix's per-problem prefixes (algorithm.curriculum=adaprefix), else None."""
         if self.cfg.algorithm.curriculum != "adaprefix":
             return None
-        from megatron_dppo.rollout.curriculum import PrefixCurriculum, reference_text
+        from megatron_dppo.algorithms.curriculum import PrefixCurriculum, reference_text
 
         key = self.cfg.data.solution_key
         if not any(reference_text(r, key) for r in self.data.records):
@@ -593,8 +594,8 @@ class Trainer:
         return batches, density
 
     def _pack_aux(self, minibatches) -> dict:
-        """SSOPD's teacher/student micro-batches of each mini-batch (megatron_dppo/distill.py)."""
-        from megatron_dppo.distill import aux_microbatches
+        """SSOPD's teacher/student micro-batches of each mini-batch (megatron_dppo/algorithms/distill.py)."""
+        from megatron_dppo.algorithms.distill import aux_microbatches
 
         cfg, tc = self.cfg.algorithm.ssopd, self.cfg.trainer
 
@@ -704,7 +705,7 @@ class Trainer:
                     f.write(json.dumps({"step": step, **row}) + "\n")
 
     def evaluate(self, step: int) -> dict:
-        """The eval: sets (megatron_dppo/evaluation.py), split over the engines like a rollout;
+        """The eval: sets (megatron_dppo/rollout/validation.py), split over the engines like a rollout;
         collective. {val/<set>/<source>/<metric>, eval/accuracy} on every rank; {} without sets.
         Rewards are the scorer's own (no overlong shaping: it is not a verdict)."""
         if not self.eval_sets:

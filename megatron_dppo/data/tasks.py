@@ -8,7 +8,7 @@ Two kinds:
                        (reward kind "exact"); every completion is a few tokens long.
   WorkedMultiplication {id, prompt, answer, solution}: "47*4=" -> "2:94,3:141,4:188", the
                        running multiples of a up to b*a, one "j:j*a" step per line of work. The
-                       answer is the last number (reward kind "megatron_dppo.tasks:final_answer_reward").
+                       answer is the last number (reward kind "megatron_dppo.data.tasks:final_answer_reward").
                        The number of steps b-1 is drawn with P(b) ~ 1/(b-1), so completion
                        lengths are long-tailed like RL reasoning traces (most short, a few 6x
                        the median) and longer problems are harder: what dense packing is for.
@@ -23,6 +23,8 @@ import json
 import os
 import random
 from dataclasses import dataclass
+
+from megatron_dppo.rewards.verifiers import exact_match
 
 
 @dataclass(frozen=True)
@@ -127,15 +129,6 @@ def get_task(name: str) -> ArithmeticTask | WorkedMultiplication:
         raise ValueError(f"unknown task {name!r}; bundled tasks: {sorted(TASKS)}") from None
 
 
-def exact_match(completion: str, answer: str) -> float:
-    """The synthetic tasks' verifier: 1.0 iff the completion is exactly the answer.
-
-    Only surrounding whitespace is forgiven; "0579", "579 " + junk, or "579=579" are wrong, so the
-    reward cannot be gamed by emitting several candidates.
-    """
-    return 1.0 if completion.strip() == str(answer).strip() else 0.0
-
-
 def final_answer(completion: str) -> str:
     """The number a worked solution ends with: the text after its last ':' (the whole text when
     there is none), stripped. "2:94,3:141" -> "141"."""
@@ -143,7 +136,7 @@ def final_answer(completion: str) -> str:
 
 
 def final_answer_reward(completion: str, answer: str, record=None) -> float:
-    """Reward function for worked tasks (reward kind "megatron_dppo.tasks:final_answer_reward"):
+    """Reward function for worked tasks (reward kind "megatron_dppo.data.tasks:final_answer_reward"):
     1.0 iff the completion's final number is the answer. Only the end is checked, as a
     reasoning-RL verifier checks a final answer and not the steps that led to it."""
     return 1.0 if final_answer(completion) == str(answer).strip() else 0.0

@@ -48,7 +48,7 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 
-from megatron_dppo.data_files import data_paths, read_rows
+from megatron_dppo.data.files import data_paths, read_rows
 from megatron_dppo.rewards import gsm8k_final, last_boxed
 
 _LAYOUTS = (

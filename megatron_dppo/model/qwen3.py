@@ -93,7 +93,7 @@ def load_hf_config(path: str):
 
 def read_model_config(path: str):
     """config.json -> (transformers config, Qwen3Layout). The one check of a model's config that
-    the trainer (hf_load.check_hf_model_dir), the converters and `megatron-dppo plan` share, so
+    the trainer (hf_dir.check_hf_model_dir), the converters and `megatron-dppo plan` share, so
     none accepts a model another refuses. ValueError naming the file and the field."""
     config = load_hf_config(path)
     try:

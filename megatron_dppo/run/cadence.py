@@ -5,7 +5,7 @@ A hard kill (kill -9, a node lost, an OOM kill) loses what was trained since the
 cadence in steps alone bounds that loss in steps, which can be hours at scale. The time bound
 caps it in minutes whatever a step costs. The decision reads the wall clock, which differs
 between ranks: every rank must act on the same answer, so the caller takes rank 0's
-(megatron_dppo.distributed.agree).
+(megatron_dppo.run.collectives.agree).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 
-from megatron_dppo.preflight import TOKENIZER_FILES
+from megatron_dppo.model.hf_dir import TOKENIZER_FILES
 
 # Config keys a resumed run must keep (see the module docstring for why each).
 FIXED_KEYS = ("rollout.group_size", "pruning.strategy")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from megatron_dppo.plan import Arch
+from megatron_dppo.model.arch import Arch
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks from the vendor data sheets, FLOP/s per GPU.
 # H200 is the H100's compute die with more and faster memory: same peak.

@@ -34,7 +34,7 @@ from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.algorithms.pruning import _drop_uniformly, drop_zero_variance_groups, get_strategy
-from megatron_dppo.rollout.records import Group
+from megatron_dppo.algorithms.records import Group
 
 REFILL_RULES = ("weight", "count")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dppo import packing
+from megatron_dppo.algorithms import packing
 from megatron_dppo.algorithms.methods import ssopd
 
 

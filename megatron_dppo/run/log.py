@@ -14,12 +14,13 @@ written twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 
-from megatron_dppo.profiling import phase_totals
+from megatron_dppo.run.profiling import phase_totals
 
 PENDING = ".metrics-pending.json"  # the row of a step whose checkpoint is being saved
 
@@ -56,14 +57,12 @@ class RunLogger:
         if lc.wandb != "disabled":
             import wandb
 
-            from megatron_dppo.config import to_dict
-
             self.wandb = wandb.init(
                 project=lc.wandb_project,
                 name=cfg.trainer.run_name,
                 dir=run_dir,
                 mode=lc.wandb,
-                config=to_dict(cfg),
+                config=dataclasses.asdict(cfg),
                 resume="allow",
                 settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
             )

@@ -12,7 +12,7 @@ the controller's update after every visit, and the state a checkpoint keeps.
 from __future__ import annotations
 
 from megatron_dppo.algorithms.methods import adaprefix
-from megatron_dppo.data import PromptRecord, dotted_get
+from megatron_dppo.data.prompts import PromptRecord, dotted_get
 
 
 def reference_text(record: PromptRecord, key: str) -> str:

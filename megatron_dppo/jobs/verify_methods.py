@@ -30,13 +30,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_dppo import distill
-from megatron_dppo.algorithms import batch, losses
+from megatron_dppo.algorithms import batch, distill, losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.methods import bppo, reco, ssopd
 from megatron_dppo.algorithms.pruning import get_strategy
-from megatron_dppo.rollout.records import Group
-from megatron_dppo.unbiased_check import (
+from megatron_dppo.algorithms.records import Group
+from megatron_dppo.jobs.verify_unbiased import (
     CheckConfig,
     _compare,
     _method,

@@ -9,11 +9,6 @@ deep inside a library (vLLM's AssertionError on 21 embedding rows for a 15-token
 
 from __future__ import annotations
 
-import os
-
-# Files one of which a Hugging Face tokenizer is built from (fast, BPE, WordPiece, SentencePiece).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
-
 
 def check_config(cfg) -> None:
     """Key combinations that cannot run as meant: ValueError naming the keys."""
@@ -122,91 +117,3 @@ def _show(value) -> str:
 
 
 # vLLM 0.32's _get_and_verify_max_len: these RoPE types leave max_position_embeddings already scaled.
-_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
-
-
-def check_context(max_model_len: int, hf_dir: str) -> None:
-    """rollout.max_model_len against the model's context as vLLM 0.32 derives it: config.json's
-    max_position_embeddings, at most tokenizer_config.json's model_max_length, times the RoPE
-    factor (rope_parameters, or rope_scaling before transformers 5) unless the RoPE type is one
-    whose max_position_embeddings is already scaled (yarn, llama3, longrope, ...). Past it vLLM
-    refuses the length in a long pydantic error that suggests an environment variable."""
-    import json
-
-    def read(name):
-        try:
-            with open(os.path.join(hf_dir, name)) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}  # an unreadable config.json is check_hf_model_dir's error, named there
-        return data if isinstance(data, dict) else {}
-
-    config, path = read("config.json"), os.path.join(hf_dir, "config.json")
-    context = config.get("max_position_embeddings")
-    if not isinstance(context, int):
-        return
-    what = f"max_position_embeddings {context}"
-    limit = read("tokenizer_config.json").get("model_max_length")
-    if isinstance(limit, int) and limit < context:
-        context, what = limit, f"{what}, tokenizer_config.json's model_max_length {limit}"
-    rope = config.get("rope_parameters") or config.get("rope_scaling")
-    rope = rope if isinstance(rope, dict) else {}
-    rope_type, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
-    if rope_type not in _PRESCALED_ROPE and isinstance(factor, (int, float)) and factor != 1:
-        context = int(context * factor)
-        what += f", RoPE {rope_type} factor {factor:g}: {context} positions"
-    if max_model_len > context:
-        raise ValueError(
-            f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "
-            f"{what} in {path}: lower rollout.max_model_len to at most {context}"
-        )
-
-
-def check_model(hf_dir: str):
-    """model.hf_dir's files, tokenizer and vocabulary, as `train` and `evaluate` both check them
-    before anything slow -> (hf_load.HFModelDir, the tokenizer)."""
-    from megatron_dppo.megatron.hf_load import check_hf_model_dir
-
-    model_dir = check_hf_model_dir(hf_dir)
-    tokenizer = load_tokenizer(hf_dir)
-    check_vocab(model_dir, tokenizer)
-    return model_dir, tokenizer
-
-
-def load_tokenizer(hf_dir: str):
-    """The model dir's tokenizer, refusing a dir without tokenizer files (transformers then builds
-    an empty tokenizer from config.json alone, whose every prompt is empty)."""
-    from transformers import AutoTokenizer
-
-    if not any(os.path.isfile(os.path.join(hf_dir, n)) for n in TOKENIZER_FILES):
-        raise ValueError(
-            f"model.hf_dir {hf_dir} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy the "
-            "model's tokenizer files into it"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    if len(tokenizer) < 2 or not tokenizer("1 + 1 = 2").input_ids:
-        raise ValueError(
-            f"the tokenizer of model.hf_dir {hf_dir} is empty ({len(tokenizer)} tokens; it encodes '1 + 1 = 2' "
-            "to nothing): its tokenizer files are incomplete"
-        )
-    return tokenizer
-
-
-def check_vocab(model_dir, tokenizer) -> None:
-    """config.json's vocab_size against the embedding rows in the safetensors headers and against
-    the tokenizer (model_dir: hf_load.check_hf_model_dir's result; no tensor is read)."""
-    config_path = os.path.join(model_dir.path, "config.json")
-    vocab = model_dir.config.vocab_size
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        entry = model_dir.tensors.get(name)
-        if entry is not None and entry.shape[0] != vocab:
-            raise ValueError(
-                f"{config_path} says vocab_size {vocab}, but {entry.file} holds {name} with {entry.shape[0]} rows: "
-                "the config and the weights are of different models (fix vocab_size or use the matching weights)"
-            )
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"the tokenizer of {model_dir.path} has {len(tokenizer)} tokens, more than {config_path}'s vocab_size "
-            f"{vocab}: token ids from {vocab} up would index past the embedding table (use the model's own "
-            "tokenizer, or a config and weights with a vocabulary that covers it)"
-        )

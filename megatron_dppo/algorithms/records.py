@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dppo.data import PromptRecord
-from megatron_dppo.packing import Sample
+from megatron_dppo.algorithms.packing import Sample
+from megatron_dppo.data.prompts import PromptRecord
 
 
 @dataclass

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from megatron_dppo.algorithms.methods.configs import AdaPrefixConfig, BPPOConfig, ReCoConfig, SSOPDConfig
-from megatron_dppo.choices import (
+from megatron_dppo.algorithms.choices import (
     AdvantageKind,
     AttentionBackend,
     AuxLoss,
@@ -35,6 +34,7 @@ from megatron_dppo.choices import (
     ThdAttention,
     WandbMode,
 )
+from megatron_dppo.algorithms.methods.configs import AdaPrefixConfig, BPPOConfig, ReCoConfig, SSOPDConfig
 
 
 @dataclass
@@ -230,7 +230,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     # Seconds a rank may make no progress (in a step's phase or a collective) before the stall
     # watchdog names the rank and phase it waits on and ends the job (exit 124); 0 = no watchdog.
-    # Resolved: 600 on CPU, 1800 on GPUs (megatron_dppo/watchdog.py says why).
+    # Resolved: 600 on CPU, 1800 on GPUs (megatron_dppo/run/watchdog.py says why).
     stall_timeout_s: float | None = None
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
 
@@ -330,7 +330,7 @@ def validate(cfg: Config) -> Config:
     model or the world size are in `check_layout` and `resolve`. (Long because it is one table,
     a row per key, kept together so that every key's rule is found in one place.)"""
     from megatron_dppo.algorithms.pruning import STRATEGIES  # the strategy registry
-    from megatron_dppo.run_dir import run_name_problem
+    from megatron_dppo.run.run_dir import run_name_problem
 
     c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim
     checks = [

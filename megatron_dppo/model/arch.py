@@ -1,0 +1,84 @@
+"""The numbers of a model architecture, from its HF config.json alone: shapes and parameter
+counts per layer and per rank (what `plan` and the throughput profile compute with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The numbers of a Qwen3-style model (GQA attention, SwiGLU MLP, RMSNorm, qk-norm), dense or
+    a mixture of experts (Qwen3 MoE: sparse layers of routed SwiGLU experts, no shared expert)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    experts: int = 0  # routed experts per sparse layer; 0: a dense model
+    experts_per_tok: int = 0  # top-k
+    moe_ffn: int = 0  # each expert's SwiGLU width (moe_intermediate_size)
+    sparse: tuple = ()  # per layer: True where the MLP is an MoE layer (empty: dense)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> Arch:
+        """The numbers of config.json `c`, after the trainer's own check of it
+        (model/qwen3.layout_from_hf_config, on the same transformers config the trainer
+        builds): a model `train` refuses is a ValueError here too, naming the field."""
+        from transformers import CONFIG_MAPPING
+
+        from megatron_dppo.model import qwen3
+
+        model_type = c.get("model_type", "qwen3")
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"config.json model_type={model_type!r}: not a model type transformers knows")
+        hf = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
+        lay = qwen3.layout_from_hf_config(hf)
+        return cls(
+            vocab=lay.vocab,
+            hidden=lay.hidden,
+            layers=lay.num_layers,
+            heads=lay.num_heads,
+            kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            ffn=lay.intermediate,
+            tied=lay.tied,
+            experts=lay.num_experts if lay.moe_layers else 0,
+            experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0)) if lay.moe_layers else 0,
+            moe_ffn=lay.moe_intermediate,
+            sparse=lay.moe_layers,
+        )
+
+    def is_sparse(self, layer: int) -> bool:
+        return bool(self.sparse) and self.sparse[layer]
+
+    def layer_params(self, tp: int = 1, sparse: bool = False) -> int:
+        """One decoder layer on one TP rank, experts not included: QKV, out-proj (and a dense
+        layer's fc1 [gate; up], fc2) are split over TP; the two RMSNorms (hidden), q/k-norms
+        (head_dim) and an MoE layer's router (experts x hidden) are replicated."""
+        h, d = self.hidden, self.head_dim
+        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        if sparse:
+            return attn // tp + 2 * h + 2 * d + self.experts * h
+        return (attn + 3 * h * self.ffn) // tp + 2 * h + 2 * d
+
+    def expert_params(self, ep: int = 1, etp: int = 1) -> int:
+        """One sparse layer's experts on one rank: num_experts / ep SwiGLU experts split over etp."""
+        return self.experts // ep * 3 * self.hidden * self.moe_ffn // etp
+
+    def hf_params(self) -> int:
+        """Parameter count of the HF checkpoint (unpadded vocabulary)."""
+        body = sum(
+            self.layer_params(1, self.is_sparse(i)) + (self.expert_params() if self.is_sparse(i) else 0)
+            for i in range(self.layers)
+        )
+        return self.vocab * self.hidden * (1 if self.tied else 2) + body + self.hidden
+
+    def active_params(self) -> int:
+        """Parameters a token passes through (top-k of the experts): the 'A3B' of Qwen3-30B-A3B."""
+        inactive = sum(self.is_sparse(i) for i in range(self.layers)) * (self.experts - self.experts_per_tok)
+        return self.hf_params() - inactive * 3 * self.hidden * self.moe_ffn

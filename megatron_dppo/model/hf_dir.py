@@ -1,0 +1,263 @@
+"""A Hugging Face model directory, checked before anything slow: its files, its safetensors
+headers, its tokenizer and vocabulary, and its context length as vLLM derives it.
+
+check_hf_model_dir() finds what is wrong with a model directory (missing, no config.json, a
+config without model_type, an unsupported architecture, a broken index, an index naming a
+missing shard, a shard cut short, a tensor the model needs but the files lack) from the files'
+sizes and safetensors headers alone, before anything slow, and says it in one line naming the
+file (and tensor). It never contacts the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import torch
+
+from megatron_dppo.model import qwen3 as mapping
+from megatron_dppo.model.hf_io import _DTYPE_NAMES, INDEX, SINGLE, HFCheckpoint
+
+# Files one of which a Hugging Face tokenizer is built from (fast, BPE, WordPiece, SentencePiece).
+# RoPE types whose max_position_embeddings is already the scaled context (vLLM does not multiply it).
+_PRESCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+
+
+class HFModelDirError(ValueError):
+    """A model directory that cannot be loaded; the message is one line naming the file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one HF tensor's bytes are: file, dtype, shape, absolute byte offset."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple
+    offset: int
+
+
+@dataclasses.dataclass
+class HFModelDir:
+    """A checked HF model directory: its config (a transformers config) and tensor table."""
+
+    path: str
+    config: object
+    checkpoint: HFCheckpoint
+    tensors: dict  # HF name -> TensorEntry
+
+    @property
+    def layout(self) -> mapping.Qwen3Layout:
+        return mapping.layout_from_hf_config(self.config)
+
+
+# ---- checking a model directory -----------------------------------------------------------------
+def _fail(message: str):
+    raise HFModelDirError(" ".join(message.split()))  # one line, whatever the parts contained
+
+
+def _read_config(path: str, field: str):
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        _fail(
+            f"{cfg_path} is missing: {field} must be a Hugging Face model directory "
+            f"(config.json plus {SINGLE}, or sharded *.safetensors with {INDEX})"
+        )
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(f"{cfg_path} is not valid JSON ({e})")
+    if not isinstance(raw, dict) or not raw.get("model_type"):
+        _fail(
+            f'{cfg_path} has no "model_type" key: expected an HF config.json such as Qwen3\'s '
+            '("model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], ...)'
+        )
+    try:
+        config, _ = mapping.read_model_config(cfg_path)  # what `plan` and the converters check too
+    except ValueError as e:
+        _fail(str(e))
+    return config
+
+
+def _check_index(path: str) -> None:
+    index = os.path.join(path, INDEX)
+    if not os.path.isfile(index):
+        return
+    try:
+        with open(index) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(f"{index} is not valid JSON ({e})")
+    wm = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        _fail(f'{index} has no "weight_map" object of tensor name -> shard file name')
+
+
+def _shard_entries(file: str) -> dict:
+    """{name: TensorEntry} of one safetensors file, checked against the file's size."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            _fail(f"{file} is truncated: {size} bytes, not even the 8-byte safetensors header length")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            _fail(f"{file} is truncated: {size} bytes, but its header alone says it is {8 + n} bytes long")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            _fail(f"{file}: the safetensors header is not valid JSON ({e}): the file is corrupt")
+    if not isinstance(header, dict):
+        _fail(f"{file}: the safetensors header is not a JSON object: the file is corrupt")
+    base, parsed = 8 + n, []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            _fail(
+                f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
+                f"{sorted(_DTYPE_NAMES)}"
+            )
+        need = torch.Size(shape).numel() * dtype.itemsize
+        if end - begin != need:
+            _fail(
+                f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
+                f"{e['dtype']} needs {need}"
+            )
+        parsed.append((begin, end, name, dtype, shape))
+    parsed.sort()
+    expected = base + max((end for _, end, *_ in parsed), default=0)
+    for _begin, end, name, _dtype, _shape in parsed:  # in file order: name the first tensor cut short
+        if base + end > size:
+            _fail(
+                f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
+                f"(the header says the file is {expected} bytes long)"
+            )
+    return {name: TensorEntry(file, dtype, shape, base + begin) for begin, end, name, dtype, shape in parsed}
+
+
+def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFModelDir:
+    """Everything that can be wrong with an HF model directory, from config.json, the index and
+    the safetensors headers and file sizes (no tensor data is read; milliseconds). Raises
+    HFModelDirError with one line naming the file (and tensor); never contacts the hub."""
+    if not path:
+        _fail(f"{field} is empty: give a local Hugging Face model directory")
+    if not os.path.exists(path):
+        _fail(
+            f"{field}: {path} does not exist (a local Hugging Face model directory with config.json and "
+            "*.safetensors is expected; nothing is downloaded from the hub)"
+        )
+    if not os.path.isdir(path):
+        _fail(f"{field}: {path} is a file, not a model directory")
+    config = _read_config(path, field)
+    _check_index(path)
+    single = os.path.join(path, SINGLE)
+    if not os.path.isfile(os.path.join(path, INDEX)) and os.path.isfile(single):
+        _shard_entries(single)  # HFCheckpoint reads this header: check it first
+    try:
+        ckpt = HFCheckpoint(path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        _fail(str(e))
+    tensors = {}
+    for file in sorted(set(ckpt.weight_map.values())):
+        entries = _shard_entries(os.path.join(path, file))
+        for name in (n for n, f in ckpt.weight_map.items() if f == file):
+            if name not in entries:
+                _fail(f"{ckpt.source} maps tensor {name!r} to {file}, whose header does not have it")
+            tensors[name] = entries[name]
+    layout = mapping.layout_from_hf_config(config)
+    absent = [n for n in mapping.hf_tensor_names(layout) if n not in tensors]
+    if absent:
+        _fail(f"{ckpt.source} lacks {len(absent)} tensor(s) that config.json's model needs, e.g. {absent[:3]}")
+    return HFModelDir(path, config, ckpt, tensors)
+
+
+def check_context(max_model_len: int, hf_dir: str) -> None:
+    """rollout.max_model_len against the model's context as vLLM 0.32 derives it: config.json's
+    max_position_embeddings, at most tokenizer_config.json's model_max_length, times the RoPE
+    factor (rope_parameters, or rope_scaling before transformers 5) unless the RoPE type is one
+    whose max_position_embeddings is already scaled (yarn, llama3, longrope, ...). Past it vLLM
+    refuses the length in a long pydantic error that suggests an environment variable."""
+    import json
+
+    def read(name):
+        try:
+            with open(os.path.join(hf_dir, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}  # an unreadable config.json is check_hf_model_dir's error, named there
+        return data if isinstance(data, dict) else {}
+
+    config, path = read("config.json"), os.path.join(hf_dir, "config.json")
+    context = config.get("max_position_embeddings")
+    if not isinstance(context, int):
+        return
+    what = f"max_position_embeddings {context}"
+    limit = read("tokenizer_config.json").get("model_max_length")
+    if isinstance(limit, int) and limit < context:
+        context, what = limit, f"{what}, tokenizer_config.json's model_max_length {limit}"
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    rope = rope if isinstance(rope, dict) else {}
+    rope_type, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if rope_type not in _PRESCALED_ROPE and isinstance(factor, (int, float)) and factor != 1:
+        context = int(context * factor)
+        what += f", RoPE {rope_type} factor {factor:g}: {context} positions"
+    if max_model_len > context:
+        raise ValueError(
+            f"config key 'rollout.max_model_len': {max_model_len} is more than the model's context, "
+            f"{what} in {path}: lower rollout.max_model_len to at most {context}"
+        )
+
+
+def check_model(hf_dir: str):
+    """model.hf_dir's files, tokenizer and vocabulary, as `train` and `evaluate` both check them
+    before anything slow -> (hf_load.HFModelDir, the tokenizer)."""
+    model_dir = check_hf_model_dir(hf_dir)
+    tokenizer = load_tokenizer(hf_dir)
+    check_vocab(model_dir, tokenizer)
+    return model_dir, tokenizer
+
+
+def load_tokenizer(hf_dir: str):
+    """The model dir's tokenizer, refusing a dir without tokenizer files (transformers then builds
+    an empty tokenizer from config.json alone, whose every prompt is empty)."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(hf_dir, n)) for n in TOKENIZER_FILES):
+        raise ValueError(
+            f"model.hf_dir {hf_dir} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy the "
+            "model's tokenizer files into it"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    if len(tokenizer) < 2 or not tokenizer("1 + 1 = 2").input_ids:
+        raise ValueError(
+            f"the tokenizer of model.hf_dir {hf_dir} is empty ({len(tokenizer)} tokens; it encodes '1 + 1 = 2' "
+            "to nothing): its tokenizer files are incomplete"
+        )
+    return tokenizer
+
+
+def check_vocab(model_dir, tokenizer) -> None:
+    """config.json's vocab_size against the embedding rows in the safetensors headers and against
+    the tokenizer (model_dir: hf_load.check_hf_model_dir's result; no tensor is read)."""
+    config_path = os.path.join(model_dir.path, "config.json")
+    vocab = model_dir.config.vocab_size
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        entry = model_dir.tensors.get(name)
+        if entry is not None and entry.shape[0] != vocab:
+            raise ValueError(
+                f"{config_path} says vocab_size {vocab}, but {entry.file} holds {name} with {entry.shape[0]} rows: "
+                "the config and the weights are of different models (fix vocab_size or use the matching weights)"
+            )
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"the tokenizer of {model_dir.path} has {len(tokenizer)} tokens, more than {config_path}'s vocab_size "
+            f"{vocab}: token ids from {vocab} up would index past the embedding table (use the model's own "
+            "tokenizer, or a config and weights with a vocabulary that covers it)"
+        )
