@@ -38,7 +38,7 @@ setup(
         # megatron-core 0.16.1 is tested with (its own `dev` extra: >=2.9.0a0,<2.12.0).
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9,<2.12"],
         # datasets: the tests write real save_to_disk dirs, which data_files.py reads with pyarrow alone.
-        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "datasets"],
+        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "import-linter==2.1", "datasets"],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},
 )
