@@ -14,7 +14,7 @@ from megatron_dppo.config import Config, load_config
 from megatron_dppo.train.preflight import config_warnings
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_dppo"
-CONFIG_MODULES = {PACKAGE / "config.py", PACKAGE / "algorithms" / "methods" / "configs.py"}
+CONFIG_MODULES = {*(PACKAGE / "config").glob("*.py"), PACKAGE / "algorithms" / "methods" / "configs.py"}
 
 
 def config_leaves(obj, prefix=""):

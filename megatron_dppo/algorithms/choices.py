@@ -1,6 +1,6 @@
 """Every enumerated option of the project, declared once as a Literal type.
 
-The config dataclasses use these as field types (config.py checks values against them), the
+The config dataclasses use these as field types (config/checks.py checks values against them), the
 algorithm modules derive their tuples from them (losses.LOSS_AGGS = get_args(LossAgg)), and the
 CLI takes its argparse choices from them. Pruning strategies are the exception: their registry
 is algorithms/pruning.STRATEGIES (name -> class), which config validation reads.

@@ -1,1 +1,4 @@
-"""One run's bookkeeping, below everything that trains: its directory and identity, the metrics log, checkpoint cadence, the stall watchdog, process hygiene, host collectives and the throughput profile."""
+"""One run's bookkeeping, below everything that trains: its directory and identity, the metrics
+log, checkpoint cadence, the stall watchdog, process hygiene, host collectives and the
+throughput profile.
+"""

@@ -6,7 +6,7 @@ Why a package and not four flat modules beside pruning.py: the methods share two
 belong to none of them, the selection of shortest/longest correct/incorrect completions
 (`_groups.py`: BPPO and SSOPD) and the vocab-parallel, position-chunked softmax statistics
 (`_vocab.py`: ReCo's Gini impurity and SSOPD's divergences); and their config sections live in a
-torch-free `configs.py` that megatron_dppo/config.py can import at module level without making
+torch-free `configs.py` that megatron_dppo/config/ can import at module level without making
 config parsing import torch.
 
 Every detail that docs/methods.md marks "(our choice)" or "[guess]" is marked so in the docstring

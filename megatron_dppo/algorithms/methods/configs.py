@@ -1,10 +1,10 @@
 """Config sections of BPPO, ReCo, AdaPrefix-GRPO and SSOPD (docs/methods.md sections 1-4).
 
-Torch-free on purpose: megatron_dppo/config.py imports only choices.py at module level ("imports
+Torch-free on purpose: megatron_dppo/config/ imports only choices.py at module level ("imports
 nothing, so config parsing stays fast") and can nest these as fields, e.g.
 `AlgorithmConfig.bppo: BPPOConfig = field(default_factory=BPPOConfig)`, then call
 `cfg.algorithm.bppo.validate("algorithm.bppo")` from `validate`. Each `validate(prefix)` raises a
-one-line ValueError in config.py's own format, naming `<prefix>.<field>`. The defaults are
+one-line ValueError in config/checks.py's own format, naming `<prefix>.<field>`. The defaults are
 docs/methods.md's "(our choice)" values: none of the papers' hyperparameters could be read.
 The Literal choices are declared here; they can move to choices.py when the lead wires them in.
 """

@@ -1,0 +1,143 @@
+"""The parallel layout against the model and the world size: what must divide what, one rule for
+trainer, converters and `plan`."""
+
+from __future__ import annotations
+
+from megatron_dppo.config.schema import Config
+
+
+def config_key(name: str, value) -> str:
+    """How model_layout_problems names a parallel size by default: the config key and its value."""
+    return f"parallel.{name}={value}"
+
+
+def check_layout(
+    cfg: Config,
+    *,
+    world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    ffn_hidden_size: int | None = None,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int | None = None,
+    cuda: bool = True,
+) -> None:
+    """The parallel layout against the world and the model: ValueError naming every key to change.
+    Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node);
+    its model rules (model_layout_problems) by the conversion tools and megatron/parallel.py.
+    num_experts / moe_ffn_hidden_size: a mixture-of-experts model's (0 / None for a dense one);
+    cuda: NCCL's collectives (False: gloo's, on CPU)."""
+    par = cfg.parallel
+    tp, rtp = par.tp, par.rollout_tp
+    problems = model_layout_problems(
+        tp=tp,
+        pp=par.pp,
+        ep=par.ep,
+        etp=par.etp,
+        world_size=world_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        num_layers=num_layers,
+        ffn_hidden_size=ffn_hidden_size,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
+        cuda=cuda,
+    )
+    if par.gpus_per_node % tp:
+        problems.append(
+            f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
+            "group stays inside a node"
+        )
+    if num_experts and par.gpus_per_node % par.etp:
+        problems.append(
+            f"parallel.etp={par.etp} must divide parallel.gpus_per_node={par.gpus_per_node}: an "
+            "expert-tensor-parallel group stays inside a node"
+        )
+    if num_experts and tp > 1 and not par.sequence_parallel:
+        problems.append(
+            f"parallel.tp={tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
+            "(Megatron-Core's MoE layer refuses to train under TP without it)"
+        )
+    # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
+    kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
+    if rtp < 1 or world_size % rtp or num_heads % rtp or not kv_ok:
+        problems.append(
+            f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
+            f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
+            f"num_key_value_heads {num_kv_heads}"
+        )
+    if ffn_hidden_size is not None and ffn_hidden_size % rtp:
+        problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {ffn_hidden_size}")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % rtp:  # vLLM splits each expert over its TP ranks
+        problems.append(f"parallel.rollout_tp={rtp} must divide moe_intermediate_size {moe_ffn_hidden_size}")
+    if par.gpus_per_node % rtp:
+        problems.append(
+            f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
+            "engine stays inside a node"
+        )
+    if problems:
+        raise ValueError("invalid parallel layout: " + "; ".join(problems))
+
+
+def model_layout_problems(
+    *,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    etp: int = 1,
+    world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_layers: int,
+    ffn_hidden_size: int | None = None,
+    num_experts: int = 0,
+    moe_ffn_hidden_size: int | None = None,
+    cuda: bool = True,
+    show=config_key,
+) -> list[str]:
+    """What Megatron-Core needs of a TP x PP (x EP x expert-TP) layout on this world and model, one
+    problem per rule broken; show(name, value) names a size ("parallel.tp=3", or a tool's "--tp 3").
+
+    Megatron-Core's initialize_model_parallel lays the expert groups (EP x expert-TP x expert-DP x
+    PP) over the same world as the dense ones (TP x DP x PP), pipeline stages shared: ep x etp x pp
+    must divide the world as tp x pp does; expert DP is what is left. Its alltoall token dispatcher
+    all-gathers the tokens of an expert-TP group's ranks in each rank's own count (ranks of different
+    data-parallel replicas hold different packs), which NCCL's all_gather does and gloo's refuses
+    ("ProcessGroupGloo::allgather: invalid tensor size"): on CPU, etp is 1."""
+    problems = []
+    if min(tp, pp, ep, etp) < 1:
+        return [f"{show('tp', tp)}, {show('pp', pp)}, {show('ep', ep)} and {show('etp', etp)} must be >= 1"]
+    if world_size % (tp * pp):
+        problems.append(f"{show('tp', tp)} x {show('pp', pp)} must divide the world size {world_size}")
+    if num_heads % tp or num_kv_heads % tp:
+        problems.append(
+            f"{show('tp', tp)} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
+        )
+    if ffn_hidden_size is not None and ffn_hidden_size % tp:
+        problems.append(f"{show('tp', tp)} must divide intermediate_size {ffn_hidden_size}")
+    if num_layers % pp:
+        problems.append(f"{show('pp', pp)} must divide num_hidden_layers {num_layers}")
+    if (ep > 1 or etp > 1) and not num_experts:
+        sizes = " and ".join(show(k, v) for k, v in (("ep", ep), ("etp", etp)) if v > 1)
+        problems.append(
+            f"{sizes} need{'s' if ' and ' not in sizes else ''} a mixture-of-experts model (this one is dense)"
+        )
+        return problems
+    if not num_experts:
+        return problems
+    if world_size % (ep * etp * pp):
+        problems.append(
+            f"{show('ep', ep)} x {show('etp', etp)} x {show('pp', pp)} must divide the world size {world_size}"
+        )
+    if num_experts % ep:
+        problems.append(f"{show('ep', ep)} must divide num_experts {num_experts}")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
+        problems.append(f"{show('etp', etp)} must divide moe_intermediate_size {moe_ffn_hidden_size}")
+    if etp > 1 and not cuda:
+        problems.append(
+            f"{show('etp', etp)} cannot run on CPU: Megatron-Core's token dispatcher all-gathers the "
+            "expert-TP group's tokens in each rank's own count, which gloo's all_gather refuses (split "
+            "the experts with parallel.ep instead, and keep parallel.etp=1)"
+        )
+    return problems
