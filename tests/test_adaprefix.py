@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from megatron_dppo.algorithms.methods import adaprefix
-from megatron_dppo.algorithms.methods.adaprefix import AdaPrefixConfig, PrefixFractions
+from megatron_dppo.algorithms.methods.adaprefix import rules as adaprefix
+from megatron_dppo.algorithms.methods.adaprefix.rules import AdaPrefixConfig, PrefixFractions
 from megatron_dppo.data.tasks import get_task
 
 G = 8
@@ -181,7 +181,7 @@ def test_prefix_follows_the_thinking_opener_of_a_thinking_template(thinking):
     from thinking_template import thinking_tokenizer
     from transformers import AutoTokenizer
 
-    from megatron_dppo.algorithms.curriculum import PrefixCurriculum
+    from megatron_dppo.algorithms.methods.adaprefix.curriculum import PrefixCurriculum
     from megatron_dppo.config import Config
     from megatron_dppo.data.prompts import PromptRecord, PromptRenderer
 

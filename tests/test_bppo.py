@@ -11,8 +11,8 @@ import torch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import bppo
-from megatron_dppo.algorithms.methods.bppo import BPPOConfig
+from megatron_dppo.algorithms.methods.bppo import rules as bppo
+from megatron_dppo.algorithms.methods.bppo.rules import BPPOConfig
 
 
 def _random_step(seed, num_prompts=12, g=6, max_len=20):

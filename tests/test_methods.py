@@ -5,7 +5,8 @@ verdicts on them (biased by design against GRPO; DPPO unbiased for each method's
 import pytest
 import torch
 
-from megatron_dppo.algorithms import batch, distill
+from megatron_dppo.algorithms import batch
+from megatron_dppo.algorithms.methods.ssopd import distill
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.algorithms.records import Group
 from megatron_dppo.config import Config
@@ -82,7 +83,7 @@ def test_ssopd_pairs_come_from_the_full_group_and_their_rows_align():
 def test_adaprefix_shows_whole_steps_of_the_reference_and_never_its_answer():
     from transformers import AutoTokenizer
 
-    from megatron_dppo.algorithms.curriculum import PrefixCurriculum
+    from megatron_dppo.algorithms.methods.adaprefix.curriculum import PrefixCurriculum
 
     cfg = Config()
     cfg.algorithm.adaprefix.boundaries, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len = ",", 40, 80

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_dppo.algorithms import losses
-from megatron_dppo.algorithms.methods import reco
-from megatron_dppo.algorithms.methods.reco import ReCoConfig
+from megatron_dppo.algorithms.methods.reco import rules as reco
+from megatron_dppo.algorithms.methods.reco.rules import ReCoConfig
 
 VOCAB, PADDED = 50, 64  # real vocabulary, and Megatron's padded head (32 columns per rank at TP 2)
 

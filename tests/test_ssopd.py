@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import ssopd
-from megatron_dppo.algorithms.methods.ssopd import SSOPDConfig
+from megatron_dppo.algorithms.methods.ssopd import rules as ssopd
+from megatron_dppo.algorithms.methods.ssopd.rules import SSOPDConfig
 from megatron_dppo.algorithms.pruning import prune_completions
 
 VOCAB, PADDED = 50, 64
@@ -329,7 +329,7 @@ if __name__ == "__main__":
     sys.exit(_tp_worker() if "LOCAL_RANK" in os.environ else 0)
 
 
-# --- the teacher context in chat mode, through the trainer's packing (megatron_dppo/algorithms/distill.py) ---
+# --- the teacher context in chat mode, through the trainer's packing (algorithms/methods/ssopd/distill.py) ---
 
 
 def _chat_tokenizers():
@@ -342,7 +342,7 @@ def _chat_tokenizers():
 
 def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
     """The teacher and student rows of the one pair's packed micro-batch, as the trainer builds them."""
-    from megatron_dppo.algorithms import distill
+    from megatron_dppo.algorithms.methods.ssopd import distill
     from megatron_dppo.algorithms.records import Group
     from megatron_dppo.data.prompts import PromptRecord
 

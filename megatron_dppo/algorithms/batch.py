@@ -25,8 +25,8 @@ import torch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import bppo, reco, ssopd
-from megatron_dppo.algorithms.methods.configs import BPPOConfig, ReCoConfig, SSOPDConfig
+from megatron_dppo.algorithms.methods import registry
+from megatron_dppo.algorithms.methods.base import AuxLoss, Curriculum, Reweighting, Selection, Weighed
 from megatron_dppo.algorithms.packing import Sample
 from megatron_dppo.algorithms.pruning import PromptStats, PruningStrategy, drop_zero_variance_groups
 from megatron_dppo.algorithms.records import Group, size_runs, stack_rewards
@@ -56,9 +56,9 @@ class Method:
         filtering; docs/algorithm.md says what it does to each aggregation's denominator).
     denominator: "full" (the unpruned batch's normaliser, docs/dppo.md section 4), "refill" (the
         trained groups' weights stand for the unpruned DAPO batch), "kept" (what was trained,
-        CPPO as published) or "bppo" (BPPO's own: its selected prefixes, docs/methods.md 1.1.7).
-    selection: "all" completions, or BPPO's pair per mixed group (replaces completion pruning).
-    reweighting: "reco": ReCo's response weight (in the completion weights) and token scale.
+        CPPO as published) or the selection's own (BPPO's: its selected prefixes, docs/methods.md 1.1.7).
+    selection, reweighting, curriculum, aux: the options the config chose for the method slots
+        (algorithms/methods/registry.py), whose hooks the step calls.
     """
 
     strategy: str
@@ -80,19 +80,18 @@ class Method:
     overlong_filter: bool
     denominator: str
     needs_reference: bool
-    selection: str = "all"
-    bppo: BPPOConfig = field(default_factory=BPPOConfig)
-    reweighting: str = "none"
-    reco: ReCoConfig = field(default_factory=ReCoConfig)
-    aux: str = "none"
-    ssopd: SSOPDConfig = field(default_factory=SSOPDConfig)
+    selection: Selection = field(default_factory=Selection)
+    reweighting: Reweighting = field(default_factory=Reweighting)
+    curriculum: Curriculum = field(default_factory=Curriculum)
+    aux: AuxLoss = field(default_factory=AuxLoss)
 
     @classmethod
     def from_config(cls, cfg, strategy: PruningStrategy) -> Method:
         a, p, t = cfg.algorithm, cfg.pruning, cfg.trainer
         refill = a.dynamic_sampling or strategy.refills
-        if a.selection == "bppo":
-            denominator = "bppo"
+        recipe = registry.recipe(a)
+        if recipe.selection.denominator:
+            denominator = recipe.selection.denominator
         elif strategy.denominator == "kept":
             denominator = "kept"
         else:
@@ -117,12 +116,7 @@ class Method:
             overlong_filter=a.overlong_filter,
             denominator=denominator,
             needs_reference=a.kl_coef > 0,
-            selection=a.selection,
-            bppo=a.bppo,
-            reweighting=a.reweighting,
-            reco=a.reco,
-            aux=a.aux,
-            ssopd=a.ssopd,
+            **vars(recipe),
         )
 
     def replace(self, **changes) -> Method:
@@ -247,29 +241,6 @@ def collect(
 # ---- completions: advantages on the full group, then completion pruning -------------------------
 
 
-def _bppo_selection(method: Method, groups: list[Group]):
-    """BPPO: shortest correct + shortest incorrect completion of each mixed group (verdicts before
-    reward shaping), trained on their prefixes (Group.trained_tokens). -> (keep, selection weight)."""
-    verdicts = torch.tensor([g.correct() for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([g.completion_lengths() for g in groups])
-    lmax = method.max_new_tokens
-    plan = bppo.plan(verdicts, lengths, method.bppo, loss_agg=method.loss_agg, max_response_length=lmax)
-    for g, prefix in zip(groups, plan.prefix_len.tolist()):
-        g.trained_tokens = prefix
-    return plan.seq_weight > 0, plan.seq_weight.float()
-
-
-def _reco_response_weights(method: Method, groups: list[Group]) -> torch.Tensor:
-    """ReCo's u [P, G]: 1 / max(1, G pi_b(o|x)) from the engine's sampling log-probs (or 1 / the
-    number of exact duplicates, response_weight=count)."""
-    if method.reco.response_weight == "count":
-        return reco.response_weights(method.reco, completion_ids=[g.completions for g in groups])
-    if method.reco.response_weight == "none":
-        return reco.response_weights(method.reco, num_prompts=len(groups), group_size=method.group_size)
-    sums = torch.tensor([[sum(lp) for lp in g.sampling_logprobs] for g in groups], dtype=torch.float64)
-    return reco.response_weights(method.reco, sampling_logprob_sums=sums.clamp(max=0.0))
-
-
 def weigh_completions(
     method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator
 ) -> dict:
@@ -280,14 +251,10 @@ def weigh_completions(
         return {"prune/completions_kept_frac": 0.0, "prune/completions_pruned_frac": 0.0}
     runs = size_runs(groups)
     parts = [_weigh_groups(method, strategy, run, generator) for run in runs]
-    adv, keep, w_o = (torch.cat([p[i].flatten() for p in parts]) for i in range(3))
-    extra = {}
-    if method.reweighting == "reco":
-        u = torch.cat([p[3].flatten() for p in parts])
-        extra["reco/response_weight_mean"] = float(u.mean())
-        extra["reco/frequent_frac"] = float((u < 1).float().mean())  # G pi_b(o|x) > 1: u acts
-    if method.selection == "bppo":
-        extra.update(bppo.step_metrics([p[4] for p in parts], [p[0] for p in parts]))
+    adv, keep, w_o = (torch.cat([getattr(p, f).flatten() for p in parts]) for f in ("advantages", "keep", "weights"))
+    extra = method.selection.metrics(parts)
+    if parts[0].response_weights is not None:
+        extra.update(method.reweighting.metrics(torch.cat([p.response_weights.flatten() for p in parts])))
     trained = torch.cat([sequence_weights(run).flatten() for run in runs])
     trained = trained[trained > 0]
     return {
@@ -302,19 +269,16 @@ def weigh_completions(
     }
 
 
-def _weigh_groups(method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator):
-    """weigh_completions for groups of one size: -> (advantages, keep, w_o, ReCo's u or None,
-    BPPO's prefix lengths or None), [P, G]."""
+def _weigh_groups(
+    method: Method, strategy: PruningStrategy, groups: list[Group], generator: torch.Generator
+) -> Weighed:
+    """weigh_completions for groups of one size ([P, G] each)."""
     adv = group_advantages(stack_rewards(groups), method.advantage)
-    prefix = None
-    if method.selection == "bppo":  # the pair replaces completion pruning (r_o = 0 with it)
-        keep, w_o = _bppo_selection(method, groups)
-        prefix = torch.tensor([g.trained_tokens for g in groups])  # before the overlong filter zeroes any
-    else:
-        keep, w_o = strategy.prune_completions(adv, method.r_o, generator)
-    w_o, u = w_o * keep, None
-    if method.reweighting == "reco":  # fixed before any update, from the rollout's own log-probs
-        u = _reco_response_weights(method, groups)
+    # completion pruning, or a selection that replaces it (BPPO's pair: r_o = 0 with it)
+    keep, w_o, prefix = method.selection.select(method, strategy, groups, adv, generator)
+    w_o = w_o * keep
+    u = method.reweighting.response_weights(method, groups)  # fixed before any update (ReCo's)
+    if u is not None:
         w_o = w_o * u
     if method.drop_zero_variance:  # all-zero-advantage groups: exactly zero loss and gradient
         w_o = w_o * drop_zero_variance_groups(adv)[:, None]
@@ -325,7 +289,7 @@ def _weigh_groups(method: Method, strategy: PruningStrategy, groups: list[Group]
             g.trained_tokens = [0 if t else n for t, n in zip(g.truncated, g.loss_lengths())]
     for g, a, w in zip(groups, adv.tolist(), w_o.tolist()):
         g.advantages, g.completion_weights = a, w
-    return adv, keep, w_o, u, prefix
+    return Weighed(adv, keep, w_o, u, prefix)
 
 
 # ---- mini-batches: what each optimizer step trains and its full-batch denominator ----------------
@@ -343,8 +307,8 @@ class MiniBatch:
     microbatches: list = field(default_factory=list)  # this rank's packing.ThdBatch micro-batches
     density: float = 0.0
     num_prompts: float = 0.0  # B of this mini-batch's full batch (the aux loss's 1/B)
-    aux_pairs: list = field(default_factory=list)  # SSOPD: distill.AuxPair of its mixed groups
-    aux_microbatches: list = field(default_factory=list)  # ... packed by megatron_dppo/algorithms/distill.py
+    aux_pairs: list = field(default_factory=list)  # the aux loss's items (SSOPD: distill.AuxPair of its mixed groups)
+    aux_microbatches: list = field(default_factory=list)  # ... packed by the aux loss (AuxLoss.pack)
 
     @property
     def tokens(self) -> int:
@@ -368,10 +332,12 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
     full:   the mini-batch's share of the drawn prompts (num_prompts, exact); token-mean
             estimated over its groups with their prompt weights (Horvitz-Thompson).
     refill: the trained groups' weights (their sum is B when refill succeeds).
-    kept:   the kept completions (CPPO normalises over what it kept)."""
+    kept:   the kept completions (CPPO normalises over what it kept).
+    A selection with its own denominator (BPPO's) gives it instead."""
     G, agg, lmax = method.group_size, method.loss_agg, method.max_new_tokens
-    if method.denominator == "bppo":  # a sum over groups: over each run of one group size (waves)
-        return sum(_bppo_denominator(method, run) for run in size_runs(groups))
+    own = method.selection.own_denominator(method, groups)
+    if own is not None:
+        return own
     lengths = torch.tensor([g.loss_lengths() for g in groups], dtype=torch.float64).reshape(-1, G)
     weights = torch.tensor([g.train_weight for g in groups], dtype=torch.float64)
     if method.denominator == "kept":
@@ -389,15 +355,6 @@ def denominator(method: Method, groups: list[Group], num_prompts: float) -> floa
     )
 
 
-def _bppo_denominator(method: Method, groups: list[Group]) -> float:
-    lengths = torch.tensor([g.loss_lengths() for g in groups], dtype=torch.float64)
-    seq_weight = torch.tensor([g.completion_weights for g in groups], dtype=torch.float64)
-    weights = torch.tensor([g.train_weight for g in groups], dtype=torch.float64)
-    return bppo.denominator_terms(
-        lengths, seq_weight, method.loss_agg, prompt_weight=weights, max_response_length=method.max_new_tokens
-    )
-
-
 def plan_minibatches(method: Method, trained: list[Group], num_drawn: int) -> list[MiniBatch]:
     """Each mini-batch's groups, trained samples and denominator. A mini-batch whose completions
     were all pruned (or uninformative) trains nothing: no gradient, no optimizer step."""
@@ -411,46 +368,16 @@ def plan_minibatches(method: Method, trained: list[Group], num_drawn: int) -> li
         count = prompts_in_minibatch(k, num_drawn, method.minibatches)
         mb = MiniBatch(k, groups, samples, denominator(method, groups, count))
         mb.num_prompts = sum(g.train_weight for g in groups) if method.refill else count
-        if method.aux == "ssopd":
-            mb.aux_pairs = ssopd_pairs(method, groups)
+        mb.aux_pairs = method.aux.pairs(method, groups)
         plans.append(mb)
     return plans
 
 
-def ssopd_pairs(method: Method, groups: list[Group]) -> list:
-    """SSOPD's pair of each mixed group, chosen from the FULL group (before completion pruning):
-    shortest correct c*, longest wrong w* (algorithms/methods/ssopd.select_pair), with the frontier
-    weight omega; groups without a pair (not mixed, or a too-short correct witness) have none."""
-    from megatron_dppo.algorithms.distill import AuxPair
-
-    if not groups:
-        return []
-    verdicts = torch.tensor([g.correct() for g in groups], dtype=torch.float32)
-    lengths = torch.tensor([g.completion_lengths() for g in groups])
-    terminated = ~torch.tensor([g.truncated or [False] * g.group_size for g in groups], dtype=torch.bool)
-    cfg = method.ssopd
-    sel = ssopd.select_pair(
-        verdicts, lengths, terminated=terminated, wrong_pool=cfg.wrong_pool, min_correct_len=cfg.min_correct_len
-    )
-    omega = ssopd.frontier_weight(verdicts, cfg.frontier)
-    return [
-        AuxPair(g, int(c), int(w), float(o))
-        for g, c, w, o in zip(groups, sel.correct.tolist(), sel.wrong.tolist(), omega.tolist())
-        if c >= 0 and w >= 0 and o > 0
-    ]
-
-
-def needs_token_scale(method: Method) -> bool:
-    """ReCo's gini / bernoulli token scale divides by a mean over the whole step, known only after
-    a pi_old pass over every trained token (var_ratio is computed in the loss itself)."""
-    return method.reweighting == "reco" and method.reco.token_scale in ("gini", "bernoulli")
-
-
 def needs_old_logprobs(method: Method, minibatches: list[MiniBatch]) -> bool:
     """pi_old must be computed before the first update when the rollout batch feeds more than one
-    optimizer step (at a single update pi_old = pi_theta exactly: megatron/loss.py), or when ReCo's
-    token scale needs its pass."""
-    return len(minibatches) * method.epochs > 1 or needs_token_scale(method)
+    optimizer step (at a single update pi_old = pi_theta exactly: megatron/loss.py), or when the
+    reweighting's token scale (ReCo's) needs its pass."""
+    return len(minibatches) * method.epochs > 1 or method.reweighting.needs_token_scale
 
 
 def sequence_weights(groups: list[Group]) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 The config dataclasses use these as field types (config/checks.py checks values against them), the
 algorithm modules derive their tuples from them (losses.LOSS_AGGS = get_args(LossAgg)), and the
-CLI takes its argparse choices from them. Pruning strategies are the exception: their registry
-is algorithms/pruning.STRATEGIES (name -> class), which config validation reads.
+CLI takes its argparse choices from them. Pruning strategies and the methods' slots are the
+exception: their registries are algorithms/pruning.STRATEGIES and algorithms/methods/registry.SLOTS
+(name -> class), which config validation reads.
 Imports nothing, so config parsing stays fast.
 """
 
@@ -21,8 +22,3 @@ ThdAttention = Literal["auto", "varlen", "bucketed", "loop"]  # the local path's
 WandbMode = Literal["offline", "online", "disabled"]
 DecayStyle = Literal["constant", "linear", "cosine"]
 Recompute = Literal["none", "selective", "full"]
-# The four other methods (docs/methods.md), each an option of the step:
-Selection = Literal["all", "bppo"]  # which completions train: all (GRPO), BPPO's prefix pair
-Reweighting = Literal["none", "reco"]  # ReCo: response weight by expected occurrence + token scale
-Curriculum = Literal["none", "adaprefix"]  # AdaPrefix-GRPO: a reference-solution prefix held at 50% success
-AuxLoss = Literal["none", "ssopd"]  # SSOPD: self-distillation from the shortest correct into the longest wrong

@@ -258,7 +258,7 @@ class Sample:
 
 @dataclass
 class AuxRows:
-    """SSOPD's teacher/student pairs inside a packed micro-batch (megatron_dppo/algorithms/distill.py): for each
+    """SSOPD's teacher/student pairs inside a packed micro-batch (algorithms/methods/ssopd/distill.py): for each
     distilled position, the logit row of the teacher's and of the student's prediction of the same
     token of o_w*, that token, and its coefficient lambda * w_q * omega_q / (B * T_q)."""
 

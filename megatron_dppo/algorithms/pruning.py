@@ -158,6 +158,8 @@ class PruningStrategy:
     filters_zero_variance: the method's own pipeline drops zero-variance groups (dynamic sampling).
     denominator: "full" (the unpruned batch's normaliser) or "kept" (what was trained, as CPPO does).
     ratios: the pruning.* ratios the strategy reads (the saved config leaves the others out).
+    one_group_size: why the strategy needs every group of a step to have one size ("" = it does
+        not), so BPPO's waves (a group size per prompt) cannot run with it.
     """
 
     name = "none"
@@ -166,6 +168,7 @@ class PruningStrategy:
     refills = False
     filters_zero_variance = False
     denominator = "full"
+    one_group_size = ""
 
     def prompts_to_draw(self, batch_size: int, r_q: float, r_o: float) -> int:
         """Prompts to draw per round (CPPO over-samples so that what survives pruning is ~B*G)."""
@@ -295,6 +298,7 @@ class GRESO(PruningStrategy):
     unbiased = False
     refills = True
     filters_zero_variance = True
+    one_group_size = "greso's per-step probabilities"
     sampling_factor = 1.5
     skip_floor = 0.01
 

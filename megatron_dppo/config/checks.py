@@ -120,68 +120,13 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def _check_bppo_waves(cfg: Config, strategy) -> None:
-    """BPPO's waves give each prompt its own group size: what reads a group's size as G cannot run."""
-    a, g_max = cfg.algorithm, cfg.algorithm.bppo.max_group_size or cfg.rollout.group_size
-    if a.selection != "bppo":
-        raise ValueError(
-            "config keys 'algorithm.bppo.schedule' and 'algorithm.selection': waves schedule BPPO's completions, "
-            f"so they need algorithm.selection=bppo, got {a.selection!r}"
-        )
-    if a.bppo.wave_size > g_max:
-        raise ValueError(
-            f"config key 'algorithm.bppo.wave_size': a wave of {a.bppo.wave_size} is more than the group's most "
-            f"completions (algorithm.bppo.max_group_size, or rollout.group_size={cfg.rollout.group_size})"
-        )
-    if a.bppo.max_group_size > cfg.rollout.group_size:
-        raise ValueError(
-            f"config key 'algorithm.bppo.max_group_size': {a.bppo.max_group_size} is more than "
-            f"rollout.group_size={cfg.rollout.group_size} (the engine's KV cache and the plan are sized by it)"
-        )
-    for key, value, why in [
-        ("algorithm.aux", a.aux != "none", "ssopd's pairs"),
-        ("pruning.strategy", strategy.name == "greso", "greso's per-step probabilities"),
-        ("algorithm.curriculum", a.curriculum != "none", "the curriculum's success rate per visit"),
-    ]:
-        if value:
-            raise ValueError(
-                f"config keys 'algorithm.bppo.schedule' and '{key}': waves give each prompt its own group size, "
-                f"which {why} do not take yet"
-            )
-
-
 def _check_methods(cfg: Config) -> None:
-    """The four other methods' options (docs/methods.md): their sections, and the combinations that cannot work."""
+    """The methods' options (docs/methods.md): each method's section and the combinations that
+    cannot work, checked by the method itself (algorithms/methods/registry.check)."""
+    from megatron_dppo.algorithms.methods import registry
     from megatron_dppo.algorithms.pruning import get_strategy
 
-    a = cfg.algorithm
-    a.bppo.validate("algorithm.bppo")
-    a.reco.validate("algorithm.reco")
-    a.adaprefix.validate("algorithm.adaprefix")
-    a.ssopd.validate("algorithm.ssopd")
-    strategy = get_strategy(cfg.pruning.strategy)
-    if a.selection == "bppo":
-        if "r_o" in strategy.ratios and cfg.pruning.r_o > 0:
-            raise ValueError(
-                f"config keys 'algorithm.selection' and 'pruning.r_o': bppo selects the completions itself "
-                f"(completion pruning cannot compose with it), so pruning.r_o must be 0, got {cfg.pruning.r_o}"
-            )
-        if strategy.denominator == "kept":
-            raise ValueError(f"config key 'algorithm.selection': bppo cannot run with pruning.strategy={strategy.name}")
-        if a.reweighting != "none":
-            raise ValueError(
-                "config keys 'algorithm.selection' and 'algorithm.reweighting': bppo trains two completions "
-                "per group, reco reweights all of them: choose one"
-            )
-    if a.bppo.schedule == "waves":
-        _check_bppo_waves(cfg, strategy)
-    if a.aux == "ssopd" and cfg.parallel.pp > 1:
-        raise ValueError(
-            "config keys 'algorithm.aux' and 'parallel.pp': ssopd's teacher and student share a micro-batch on "
-            f"the last stage; pipeline parallelism is not supported with it yet (parallel.pp={cfg.parallel.pp})"
-        )
-    if a.curriculum == "adaprefix" and not cfg.data.solution_key:
-        raise ValueError("config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution")
+    registry.check(cfg, get_strategy(cfg.pruning.strategy))
 
 
 def _check_reward_specs(rc: RewardConfig) -> None:
@@ -230,6 +175,7 @@ def inert_keys(cfg: Config) -> dict[str, str]:
     run has no pruning ratios; no KL, no KL estimator), and preflight.config_warnings names each
     one that is set to other than its default. Rules that need the model, tokenizer or data are
     preflight.input_warnings'."""
+    from megatron_dppo.algorithms.methods import registry
     from megatron_dppo.algorithms.pruning import STRATEGIES, get_strategy
 
     a, p = cfg.algorithm, cfg.pruning
@@ -241,36 +187,15 @@ def inert_keys(cfg: Config) -> dict[str, str]:
             out[f"pruning.{r}"] = (
                 f"pruning.strategy={p.strategy} {what[r]} (strategies that use pruning.{r}: {', '.join(users)})"
             )
-    if p.strategy == "none":
-        out["pruning.history_ema"] = "pruning.strategy=none keeps no prompt history"
+    if not strategy.ratios:  # it prunes nothing, so it reads no history
+        out["pruning.history_ema"] = f"pruning.strategy={p.strategy} keeps no prompt history"
     if not (a.dynamic_sampling or strategy.refills):
         out["algorithm.max_resample_rounds"] = (
             f"nothing refills the batch (algorithm.dynamic_sampling=false, pruning.strategy={p.strategy})"
         )
     if a.kl_coef == 0:
         out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
-    for section, switch, method in _METHOD_SWITCHES:
-        chosen = getattr(a, switch)
-        if chosen != method:
-            out[f"algorithm.{section}"] = (
-                f"algorithm.{switch}={chosen} (algorithm.{section}.* act with algorithm.{switch}={method})"
-            )
-    if a.selection == "bppo":
-        bc = a.bppo
-        for name, mode in (("prefix_ratio", "ratio"), ("prefix_fixed", "fixed")):
-            if bc.prefix_mode != mode:
-                out[f"algorithm.bppo.{name}"] = (
-                    f"algorithm.bppo.prefix_mode={bc.prefix_mode} (it acts with prefix_mode={mode})"
-                )
-        if bc.schedule != "waves":
-            for name in ("wave_size", "max_group_size"):
-                out[f"algorithm.bppo.{name}"] = f"algorithm.bppo.schedule={bc.schedule} (it acts with schedule=waves)"
-    if a.aux == "ssopd":
-        for name, div in (("tau", "fkl_clip"), ("jsd_beta", "jsd")):
-            if a.ssopd.div != div:
-                out[f"algorithm.ssopd.{name}"] = f"algorithm.ssopd.div={a.ssopd.div} (it acts with div={div})"
-    if a.curriculum != "adaprefix":
-        out["data.solution_key"] = f"algorithm.curriculum={a.curriculum} shows no reference solution"
+    out.update(registry.inert_keys(cfg))  # each method names its own
     if cfg.data.prompt_mode == "raw":
         out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"
     if cfg.parallel.recompute != "selective":
@@ -278,12 +203,3 @@ def inert_keys(cfg: Config) -> dict[str, str]:
             f"parallel.recompute={cfg.parallel.recompute} (it acts with parallel.recompute=selective)"
         )
     return out
-
-
-# (section of AlgorithmConfig, the key that selects it, the value that selects it)
-_METHOD_SWITCHES = (
-    ("bppo", "selection", "bppo"),
-    ("reco", "reweighting", "reco"),
-    ("adaprefix", "curriculum", "adaprefix"),
-    ("ssopd", "aux", "ssopd"),
-)

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from megatron_dppo.algorithms.choices import (
     AdvantageKind,
     AttentionBackend,
-    AuxLoss,
-    Curriculum,
     DecayStyle,
     Dtype,
     KlEstimator,
@@ -18,8 +16,6 @@ from megatron_dppo.algorithms.choices import (
     PromptMode,
     RatioType,
     Recompute,
-    Reweighting,
-    Selection,
     ThdAttention,
     WandbMode,
 )
@@ -127,14 +123,15 @@ class AlgorithmConfig:
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3
-    # The four other methods (docs/methods.md); docs/algorithm.md section 6 says which details are ours.
-    selection: Selection = "all"  # bppo: shortest correct + shortest incorrect, prefixes only
+    # The four other methods (docs/methods.md), one slot each: algorithms/methods/registry.SLOTS
+    # names the options (the first is the plain step's); docs/algorithm.md section 6 says which details are ours.
+    selection: str = "all"  # bppo: shortest correct + shortest incorrect, prefixes only
     bppo: BPPOConfig = field(default_factory=BPPOConfig)
-    reweighting: Reweighting = "none"  # reco: ReCo's response weight and token scale
+    reweighting: str = "none"  # reco: ReCo's response weight and token scale
     reco: ReCoConfig = field(default_factory=ReCoConfig)
-    curriculum: Curriculum = "none"  # adaprefix: a prefix of the reference solution (data.solution_key)
+    curriculum: str = "none"  # adaprefix: a prefix of the reference solution (data.solution_key)
     adaprefix: AdaPrefixConfig = field(default_factory=AdaPrefixConfig)
-    aux: AuxLoss = "none"  # ssopd: + coef * the self-distillation loss
+    aux: str = "none"  # ssopd: + coef * the self-distillation loss
     ssopd: SSOPDConfig = field(default_factory=SSOPDConfig)
     # Mixture-of-experts router terms (Megatron's), 0 = off as RL recipes run them; each is a mean
     # over the update's tokens, outside DPPO's reweighting (docs/algorithm.md, "Mixture of experts").

@@ -30,9 +30,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_dppo.algorithms import batch, distill, losses
+from megatron_dppo.algorithms import batch, losses
 from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import bppo, reco, ssopd
+from megatron_dppo.algorithms.methods.bppo import rules as bppo
+from megatron_dppo.algorithms.methods.reco import rules as reco
+from megatron_dppo.algorithms.methods.ssopd import distill
+from megatron_dppo.algorithms.methods.ssopd import rules as ssopd
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.algorithms.records import Group
 from megatron_dppo.jobs.verify_unbiased import (
@@ -49,13 +52,76 @@ from megatron_dppo.jobs.verify_unbiased import (
     verdict_text,
 )
 
-METHODS = ("bppo", "reco", "adaprefix", "ssopd")
-WHY_BIASED = {
-    "bppo": "it trains the shortest correct and shortest incorrect completions' prefixes only",
-    "reco": "it reweights responses by expected occurrence and tokens by the policy's impurity",
-    "adaprefix": "it trains on prompts assisted by a reference prefix (a curriculum)",
-    "ssopd": "it adds a self-distillation term to GRPO's loss",
-}
+
+class _Synthetic:
+    """What the synthetic step stands for under a method (the module docstring says why); this
+    base is GRPO's: its own loss, no auxiliary term, exact when DPPO's estimate is."""
+
+    why_biased = ""
+    comparable = True  # its full-batch gradient can be compared with GRPO's here
+    prunes_completions = True  # DPPO's r_o draws with it
+
+    def impurity(self, cfg, seq_index, gen):
+        """A fixed per-token scale inside the method's per-token loss, or None."""
+        return None
+
+    def full_weights(self, cfg, method, rewards, lengths, sums, seq_w, lens, denom):
+        """The unpruned step's (sequence weights, loss lengths, denominator)."""
+        return seq_w, lens, denom
+
+    def aux_gradient(self, cfg, method, rewards, lengths, aux):
+        """The unpruned step's auxiliary gradient, or None."""
+        return None
+
+    def exact(self, cfg) -> bool:
+        """DPPO's estimate is exact (judged by z), not a ratio estimate (judged by a tolerance)."""
+        return not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
+
+
+class _BPPO(_Synthetic):
+    why_biased = "it trains the shortest correct and shortest incorrect completions' prefixes only"
+    prunes_completions = False
+
+    def full_weights(self, cfg, method, rewards, lengths, sums, seq_w, lens, denom):
+        plan = bppo.plan(rewards, lengths, method.selection.cfg, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
+        return plan.seq_weight, plan.prefix_len, plan.denominator_terms
+
+    def exact(self, cfg):
+        return cfg.r_q == 0  # prompt pruning makes its denominator a ratio estimate
+
+
+class _ReCo(_Synthetic):
+    why_biased = "it reweights responses by expected occurrence and tokens by the policy's impurity"
+
+    def impurity(self, cfg, seq_index, gen):
+        return 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
+
+    def full_weights(self, cfg, method, rewards, lengths, sums, seq_w, lens, denom):
+        return reco.expected_occurrence_weights(sums).double(), lens, denom
+
+    def exact(self, cfg):
+        # c_t divides by a step mean estimated from the kept tokens: a ratio once pruning draws.
+        return super().exact(cfg) and not (cfg.r_q > 0 or cfg.r_o > 0)
+
+
+class _AdaPrefix(_Synthetic):
+    why_biased = "it trains on prompts assisted by a reference prefix (a curriculum)"
+    comparable = False
+
+
+class _SSOPD(_Synthetic):
+    why_biased = "it adds a self-distillation term to GRPO's loss"
+
+    def aux_gradient(self, cfg, method, rewards, lengths, aux):
+        B = rewards.shape[0]
+        sel = ssopd.select_pair(rewards, lengths, terminated=lengths < cfg.max_len)
+        omega = ssopd.frontier_weight(rewards) * (sel.correct >= 0)
+        return method.aux.cfg.coef * (omega[:, None] * aux).sum(0) / B
+
+
+# method under check -> its synthetic step (the method's name as its slot's registry knows it)
+SYNTHETIC = {"bppo": _BPPO(), "reco": _ReCo(), "adaprefix": _AdaPrefix(), "ssopd": _SSOPD()}
+METHODS = tuple(SYNTHETIC)
 
 
 @dataclass
@@ -76,9 +142,11 @@ class MethodCheckResult:
             if math.isnan(self.design_gap)
             else f"full-batch gradients differ by {self.design_gap:.1%}"
         )
+        synthetic = SYNTHETIC[self.method]
+        r_o = cfg.r_o if synthetic.prunes_completions else 0.0
         return (
-            f"{self.method:9s} biased by design vs GRPO ({WHY_BIASED[self.method]}; {gap}) | DPPO r_q={cfg.r_q:.2f} "
-            f"r_o={0.0 if self.method == 'bppo' else cfg.r_o:.2f} for its own full-batch loss ({cfg.loss_agg}): "
+            f"{self.method:9s} biased by design vs GRPO ({synthetic.why_biased}; {gap}) | DPPO r_q={cfg.r_q:.2f} "
+            f"r_o={r_o:.2f} for its own full-batch loss ({cfg.loss_agg}): "
             f"rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} | "
             + verdict_text(self, cfg.approx_tol, judged_by_z=self.exact)
         )
@@ -116,7 +184,7 @@ def _synthetic_rollout(rewards, lengths, sampling_sums, max_len):
     return rollout
 
 
-def _setting(cfg: CheckConfig, gen):
+def _setting(cfg: CheckConfig, synthetic: _Synthetic, gen):
     """The synthetic step with the method's pieces: (rewards, stats, lengths, J of the method's
     per-token loss, J of GRPO's, seq_index, seq_len, sampling log-prob sums, aux Jacobian)."""
     rewards, stats, lengths = _synthetic_step(cfg, gen)
@@ -127,9 +195,8 @@ def _setting(cfg: CheckConfig, gen):
     sums = torch.where(
         frequent, -math.log(G) * torch.rand(B, G, generator=gen), -5.0 - 5.0 * torch.rand(B, G, generator=gen)
     ).double()
-    J, impurity = J_grpo, None
-    if cfg.method == "reco":  # J of -A g log pi: the loss is linear in c, so c = g / m is J / m
-        impurity = 0.5 + torch.rand(seq_index.numel(), generator=gen, dtype=torch.float64)
+    J, impurity = J_grpo, synthetic.impurity(cfg, seq_index, gen)
+    if impurity is not None:  # J of -A g log pi: the loss is linear in c, so c = g / m is J / m
         J = _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=impurity)[0]
     aux = torch.randn(B, J.shape[1], generator=gen, dtype=torch.float64) / math.sqrt(J.shape[1])
     return rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity
@@ -146,26 +213,19 @@ def _reco_step_mean(cfg, rewards, seq_w, loss_len, seq_index, seq_len, impurity)
     return float((w * impurity).sum() / w.sum()) if float(w.sum()) > 0 else 1.0
 
 
-def _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity=None):
+def _full_gradient(cfg, synthetic, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity=None):
     """The method's unpruned full-batch gradient, computed directly from its definition."""
     B, G = rewards.shape
     lens, seq_w = lengths.clone(), torch.ones(B, G, dtype=torch.float64)
     denom = losses.full_batch_denominator(
         cfg.loss_agg, num_prompts=B, group_size=G, completion_lengths=lengths, max_response_length=cfg.max_len
     )
-    if cfg.method == "bppo":
-        plan = bppo.plan(rewards, lengths, method.bppo, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
-        seq_w, lens, denom = plan.seq_weight, plan.prefix_len, plan.denominator_terms
-    if cfg.method == "reco":
-        seq_w = reco.expected_occurrence_weights(sums).double()
+    seq_w, lens, denom = synthetic.full_weights(cfg, method, rewards, lengths, sums, seq_w, lens, denom)
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, denom, J)
-    if cfg.method == "reco":
+    if impurity is not None:
         grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
-    if cfg.method == "ssopd":
-        sel = ssopd.select_pair(rewards, lengths, terminated=lengths < cfg.max_len)
-        omega = ssopd.frontier_weight(rewards) * (sel.correct >= 0)
-        grad = grad + method.ssopd.coef * (omega[:, None] * aux).sum(0) / B
-    return grad
+    extra = synthetic.aux_gradient(cfg, method, rewards, lengths, aux)
+    return grad if extra is None else grad + extra
 
 
 def _planned_gradient(
@@ -186,29 +246,30 @@ def _planned_gradient(
         seq_w[g.record.index] = torch.tensor([g.train_weight * w for w in g.completion_weights], dtype=torch.float64)
         lens[g.record.index] = torch.tensor(g.loss_lengths())
     grad = _masked_gradient(cfg, seq_w, lens, seq_index, seq_len, plans[0].denominator, J)
-    if cfg.method == "reco":
+    if impurity is not None:
         grad = grad / _reco_step_mean(cfg, rewards, seq_w, lens, seq_index, seq_len, impurity)
     pairs = plans[0].aux_pairs
     if pairs:  # the trainer's coefficients (distill.aux_microbatches), T_q positions of aux[q] / T_q each
         positions = torch.tensor([float(len(p.group.completions[p.wrong])) for p in pairs], dtype=torch.float64)
-        coef = distill.pair_coefficients(pairs, positions.tolist(), plans[0].num_prompts, method.ssopd.coef)
+        coef = distill.pair_coefficients(pairs, positions.tolist(), plans[0].num_prompts, method.aux.cfg.coef)
         rows = torch.tensor([p.group.record.index for p in pairs])
         grad = grad + ((coef * positions)[:, None] * aux[rows]).sum(0)
     return grad
 
 
 def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
-    if cfg.method not in METHODS:
+    if cfg.method not in SYNTHETIC:
         raise ValueError(f"method must be one of {METHODS}, got {cfg.method!r}")
+    synthetic = SYNTHETIC[cfg.method]
     gen = torch.Generator().manual_seed(cfg.seed)
-    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity = _setting(cfg, gen)
+    rewards, stats, lengths, J, J_grpo, seq_index, seq_len, sums, aux, impurity = _setting(cfg, synthetic, gen)
     B, G = rewards.shape
     strategy = get_strategy(cfg.strategy)
     method = _method(cfg, strategy, dynamic_sampling=False)
     method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
-    full = _full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity)
-    grpo = _full_gradient(replace(cfg, method="grpo"), method, rewards, lengths, sums, J_grpo, aux, seq_index, seq_len)
-    gap = float("nan") if cfg.method == "adaprefix" else float((full - grpo).norm() / grpo.norm())
+    full = _full_gradient(cfg, synthetic, method, rewards, lengths, sums, J, aux, seq_index, seq_len, impurity)
+    grpo = _full_gradient(cfg, _Synthetic(), method, rewards, lengths, sums, J_grpo, aux, seq_index, seq_len)
+    gap = float((full - grpo).norm() / grpo.norm()) if synthetic.comparable else float("nan")
     prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
     stats_of, rollout = _stats_of(stats, prompts), _synthetic_rollout(rewards, lengths, sums, cfg.max_len)
     grads = [
@@ -219,10 +280,7 @@ def run_method_check(cfg: CheckConfig) -> MethodCheckResult:
     ]
     rel_err, rel_se, max_z, z_limit, _ = _compare(torch.stack(grads), full, cfg.alpha)
     along = bias_along(torch.stack(grads), full)
-    exact = cfg.method != "bppo" and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0)
-    exact = exact or (cfg.method == "bppo" and cfg.r_q == 0)
-    # ReCo's c_t divides by a step mean estimated from the kept tokens: a ratio once pruning draws.
-    exact = exact and not (cfg.method == "reco" and (cfg.r_q > 0 or cfg.r_o > 0))
+    exact = synthetic.exact(cfg)
     unbiased = max_z <= z_limit if exact else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
     return MethodCheckResult(cfg.method, gap, rel_err, rel_se, max_z, z_limit, exact, bool(unbiased), along)
 
@@ -240,9 +298,9 @@ def bppo_prompt_pruning_bias(cfg: CheckConfig, draws: int = 100_000, chunk: int 
 
     cfg = replace(cfg, method="bppo")
     gen = torch.Generator().manual_seed(cfg.seed)
-    rewards, stats, lengths, J, _, seq_index, seq_len, _, _, _ = _setting(cfg, gen)
+    rewards, stats, lengths, J, _, seq_index, seq_len, _, _, _ = _setting(cfg, SYNTHETIC["bppo"], gen)
     method = _method(cfg, get_strategy(cfg.strategy), dynamic_sampling=False)
-    plan = bppo.plan(rewards, lengths, method.bppo, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
+    plan = bppo.plan(rewards, lengths, method.selection.cfg, loss_agg=cfg.loss_agg, max_response_length=cfg.max_len)
     B = rewards.shape[0]
     n, d = [], []
     for q in range(B):

@@ -32,7 +32,8 @@ import torch
 from megatron_dppo.algorithms import batch, losses
 from megatron_dppo.algorithms.advantages import group_advantages
 from megatron_dppo.algorithms.history import PromptHistory
-from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods import registry
+from megatron_dppo.algorithms.methods.reco import rules as reco
 from megatron_dppo.algorithms.pruning import _drop_uniformly, drop_zero_variance_groups, get_strategy
 from megatron_dppo.algorithms.records import Group
 
@@ -198,13 +199,10 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     c.algorithm.advantage, c.algorithm.loss_agg, c.algorithm.kl_coef = cfg.advantage, cfg.loss_agg, cfg.kl_coef
     c.algorithm.dynamic_sampling, c.algorithm.max_resample_rounds = dynamic_sampling, cfg.max_resample_rounds
     c.algorithm.overlong_filter = cfg.overlong_filter
-    # unbiased_methods.py: the method of docs/methods.md under check, as its config keys set it
-    c.algorithm.selection = "bppo" if cfg.method == "bppo" else "all"
-    c.algorithm.reweighting = "reco" if cfg.method == "reco" else "none"
-    c.algorithm.aux = "ssopd" if cfg.method == "ssopd" else "none"
+    slot = registry.slot_of(cfg.method)  # the method of docs/methods.md under check (verify_methods.py)
+    if slot is not None:
+        setattr(c.algorithm, slot, cfg.method)
     c.algorithm.ssopd.min_positions = 1  # the synthetic step's completions are short
-    if cfg.method == "bppo":
-        c.pruning.r_o = 0.0  # bppo selects the completions itself
     c.pruning.r_q, c.pruning.r_o = cfg.r_q, cfg.r_o
     c.pruning.drop_zero_variance = cfg.kl_coef == 0  # config.resolve's default
     c.trainer.prompts_per_step = cfg.num_prompts
@@ -365,7 +363,7 @@ def run_check(cfg: CheckConfig) -> CheckResult:
         grads_uniform.append(_direct_gradient(cfg, seq_w, lengths, uwq[0][uq[0]], uq[0], seq_index, seq_len, J))
     rel_err, rel_se, max_z, z_limit, rel_var = _compare(torch.stack(grads), full, cfg.alpha)
     along = bias_along(torch.stack(grads), full)
-    exact = strategy.unbiased and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0 and cfg.strategy != "none")
+    exact = strategy.unbiased and not (cfg.loss_agg == "token-mean" and cfg.r_q > 0 and "r_q" in strategy.ratios)
     unbiased = (
         max_z <= z_limit if exact or not strategy.unbiased else _within_tolerance(rel_err, rel_se, cfg.approx_tol)
     )

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dppo.algorithms import losses
-from megatron_dppo.algorithms.methods import reco, ssopd
+from megatron_dppo.algorithms.methods import registry
+from megatron_dppo.algorithms.methods.reco import rules as reco
+from megatron_dppo.algorithms.methods.ssopd import rules as ssopd
 from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs, token_logprobs_detached_entropy
 from megatron_dppo.megatron.model import current_device
 
@@ -76,11 +78,15 @@ class TrainReport:
         return asdict(self)
 
 
-def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: float, mode: str, denominator):
+def micro_batch_loss(
+    batch, logits, *, algorithm, vocab_size: int, temperature: float, mode: str, denominator, reweighting=None
+):
     """logits [b, s, V/tp] -> (loss, number of loss tokens, report dict of SUMMED + ratio_dev_max).
     mode "logprob" returns the per-position log-probs instead (no loss); "logprob+gini" also the
     Gini impurity 1 - sum_v pi(v)^2 of each position's next-token distribution (ReCo's token
-    scale, vocab-parallel). Works for a packed row (b = 1) and for the padded baseline (b = rows)."""
+    scale, vocab-parallel). Works for a packed row (b = 1) and for the padded baseline (b = rows).
+    reweighting: the config's reweighting option (algorithms/methods/registry.recipe), whose
+    token_loss may replace the clipped surrogate; looked up from `algorithm` when not given."""
     dev = logits.device
     if batch.aux is not None:
         return _aux_loss(batch, logits, algorithm.ssopd, vocab_size)
@@ -107,7 +113,8 @@ def micro_batch_loss(batch, logits, *, algorithm, vocab_size: int, temperature: 
     # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
     lp, seq_index = logp.index_select(0, index), picked(batch.seq_index)  # the loss tokens' (one gather each)
     old_logp = picked(batch.old_logp) if batch.old_logp is not None else lp.detach()
-    token_loss, stats = _token_loss(algorithm, lp, old_logp, batch, picked, seq_index)
+    reweighting = reweighting or registry.recipe(algorithm).reweighting
+    token_loss, stats = _token_loss(algorithm, reweighting, lp, old_logp, batch, picked, seq_index)
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, algorithm.loss_agg, denominator)
     loss = losses.aggregate(token_loss, coef)
@@ -140,15 +147,17 @@ def _logprob_outputs(batch, logits, logp, mode: str, vocab_size: int, temperatur
     return out
 
 
-def _token_loss(a, logp, old_logp, batch, picked, seq_index):
-    """The per-token policy loss of the loss tokens: ReCo's surrogate, or the clipped surrogate
-    (GRPO / DAPO / GSPO settings) with its KL term."""
-    if a.reweighting == "reco" and a.reco.token_scale != "none":
-        return _reco_token_loss(a, logp, old_logp, picked(batch.advantages), batch, picked)
+def _token_loss(a, reweighting, logp, old_logp, batch, picked, seq_index):
+    """The per-token policy loss of the loss tokens: the reweighting's own (ReCo's surrogate), or
+    the clipped surrogate (GRPO / DAPO / GSPO settings) with its KL term."""
+    advantages = picked(batch.advantages)
+    own = reweighting.token_loss(a, logp, old_logp, advantages, batch, picked)
+    if own is not None:
+        return own
     return losses.policy_loss(
         logp,
         old_logp,
-        picked(batch.advantages),
+        advantages,
         clip_low=a.clip_low,
         clip_high=a.clip_high,
         ratio_type=a.ratio_type,
@@ -161,7 +170,7 @@ def _token_loss(a, logp, old_logp, batch, picked, seq_index):
 
 
 def _aux_loss(batch, logits, cfg, vocab_size: int):
-    """SSOPD's term for a micro-batch of teacher/student pairs (megatron_dppo/algorithms/distill.py):
+    """SSOPD's term for a micro-batch of teacher/student pairs (megatron_dppo/algorithms/methods/ssopd/distill.py):
     sum over distilled positions of coef * d_t(teacher, student), the teacher side detached, the
     divergence vocab-parallel over TP and chunked over positions (ssopd.divergence)."""
     aux, dev = batch.aux, logits.device
@@ -186,25 +195,6 @@ def _aux_loss(batch, logits, cfg, vocab_size: int):
     )
     report["ratio_dev_max"] = zero
     return loss, torch.zeros((), dtype=torch.int, device=dev), report
-
-
-def _reco_token_loss(a, logp, old_logp, advantages, batch, picked):
-    """ReCo's per-token surrogate -A c_t log pi (algorithms/methods/reco.py) with the KL term as
-    GRPO's. c_t: the pi_old pass's scale (gini, bernoulli) or var_ratio's, computed here."""
-    if a.reco.token_scale == "var_ratio":
-        scale, clip_scale = reco.var_ratio_scale(logp.detach(), old_logp), True
-    else:
-        if batch.token_scale is None:
-            raise ValueError("reco token_scale needs the pi_old pass's scale on every micro-batch")
-        scale, clip_scale = picked(batch.token_scale), False
-    token_loss, stats = reco.surrogate(
-        logp, old_logp, advantages, scale, clip_low=a.clip_low, clip_high=a.clip_high, clip_scale=clip_scale
-    )
-    if a.kl_coef:
-        kl = losses.kl_penalty(logp, picked(batch.ref_logp), a.kl_estimator)
-        token_loss = token_loss + a.kl_coef * kl
-        stats["kl"] = kl.detach()
-    return token_loss, stats
 
 
 @torch.no_grad()

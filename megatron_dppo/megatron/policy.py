@@ -22,6 +22,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dppo.algorithms.methods import registry
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import weights
 from megatron_dppo.megatron.attention import packed_seq_params
@@ -126,6 +127,7 @@ class MegatronPolicy:
         """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
         sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
         self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
+        self.reweighting = registry.recipe(algorithm).reweighting  # its token loss, looked up once
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         # A pure function of (dtype, TE version, layout): e.g. local for fp32 on TE < 2.11, and a
@@ -215,6 +217,7 @@ class MegatronPolicy:
             micro_batch_loss,
             batch,
             algorithm=self.algorithm,
+            reweighting=self.reweighting,
             vocab_size=self.vocab_size,
             temperature=self.temperature,
             mode=mode,

@@ -9,7 +9,7 @@ import os
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods.reco import rules as reco
 from megatron_dppo.rollout import RolloutEngine
 
 HF_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "model")

@@ -1,6 +1,6 @@
 """SSOPD's auxiliary micro-batches: each mixed group's teacher/student pair, packed for the policy.
 
-The rules are algorithms/methods/ssopd.py's. Here they meet token ids and packing: for a pair
+The rules are algorithms/methods/ssopd/rules.py's. Here they meet token ids and packing: for a pair
 (c* = shortest correct, w* = longest wrong of the FULL group, chosen in algorithms/batch.py),
     teacher sequence  T(x, o_c*) + o_w*[:T_q]   (the prompt with the solution block inserted after
                                                  the problem text, before the chat template's end of
@@ -15,22 +15,50 @@ Packs of pairs are spread over data-parallel ranks like the GRPO packs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from megatron_dppo.algorithms import packing
-from megatron_dppo.algorithms.methods import ssopd
+from megatron_dppo.algorithms.methods.ssopd import rules as ssopd
+from megatron_dppo.algorithms.records import Group
 
 
 @dataclass
 class AuxPair:
     """One mixed group's pair (indices into its completions) and its frontier weight omega."""
 
-    group: object  # rollout.records.Group
+    group: Group
     correct: int
     wrong: int
     omega: float
+
+
+@dataclass(frozen=True)
+class AuxTokens:
+    """The token ids the teacher prompt is built from: the solution block's header and
+    instruction, the ids stripped from the end of the correct completion (eos / end of turn), and
+    the chat template's generation suffix (the end of the user turn and the assistant's
+    generation prompt, tokenised alone; the block goes before it, after the problem text)."""
+
+    header: list[int]
+    instruction: list[int]
+    strip: list[int]
+    suffix: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """How this rank packs its micro-batches: the longest context, a micro-batch's token
+    capacity and the packer's window, this rank's data-parallel place, padding."""
+
+    max_context: int
+    capacity: int
+    window: int
+    dp_rank: int
+    dp_size: int
+    pad_multiple: int
+    pad_id: int
 
 
 @dataclass
@@ -55,7 +83,7 @@ def problem_end(prompt_ids, prefix_len: int, suffix_ids) -> int:
     return start
 
 
-def _sequences(pair: AuxPair, cfg, tokens: dict, max_context):
+def _sequences(pair: AuxPair, cfg, tokens: AuxTokens, max_context: int):
     """(teacher Sample, student Sample, teacher prompt length, T_q) or None when skipped."""
     g = pair.group
     wrong = list(g.completions[pair.wrong])
@@ -63,10 +91,10 @@ def _sequences(pair: AuxPair, cfg, tokens: dict, max_context):
     tp = ssopd.teacher_prompt(
         g.prompt_ids,
         correct,
-        header_ids=tokens["header"],
-        instruction_ids=tokens["instruction"],
-        insert_at=problem_end(g.prompt_ids, g.prefix_len, tokens.get("suffix", [])),
-        strip_ids=tokens["strip"],
+        header_ids=tokens.header,
+        instruction_ids=tokens.instruction,
+        insert_at=problem_end(g.prompt_ids, g.prefix_len, tokens.suffix),
+        strip_ids=tokens.strip,
     )
     T = ssopd.aux_positions(
         len(tp.ids), len(wrong), aux_max_len=cfg.aux_max_len, max_context=max_context, min_positions=cfg.min_positions
@@ -81,16 +109,12 @@ def _sequences(pair: AuxPair, cfg, tokens: dict, max_context):
     return sample(tp.ids), sample(list(g.prompt_ids)), len(tp.ids), T
 
 
-def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: dict, layout: dict):
+def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: AuxTokens, layout: PackLayout):
     """This rank's SSOPD micro-batches for one mini-batch, and what they hold.
-
-    cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...);
-    tokens: {"header": ids, "instruction": ids, "strip": ids (eos / end of turn), "suffix": ids (the
-    chat template's generation suffix: the block goes before it, after the problem text)};
-    layout: {"max_context", "capacity", "window", "dp_rank", "dp_size", "pad_multiple", "pad_id"}."""
+    cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...)."""
     built, stats = [], AuxStats()
     for p in pairs:
-        seqs = _sequences(p, cfg, tokens, layout["max_context"])
+        seqs = _sequences(p, cfg, tokens, layout.max_context)
         if seqs is None:
             stats.skipped += 1
             continue
@@ -99,16 +123,16 @@ def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: d
         return [], stats
     coef = pair_coefficients([p for p, *_ in built], [T for *_, T in built], num_prompts, cfg.coef)
     stats.pairs, stats.positions = len(built), sum(T for *_, T in built)
-    pad = layout["pad_multiple"]
+    pad = layout.pad_multiple
     lengths = [packing.round_up(len(t.tokens), pad) + packing.round_up(len(s.tokens), pad) for _, t, s, _, _ in built]
-    if max(lengths) > layout["capacity"]:
+    if max(lengths) > layout.capacity:
         raise ValueError(
             f"an SSOPD teacher/student pair of {max(lengths)} tokens does not fit trainer.max_tokens_per_microbatch="
-            f"{layout['capacity']}: raise it or set algorithm.ssopd.aux_max_len"
+            f"{layout.capacity}: raise it or set algorithm.ssopd.aux_max_len"
         )
-    packs = packing.pack(lengths, layout["capacity"], layout["window"])
-    mine = packing.balance_packs(packs, lengths, layout["dp_size"])[layout["dp_rank"]]
-    return [_build(built, coef, p, pad, layout["pad_id"]) for p in mine], stats
+    packs = packing.pack(lengths, layout.capacity, layout.window)
+    mine = packing.balance_packs(packs, lengths, layout.dp_size)[layout.dp_rank]
+    return [_build(built, coef, p, pad, layout.pad_id) for p in mine], stats
 
 
 def pair_coefficients(pairs: list[AuxPair], positions: list[int], num_prompts: float, lam: float) -> torch.Tensor:

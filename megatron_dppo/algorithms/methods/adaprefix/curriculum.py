@@ -1,6 +1,6 @@
 """AdaPrefix-GRPO in the rollout: each problem's reference-solution prefix, held near 50% success.
 
-The rules are algorithms/methods/adaprefix.py's (pure, on token ids); this module adds what needs
+The rules are algorithms/methods/adaprefix/rules.py's (pure, on token ids); this module adds what needs
 the tokenizer and the data: each record's reference (data.solution_key, tokenised once and cut at
 token boundaries, so vLLM continues from exactly the ids the trainer trains on), the step-boundary
 token ids, the prompt vLLM gets (the rendered prompt + the template's thinking opener, if it opens
@@ -11,7 +11,7 @@ the controller's update after every visit, and the state a checkpoint keeps.
 
 from __future__ import annotations
 
-from megatron_dppo.algorithms.methods import adaprefix
+from megatron_dppo.algorithms.methods.adaprefix import rules as adaprefix
 from megatron_dppo.data.prompts import PromptRecord, dotted_get
 
 
