@@ -10,6 +10,9 @@ are split over the vLLM engines (one per `parallel.rollout_tp` ranks); every ran
 generates the same slice, its first rank scores it, and the groups are gathered once. Each
 data-parallel rank then trains on its share of the packs. Megatron details live in
 megatron_dppo/megatron/, host-side collectives in megatron_dppo/run/collectives.py.
+
+megatron_dppo.megatron (megatron.core) is imported inside the functions that use it, here and in
+startup.py: importing the trainer (the CLI, the unit tests) then costs no Megatron import.
 """
 
 from __future__ import annotations
