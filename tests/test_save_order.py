@@ -13,6 +13,7 @@ import torch
 import megatron_dppo.megatron.checkpoint as ckpt_module
 from megatron_dppo.config import load_config
 from megatron_dppo.run.log import PENDING, RunLogger
+from megatron_dppo.train.startup import check_hf_export_dir
 from megatron_dppo.train.trainer import Trainer
 
 MAX_STEPS = 3
@@ -154,14 +155,13 @@ def test_a_file_named_hf_in_the_run_dir_is_refused_at_start_naming_the_key(tmp_p
     run_dir = tmp_path / cfg.trainer.run_name
     run_dir.mkdir()
     (run_dir / "hf").write_text("x")
-    t = Trainer.__new__(Trainer)
     with pytest.raises(ValueError) as e:
-        t._check_hf_export_dir(cfg, RunDirPlan(str(run_dir), "resume"))
+        check_hf_export_dir(cfg, RunDirPlan(str(run_dir), "resume"))
     assert str(e.value) == (
         f"config key 'trainer.save_hf_every': HF exports go to {run_dir}/hf, which exists and is not a "
         "directory: move it away, or set trainer.save_hf_every=0"
     )
-    t._check_hf_export_dir(cfg, RunDirPlan(str(run_dir), "replace"))  # --overwrite deletes it anyway
+    check_hf_export_dir(cfg, RunDirPlan(str(run_dir), "replace"))  # --overwrite deletes it anyway
 
 
 def test_a_step_repeated_after_a_resume_replaces_its_hf_export(tmp_path, monkeypatch):

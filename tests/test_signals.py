@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from megatron_dppo.train import trainer
+from megatron_dppo.train import signals, trainer
 
 
 def test_a_burst_of_sigterms_is_one_request(capfd):
     before = signal.getsignal(signal.SIGTERM)
-    with trainer._stop_on_signals() as flag:
+    with signals.stop_on_signals() as flag:
         for _ in range(3):  # as the kernel does when a multi-threaded launcher is killed
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.01)
@@ -22,8 +22,8 @@ def test_a_burst_of_sigterms_is_one_request(capfd):
 
 
 def test_a_later_repeat_stops_at_once(monkeypatch, capfd):
-    monkeypatch.setattr(trainer, "_REPEAT_WINDOW_S", 0.05)
-    with pytest.raises(trainer.StopNow), trainer._stop_on_signals() as flag:
+    monkeypatch.setattr(signals, "REPEAT_WINDOW_S", 0.05)
+    with pytest.raises(signals.StopNow), signals.stop_on_signals() as flag:
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.requested and flag.name == "SIGINT"
         time.sleep(0.1)
@@ -38,7 +38,7 @@ def test_any_number_of_signals_exits_with_that_signals_status(monkeypatch, name,
     128 + the signal's number, as a scheduler expects: never the 130 of a Ctrl-C for a SIGTERM."""
     from megatron_dppo import cli
 
-    for stop in (trainer.StopRequested(name), trainer.StopNow(name)):
+    for stop in (signals.StopRequested(name), signals.StopNow(name)):
 
         class Stopping:
             def __init__(self, *a, stop=stop, **k):

@@ -208,7 +208,7 @@ def next_wave(
 
     Draw `wave_size` (g0) at a time until the group is mixed (one correct and one incorrect) and
     has >= g0 samples, or holds max_group_size (G_max). Advantages then use the completions
-    actually drawn (a group size per prompt). The trainer's rollout (Trainer._rollout) calls it
+    actually drawn (a group size per prompt). The trainer's rollout (train/step_rollout.StepRollout) calls it
     for every prompt after each wave's gather.
     """
     if wave_size < 1 or max_group_size < 1:
