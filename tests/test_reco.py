@@ -201,17 +201,15 @@ if __name__ == "__main__":
 
 
 def _token_scales(drop_zero_variance: bool) -> dict:
-    """ReCo's c_t of one rollout through the trainer's planning and train/microbatches.attach_token_scale:
+    """ReCo's c_t of one rollout through the trainer's planning and ReCo.attach_token_scale:
     {(completion row, position): c_t} for every trained token with A != 0. g is a fixed function
     of the token (what the pi_old pass would give for this rollout)."""
-    from types import SimpleNamespace
-
     from megatron_dppo.algorithms import batch, packing
     from megatron_dppo.algorithms.pruning import get_strategy
     from megatron_dppo.algorithms.records import Group
     from megatron_dppo.config import Config
     from megatron_dppo.data.prompts import PromptRecord
-    from megatron_dppo.train.microbatches import attach_token_scale
+    from megatron_dppo.run import collectives as mdist
 
     cfg = Config()
     cfg.trainer.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 3, 4, 16
@@ -234,8 +232,8 @@ def _token_scales(drop_zero_variance: bool) -> dict:
     position = torch.arange(mbt.tokens.shape[1]) - starts  # within its sequence: not the packed layout's
     mbt.old_logp = torch.zeros_like(mbt.loss_mask)
     mbt.token_scale = (0.1 + (mbt.labels % 7) / 10.0 + position / 100.0).float() * mbt.loss_mask
-    method = SimpleNamespace(reweighting="reco", reco=ReCoConfig(token_scale="gini"))
-    attach_token_scale(method, [SimpleNamespace(microbatches=[mbt])])
+    assert method.reweighting.cfg.token_scale == "gini"
+    method.reweighting.attach_token_scale([mbt], mdist.all_reduce_sum)
     out = {}
     for t in range(mbt.tokens.shape[1]):
         s = int(mbt.seq_index[0, t])

@@ -343,6 +343,7 @@ def _chat_tokenizers():
 def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
     """The teacher and student rows of the one pair's packed micro-batch, as the trainer builds them."""
     from megatron_dppo.algorithms.methods.ssopd import distill
+    from megatron_dppo.algorithms.packing import PackLayout
     from megatron_dppo.algorithms.records import Group
     from megatron_dppo.data.prompts import PromptRecord
 
@@ -355,12 +356,15 @@ def _aux_teacher_student(renderer, prompt_ids, correct, wrong, prefix_len=0):
     def ids(text):
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    tokens = {"header": ids("("), "instruction": ids(")"), "strip": [tok.eos_token_id]}
-    tokens["suffix"] = ids(renderer.generation_suffix())
-    layout = dict(max_context=64, capacity=128, window=4, dp_rank=0, dp_size=1, pad_multiple=1, pad_id=0)
+    tokens = distill.AuxTokens(
+        header=ids("("), instruction=ids(")"), strip=[tok.eos_token_id], suffix=ids(renderer.generation_suffix())
+    )
+    layout = PackLayout("window", 128, 4, pad_multiple=1, pad_id=0, dp_rank=0, dp_size=1, local_attention=True)
     cfg = SSOPDConfig(min_positions=1)
     pair = distill.AuxPair(group, correct=0, wrong=1, omega=1.0)
-    (mb,), stats = distill.aux_microbatches([pair], cfg=cfg, num_prompts=1.0, tokens=tokens, layout=layout)
+    (mb,), stats = distill.aux_microbatches(
+        [pair], cfg=cfg, num_prompts=1.0, tokens=tokens, layout=layout, max_context=64
+    )
     cu = mb.cu_seqlens.tolist()
     return mb.tokens[0][cu[0] : cu[1]].tolist(), mb.tokens[0][cu[1] : cu[2]].tolist()
 

@@ -239,6 +239,22 @@ def dp_imbalance(rank_packs, lengths, attn_coef: float = DEFAULT_ATTN_COEF) -> f
 # 3. THD (and padded) batches
 
 
+@dataclass(frozen=True)
+class PackLayout:
+    """How this rank packs: trainer.packing / max_tokens_per_microbatch / pack_window, the THD pad
+    multiple (TP, sequence parallel), its data-parallel place, and whether the policy runs the
+    local (non-TE) attention."""
+
+    kind: str
+    capacity: int
+    window: int
+    pad_multiple: int
+    pad_id: int
+    dp_rank: int
+    dp_size: int
+    local_attention: bool
+
+
 @dataclass
 class Sample:
     """One retained sequence of the rollout batch: prompt + completion token ids."""

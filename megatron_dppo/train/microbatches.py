@@ -1,31 +1,14 @@
 """A step's mini-batches made trainable on this rank: the sequences packed into micro-batches
-(THD rows, or padded rows where they are cheaper) and spread over the data-parallel ranks, SSOPD's
-teacher/student micro-batches beside them, and the per-token inputs of the loss that a pass of the
-policy gives before the first update (pi_old, the KL reference, ReCo's token scale)."""
+(THD rows, or padded rows where they are cheaper) and spread over the data-parallel ranks, and the
+per-token inputs of the loss that a pass of the policy gives before the first update (pi_old, the
+KL reference, the impurity of ReCo's token scale). An auxiliary loss packs its own micro-batches
+(AuxLoss.pack: SSOPD's teacher/student pairs); the reweighting scales its tokens
+(Reweighting.attach_token_scale)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from megatron_dppo.algorithms import packing
-from megatron_dppo.algorithms.methods import reco
-from megatron_dppo.run import collectives as mdist
-
-
-@dataclass(frozen=True)
-class PackLayout:
-    """How this rank packs: trainer.packing / max_tokens_per_microbatch / pack_window, the THD pad
-    multiple (TP, sequence parallel), its data-parallel place, and whether the policy runs the
-    local (non-TE) attention."""
-
-    kind: str
-    capacity: int
-    window: int
-    pad_multiple: int
-    pad_id: int
-    dp_rank: int
-    dp_size: int
-    local_attention: bool
+from megatron_dppo.algorithms.packing import PackLayout
 
 
 def pack_samples(samples, lay: PackLayout):
@@ -65,38 +48,10 @@ def as_padded_rows(packs, lengths, lay: PackLayout) -> bool:
     return all(len(p) * max(lengths[i] for i in p) <= 1.05 * sum(lengths[i] for i in p) for p in packs if p)
 
 
-def pack_aux(minibatches, lay: PackLayout, *, ssopd_cfg, tokenizer, renderer, max_context: int) -> dict:
-    """SSOPD's teacher/student micro-batches of each mini-batch (megatron_dppo/algorithms/distill.py)."""
-    from megatron_dppo.algorithms.distill import aux_microbatches
-
-    def ids(text):
-        return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-
-    tokens = {"header": ids(ssopd_cfg.solution_header), "instruction": ids(ssopd_cfg.instruction)}
-    tokens["suffix"] = ids(renderer.generation_suffix())  # the block goes before it
-    tokens["strip"] = [t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None]
-    layout = dict(
-        max_context=max_context,
-        capacity=lay.capacity,
-        window=lay.window,
-        dp_rank=lay.dp_rank,
-        dp_size=lay.dp_size,
-        pad_multiple=lay.pad_multiple,
-        pad_id=lay.pad_id,
-    )
-    pairs = skipped = positions = 0
-    for mb in minibatches:
-        mb.aux_microbatches, stats = aux_microbatches(
-            mb.aux_pairs, cfg=ssopd_cfg, num_prompts=mb.num_prompts, tokens=tokens, layout=layout
-        )
-        pairs, skipped, positions = pairs + stats.pairs, skipped + stats.skipped, positions + stats.positions
-    return {"ssopd/pairs": pairs, "ssopd/skipped": skipped, "ssopd/positions": positions}
-
-
 def attach_logprobs(policy, method, microbatches, old: bool, ref: bool) -> None:
-    """Old (and reference) log-probs with the same packed micro-batches, no gradients; with
-    ReCo's gini token scale the pi_old pass also gives each position's impurity."""
-    gini = method.reweighting == "reco" and method.reco.token_scale == "gini"
+    """Old (and reference) log-probs with the same packed micro-batches, no gradients; when the
+    reweighting needs it (ReCo's gini token scale) the pi_old pass also gives each position's impurity."""
+    gini = method.reweighting.needs_impurity
     for attr, wanted, reference in (("old_logp", old, False), ("ref_logp", ref, True)):
         if not wanted:
             continue
@@ -108,22 +63,3 @@ def attach_logprobs(policy, method, microbatches, old: bool, ref: bool) -> None:
             setattr(mb, attr, (lp.float().cpu() * mb.loss_mask).view_as(mb.loss_mask))
             if impurities is not None:
                 mb.token_scale = impurities[i].float().cpu() * mb.loss_mask  # the impurity until scaled
-
-
-def attach_token_scale(method, minibatches) -> float:
-    """ReCo's c_t = g_t / mean g over the step's trained tokens with A != 0, every micro-batch
-    and rank, each token weighted by its sequence's weight (docs/methods.md 2.1.3;
-    reco.step_mean_terms says why). g is the Gini impurity from the pi_old pass, or
-    pi_old(a)(1 - pi_old(a)) (bernoulli)."""
-    last_stage = [mbt for mb in minibatches for mbt in mb.microbatches if mbt.old_logp is not None]
-    num = den = 0.0
-    for mbt in last_stage:
-        if method.reco.token_scale == "bernoulli":
-            mbt.token_scale = reco.bernoulli_impurity(mbt.old_logp) * mbt.loss_mask
-        part = reco.step_mean_terms(mbt.token_scale, mbt.loss_mask, mbt.advantages, mbt.seq_index, mbt.seq_weight)
-        num, den = num + part[0], den + part[1]
-    num, den = mdist.all_reduce_sum([num, den])  # replicas (TP) add to both alike
-    mean = num / den if den > 0 else 0.0
-    for mbt in last_stage:
-        mbt.token_scale = reco.token_scale(mbt.token_scale, mean) * mbt.loss_mask
-    return mean

@@ -59,16 +59,9 @@ def input_warnings(cfg, tokenizer, hf_config, data_sources) -> list[str]:
             f"warning: reward.by_source.{src} is ignored: no training or validation record has data_source "
             f"{src!r} (the data's sources: {', '.join(repr(s) for s in sources)})"
         )
-    if a.curriculum == "adaprefix":
-        from megatron_dppo.algorithms.methods.adaprefix import boundary_token_ids
+    from megatron_dppo.algorithms.methods import registry
 
-        texts = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-        if not boundary_token_ids(texts, a.adaprefix.boundaries):
-            out.append(
-                f"warning: algorithm.adaprefix.boundaries={a.adaprefix.boundaries!r} is inert: no token of the "
-                f"tokenizer of model.hf_dir {cfg.model.hf_dir} ends in one of these characters, so no prefix is "
-                "ever cut (name characters its tokens end in)"
-            )
+    out += registry.recipe(a).curriculum.input_warnings(cfg, tokenizer)  # AdaPrefix's step boundaries
     return out
 
 

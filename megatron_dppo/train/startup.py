@@ -172,22 +172,6 @@ def claim_run_dir(plan: RunDirPlan) -> tuple[int, int]:
     return rank, world
 
 
-def prefix_curriculum(cfg: Config, inputs: Inputs):
-    """AdaPrefix's per-problem prefixes (algorithm.curriculum=adaprefix), else None."""
-    if cfg.algorithm.curriculum != "adaprefix":
-        return None
-    from megatron_dppo.algorithms.curriculum import PrefixCurriculum, reference_text
-
-    key = cfg.data.solution_key
-    if not any(reference_text(r, key) for r in inputs.data.records):
-        raise ValueError(
-            f"config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution per "
-            f"problem, and no record of {cfg.data.train} has {key!r}"
-        )
-    opening = inputs.renderer.assistant_opening()  # a thinking template's opener precedes the prefix
-    return PrefixCurriculum(cfg, inputs.tokenizer, cfg.trainer.max_steps, assistant_opening=opening)
-
-
 def build_policy(cfg: Config, hf_config):
     from megatron_dppo.megatron.model import GpuSettings
     from megatron_dppo.megatron.policy import MegatronPolicy

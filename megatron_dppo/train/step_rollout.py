@@ -13,7 +13,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from megatron_dppo.algorithms.methods import bppo
 from megatron_dppo.algorithms.records import Group, RolloutCounts, size_runs, stack_rewards
 from megatron_dppo.rewards import overlong_penalty
 from megatron_dppo.run import collectives as mdist
@@ -97,19 +96,10 @@ class StepRollout:
         return groups
 
     def _completions_wanted(self, by_slot: dict[int, Group], drawn: dict[int, int]) -> dict[int, int]:
-        """How many more completions each prompt (slot) gets: its whole group in one call, or
-        BPPO's next wave, decided on BPPO's own verdicts (before reward shaping) as its pair is."""
-        bc, group_size = self.method.bppo, self.cfg.rollout.group_size
-        if not (self.method.selection == "bppo" and bc.schedule == "waves"):
-            return {slot: group_size if n == 0 else 0 for slot, n in drawn.items()}
-        return {
-            slot: bppo.next_wave(
-                [float(c) for c in by_slot[slot].correct()] if slot in by_slot else [],
-                bc.wave_size,
-                bc.max_group_size or group_size,
-            )
-            for slot in drawn
-        }
+        """How many more completions each prompt (slot) gets: its whole group in one call, or the
+        selection's next wave (BPPO's, decided on its own verdicts before reward shaping)."""
+        group_size = self.cfg.rollout.group_size
+        return {slot: self.method.selection.completions_wanted(by_slot.get(slot), group_size) for slot in drawn}
 
     def _roll_wave(self, step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer) -> list[Group]:
         """One engine call for this engine's prompts `todo` (indices into mine), want[slot]

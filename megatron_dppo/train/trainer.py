@@ -31,7 +31,6 @@ import torch
 from megatron_dppo.algorithms import batch, packing
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
-from megatron_dppo.algorithms.methods import reco
 from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.algorithms.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
 from megatron_dppo.config import Config, save_config
@@ -121,7 +120,10 @@ class Trainer:
         self.policy = startup.build_policy(cfg, self.hf_config)
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.method = Method.from_config(cfg, self.strategy)
-        self.curriculum = startup.prefix_curriculum(cfg, inputs)
+        self.curriculum = self.method.curriculum.build(  # AdaPrefix's per-problem prefixes, or None
+            cfg, records=inputs.data.records, tokenizer=inputs.tokenizer, renderer=inputs.renderer
+        )
+        self.aux_tokens = self.method.aux.tokens(self.tokenizer, self.renderer)  # SSOPD's teacher-prompt ids
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.scorer = RewardScorer.from_config(cfg.reward)
         self.pack_layout = microbatches.PackLayout(
@@ -135,11 +137,7 @@ class Trainer:
             local_attention=self.policy.attention_backend == "local",
         )
         self.engine, self.engine_init_s = startup.start_engine(cfg)
-        if self.method.reweighting == "reco":  # its response weight needs the sampled distribution's log-probs
-            rc = cfg.rollout
-            reco.check_logprobs_mode(
-                self.engine.logprobs_mode, temperature=rc.temperature, top_p=rc.top_p, top_k=rc.top_k
-            )
+        self.method.reweighting.check_engine(self.engine.logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
@@ -201,17 +199,11 @@ class Trainer:
         minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
         for mb in minibatches:  # pack (THD)
             mb.microbatches, mb.density = microbatches.pack_samples(mb.samples, self.pack_layout)
-        if self.method.aux == "ssopd":  # + the self-distillation pairs, packed on their own
-            plan_metrics.update(
-                microbatches.pack_aux(
-                    minibatches,
-                    self.pack_layout,
-                    ssopd_cfg=cfg.algorithm.ssopd,
-                    tokenizer=self.tokenizer,
-                    renderer=self.renderer,
-                    max_context=cfg.rollout.max_model_len,
-                )
+        plan_metrics.update(  # + an aux loss's micro-batches (SSOPD's pairs), packed on their own
+            self.method.aux.pack(
+                minibatches, tokens=self.aux_tokens, layout=self.pack_layout, max_context=cfg.rollout.max_model_len
             )
+        )
         needs_old = batch.needs_old_logprobs(self.method, minibatches)
         if minibatches and (needs_old or self.method.needs_reference):
             with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
@@ -219,8 +211,10 @@ class Trainer:
                     microbatches.attach_logprobs(
                         self.policy, self.method, mb.microbatches, old=needs_old, ref=self.method.needs_reference
                     )
-                if batch.needs_token_scale(self.method):
-                    plan_metrics["reco/impurity_mean"] = microbatches.attach_token_scale(self.method, minibatches)
+                if self.method.reweighting.needs_token_scale:  # ReCo's c_t = g_t / the step's mean g
+                    last_stage = [mbt for mb in minibatches for mbt in mb.microbatches]
+                    mean = self.method.reweighting.attach_token_scale(last_stage, mdist.all_reduce_sum)
+                    plan_metrics["reco/impurity_mean"] = mean
         train = []
         with timer("train"):
             for _ in range(tc.epochs_per_step):  # update

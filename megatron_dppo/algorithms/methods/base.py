@@ -128,7 +128,7 @@ class Curriculum(Option):
 
     slot, name = "curriculum", "none"
 
-    def build(self, cfg, *, records, tokenizer, assistant_opening: str):
+    def build(self, cfg, *, records, tokenizer, renderer):
         """The run's curriculum state (with assisted(), observe(), state_dict()); None: no curriculum."""
         return None
 
@@ -149,8 +149,9 @@ class AuxLoss(Option):
         """The mini-batch's auxiliary items, chosen from its full groups; [] for none."""
         return []
 
-    def pack(self, minibatches: list, *, tokens, layout) -> dict:
-        """Build each mini-batch's aux_microbatches from its pairs; returns the step's metrics."""
+    def pack(self, minibatches: list, *, tokens, layout, max_context: int) -> dict:
+        """Build each mini-batch's aux_microbatches from its pairs (layout: packing.PackLayout);
+        returns the step's metrics."""
         return {}
 
     def tokens(self, tokenizer, renderer):

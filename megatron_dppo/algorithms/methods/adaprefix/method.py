@@ -9,9 +9,10 @@ from megatron_dppo.algorithms.methods.base import Curriculum
 class AdaPrefix(Curriculum):
     name, section = "adaprefix", "adaprefix"
 
-    def build(self, cfg, *, records, tokenizer, assistant_opening):
-        """assistant_opening: what the chat template writes at the assistant turn's start (its
-        thinking opener precedes every prefix)."""
+    def build(self, cfg, *, records, tokenizer, renderer):
+        """records: the training records; renderer: data.PromptRenderer, whose assistant_opening()
+        (what the chat template writes at the assistant turn's start) has the thinking opener
+        that precedes every prefix."""
         from megatron_dppo.algorithms.methods.adaprefix.curriculum import PrefixCurriculum, reference_text
 
         key = cfg.data.solution_key
@@ -20,7 +21,8 @@ class AdaPrefix(Curriculum):
                 f"config key 'data.solution_key': algorithm.curriculum=adaprefix needs a reference solution per "
                 f"problem, and no record of {cfg.data.train} has {key!r}"
             )
-        return PrefixCurriculum(cfg, tokenizer, cfg.trainer.max_steps, assistant_opening=assistant_opening)
+        opening = renderer.assistant_opening()
+        return PrefixCurriculum(cfg, tokenizer, cfg.trainer.max_steps, assistant_opening=opening)
 
     def input_warnings(self, cfg, tokenizer):
         from megatron_dppo.algorithms.methods.adaprefix.rules import boundary_token_ids

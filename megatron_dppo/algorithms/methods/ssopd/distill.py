@@ -47,20 +47,6 @@ class AuxTokens:
     suffix: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class PackLayout:
-    """How this rank packs its micro-batches: the longest context, a micro-batch's token
-    capacity and the packer's window, this rank's data-parallel place, padding."""
-
-    max_context: int
-    capacity: int
-    window: int
-    dp_rank: int
-    dp_size: int
-    pad_multiple: int
-    pad_id: int
-
-
 @dataclass
 class AuxStats:
     pairs: int = 0  # pairs distilled
@@ -109,12 +95,16 @@ def _sequences(pair: AuxPair, cfg, tokens: AuxTokens, max_context: int):
     return sample(tp.ids), sample(list(g.prompt_ids)), len(tp.ids), T
 
 
-def aux_microbatches(pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: AuxTokens, layout: PackLayout):
+def aux_microbatches(
+    pairs: list[AuxPair], *, cfg, num_prompts: float, tokens: AuxTokens, layout: packing.PackLayout, max_context: int
+):
     """This rank's SSOPD micro-batches for one mini-batch, and what they hold.
-    cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...)."""
+    cfg: algorithm.ssopd; num_prompts: B of the mini-batch (the aux loss is (1/B) sum_q ...);
+    layout: this rank's packing (its capacity, window, DP place, padding); max_context: the
+    longest sequence (rollout.max_model_len) a teacher sequence is cut to fit."""
     built, stats = [], AuxStats()
     for p in pairs:
-        seqs = _sequences(p, cfg, tokens, layout.max_context)
+        seqs = _sequences(p, cfg, tokens, max_context)
         if seqs is None:
             stats.skipped += 1
             continue

@@ -43,12 +43,17 @@ class SSOPD(AuxLoss):
             suffix=ids(renderer.generation_suffix()),  # the block goes before it
         )
 
-    def pack(self, minibatches, *, tokens, layout):
+    def pack(self, minibatches, *, tokens, layout, max_context):
         """Each mini-batch's teacher/student micro-batches (distill.aux_microbatches)."""
         pairs = skipped = positions = 0
         for mb in minibatches:
             mb.aux_microbatches, stats = distill.aux_microbatches(
-                mb.aux_pairs, cfg=self.cfg, num_prompts=mb.num_prompts, tokens=tokens, layout=layout
+                mb.aux_pairs,
+                cfg=self.cfg,
+                num_prompts=mb.num_prompts,
+                tokens=tokens,
+                layout=layout,
+                max_context=max_context,
             )
             pairs, skipped, positions = pairs + stats.pairs, skipped + stats.skipped, positions + stats.positions
         return {"ssopd/pairs": pairs, "ssopd/skipped": skipped, "ssopd/positions": positions}
