@@ -209,9 +209,10 @@ def test_bppo_ratio_bias_decomposition_matches_the_full_gradient():
     for agg in LOSS_AGGS:
         cfg = CheckConfig(method="bppo", r_o=0.0, r_q=0.5, loss_agg=agg, seed=0)
         gen = torch.Generator().manual_seed(cfg.seed)
-        rewards, _, lengths, J, _, seq_index, seq_len, sums, aux, _ = um._setting(cfg, gen)
+        bppo = um.SYNTHETIC["bppo"]
+        rewards, _, lengths, J, _, seq_index, seq_len, sums, aux, _ = um._setting(cfg, bppo, gen)
         method = um._method(cfg, pruning.get_strategy("dppo"), dynamic_sampling=False)
-        full = um._full_gradient(cfg, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
+        full = um._full_gradient(cfg, bppo, method, rewards, lengths, sums, J, aux, seq_index, seq_len)
         res = um.bppo_prompt_pruning_bias(cfg, draws=20000 if agg == "seq-mean-token-mean" else 100)
         torch.testing.assert_close(res["full"], full, rtol=1e-10, atol=1e-12)
         if agg == "seq-mean-token-mean":  # 2.4% +- 0.2%

@@ -1,6 +1,6 @@
 """verify-unbiased for the four other methods (docs/methods.md section 5).
 
-Two questions per method, on unbiased_check's synthetic step (linear policy, binary rewards,
+Two questions per method, on verify_unbiased's synthetic step (linear policy, binary rewards,
 ragged lengths, a prompt history):
   1. Is the method biased against GRPO BY DESIGN? Its unpruned full-batch gradient is compared
      with GRPO's (a deterministic gap; every one of them changes the objective on purpose).
@@ -134,7 +134,7 @@ class MethodCheckResult:
     z_threshold: float
     exact: bool
     unbiased: bool
-    bias_along: float = math.nan  # unbiased_check.bias_along
+    bias_along: float = math.nan  # verify_unbiased.bias_along
 
     def summary(self, cfg: CheckConfig) -> str:
         gap = (

@@ -54,7 +54,7 @@ class CheckConfig:
     ratio_noise: float = 0.3  # spread of log(pi/pi_old) so that clipping is active
     max_len: int = 16
     overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
-    method: str = "grpo"  # unbiased_methods.run_method_check: bppo | reco | adaprefix | ssopd
+    method: str = "grpo"  # verify_methods.run_method_check: bppo | reco | adaprefix | ssopd
     without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
