@@ -339,7 +339,7 @@ def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
     rbytes = _dtype_bytes(roll.dtype or cfg.model.dtype)
     engines = world // par.rollout_tp
     vllm_weights = arch.hf_params() * rbytes / par.rollout_tp
-    kv_per_token = 2 * arch.layers * max(1, arch.kv_heads // par.rollout_tp) * arch.head_dim * rbytes
+    kv_per_token = arch.kv_bytes_per_token(rbytes, par.rollout_tp)
     kv_cache = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB - vllm_weights - VLLM_RUNTIME
     return dict(
         weights=vllm_weights,
