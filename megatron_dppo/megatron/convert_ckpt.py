@@ -58,6 +58,7 @@ from megatron_dppo.megatron.checkpoint import (  # also installs the safe metada
 )
 from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.model import qwen3
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.hf_io import (
     HFCheckpoint,
     SafetensorsShardWriter,
@@ -228,22 +229,14 @@ def check_layout_flags(tp: int, pp: int, ep: int = 1) -> None:
             raise ValueError(f"{flag} {value}: expected a positive integer (a parallel size)")
 
 
-def check_model_layout(config_path: str, layout: qwen3.Qwen3Layout, tp: int, pp: int, ep: int = 1) -> None:
+def check_model_layout(config_path: str, model: Arch, tp: int, pp: int, ep: int = 1) -> None:
     """The model against --tp / --pp / --ep: one ValueError naming the file, the flags and every
     count that does not divide (the trainer's rules, config.model_layout_problems, on the
     smallest world that holds the layout)."""
     check_layout_flags(tp, pp, ep)
+    world = pp * math.lcm(tp, ep)
     problems = model_layout_problems(
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        world_size=pp * math.lcm(tp, ep),
-        num_heads=layout.num_heads,
-        num_kv_heads=layout.num_kv_heads,
-        num_layers=layout.num_layers,
-        ffn_hidden_size=layout.intermediate,
-        num_experts=layout.num_experts,
-        show=lambda flag, value: f"--{flag} {value}",
+        model, tp=tp, pp=pp, ep=ep, world_size=world, show=lambda flag, value: f"--{flag} {value}"
     )
     if problems:
         raise ValueError(f"{config_path}: --tp {tp} --pp {pp} --ep {ep} do not fit the model: " + "; ".join(problems))
@@ -257,7 +250,7 @@ def check_hf_source(hf_dir: str, tp: int, pp: int, ep: int = 1):
     hf = HFCheckpoint(hf_dir)
     hf_config, _ = qwen3.read_model_config(hf.config_path)
     layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
-    check_model_layout(hf.config_path, layout, tp, pp, ep)
+    check_model_layout(hf.config_path, Arch.from_hf_config(hf_config), tp, pp, ep)
     hf.check_has(qwen3.hf_tensor_names(layout))
     return hf, hf_config, layout
 

@@ -37,6 +37,7 @@ from megatron_dppo.algorithms.records import Group, RolloutCounts, rollout_metri
 from megatron_dppo.config import Config, resolve, save_config
 from megatron_dppo.data.prompts import PromptDataset, PromptRenderer
 from megatron_dppo.model import hf_dir
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.rewards import RewardScorer, overlong_penalty, reward_metrics_by_source
 from megatron_dppo.rollout.validation import engine_generate, load_eval_sets, run_validation
 from megatron_dppo.run import collectives as mdist
@@ -211,14 +212,9 @@ class Trainer:
         hf = self.hf_config
         resolve(
             cfg,
+            Arch.from_hf_config(hf),
             world_size=world,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_key_value_heads,
-            num_layers=hf.num_hidden_layers,
-            ffn_hidden_size=hf.intermediate_size,
-            num_experts=getattr(hf, "num_experts", 0) or 0,
-            moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None),
             num_train_records=len(self.data),
             cuda=torch.cuda.is_available(),
             threads=torch.get_num_threads(),
