@@ -45,17 +45,15 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_dppo.config import model_layout_problems
-from megatron_dppo.megatron.checkpoint import (  # also installs the safe metadata unpickler
-    check_checkpoint,
-    latest_checkpoint,
-)
+from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint
+from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.model import qwen3
 from megatron_dppo.model.arch import Arch
@@ -418,7 +416,7 @@ def megatron_to_hf_checkpoint(
     config_path = os.path.join(ckpt, HF_CONFIG)
     hf_config, _ = qwen3.read_model_config(config_path)
     check_checkpoint(ckpt)  # the trainer's check: every file there, whole (one line naming the file)
-    md = FileSystemReader(model_dir).read_metadata()
+    md = read_dcp_metadata(model_dir)
     layers = _checkpoint_layers(md.state_dict_metadata)
     if EMBEDDING not in md.state_dict_metadata or layers is None:
         raise ValueError(f"{model_dir} holds no Megatron GPT model ({EMBEDDING} or {_LAYER_KEY} is missing)")
