@@ -150,8 +150,7 @@ def _tp_chunks(name: str, st: ShardedTensor, tp: int):
     Experts are one chunk each already (at any EP) and split over expert-TP, here 1."""
     p = st.prepend_axis_num
     off, size = list(st.global_offset), [1] * p + list(st.local_shape)
-    if qwen3.expert_index(name) is not None:
-        tp = 1
+    tp = qwen3.split_group(name, tp, etp_size=1)[1]
     axis = {"vocab": 0, "column": 0, "fc1": 0, "row": 1}.get(qwen3.tp_split_kind(name))
     if axis is None or tp == 1:
         return [(off, size)]

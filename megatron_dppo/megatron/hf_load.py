@@ -193,10 +193,8 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
                     ep_size=ep_size,
                     num_experts=layout.num_experts,
                 )
-                expert = mapping.expert_index(name) is not None  # split over expert-TP, not TP
-                t = local_megatron_tensor(
-                    reader, layout, name, etp_rank if expert else tp_rank, etp_size if expert else tp_size
-                )
+                rank, size = mapping.split_group(name, tp_size, etp_size, tp_rank, etp_rank)
+                t = local_megatron_tensor(reader, layout, name, rank, size)
                 if t.shape != params[0][local].shape:
                     have = list(params[0][local].shape)
                     raise ValueError(
