@@ -67,10 +67,18 @@ class Arch:
         layer's fc1 [gate; up], fc2) are split over TP; the two RMSNorms (hidden), q/k-norms
         (head_dim) and an MoE layer's router (experts x hidden) are replicated."""
         h, d = self.hidden, self.head_dim
-        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         if sparse:
-            return attn // tp + 2 * h + 2 * d + self.experts * h
-        return (attn + 3 * h * self.ffn) // tp + 2 * h + 2 * d
+            return self.attention_params() // tp + 2 * h + 2 * d + self.experts * h
+        return (self.attention_params() + self.dense_mlp_params()) // tp + 2 * h + 2 * d
+
+    def attention_params(self) -> int:
+        """One layer's attention matmul weights, whole: QKV (heads + 2 KV heads) and the out-proj."""
+        h, d = self.hidden, self.head_dim
+        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+
+    def dense_mlp_params(self) -> int:
+        """One dense layer's SwiGLU weights, whole: fc1 [gate; up] and fc2."""
+        return 3 * self.hidden * self.ffn
 
     def expert_params(self, ep: int = 1, etp: int = 1) -> int:
         """One sparse layer's experts on one rank: num_experts / ep SwiGLU experts split over etp."""
