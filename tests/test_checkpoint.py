@@ -65,7 +65,7 @@ def test_interrupted_save_keeps_latest_and_is_cleaned_up(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.dist_checkpointing, "save", fail)
     monkeypatch.setattr(checkpoint, "_sharded_state", lambda policy, is_loading: {})
     with pytest.raises(Boom):
-        checkpoint.save_checkpoint(str(root), 2, policy=None, trainer_state={})
+        checkpoint.save_checkpoint(str(root), 2, policy=None, trainer_state={}, run_id=checkpoint.new_run_id())
     assert (root / "latest").read_text().strip() == "step_000001"
     assert not (root / "step_000002").exists()
 

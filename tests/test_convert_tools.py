@@ -215,7 +215,7 @@ def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
     assert f"{shard} is truncated" in err, err
     os.truncate(shard, 5)
     err = _error(capsys, to_mg, "--hf-dir", truncated, "--out-dir", out)
-    assert f"{shard} is 5 bytes: too short for a safetensors header" in err, err
+    assert f"{shard} is truncated: 5 bytes, not even the 8-byte safetensors header length" in err, err
 
     err = _error(capsys, to_hf, "--megatron-dir", tmp_path, "--out-dir", out, "--max-shard-size", "2XB")
     assert "size '2XB': expected a positive byte count" in err, err
