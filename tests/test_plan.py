@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.config import check_layout, load_config
+from megatron_dppo.config import check_layout, layout_choices, load_config
 from megatron_dppo.jobs.plan import (
     Arch,
     format_plan,
     layer_activation_elems,
-    layout_choices,
     load_hf_config,
     memory_plan,
     plan_main,

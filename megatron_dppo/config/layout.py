@@ -4,6 +4,8 @@ widths, experts), from its config.json."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_dppo.config.schema import Config
 from megatron_dppo.model.arch import Arch
 
@@ -56,6 +58,27 @@ def check_layout(cfg: Config, model: Arch, *, world_size: int, cuda: bool = True
         )
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
+
+
+def layout_choices(cfg: Config, arch: Arch) -> dict[str, list[int]]:
+    """The values of parallel.tp, parallel.pp and parallel.rollout_tp (and parallel.ep for a
+    mixture of experts) that check_layout accepts on this cluster (parallel.nodes x parallel.gpus_per_node)
+    and model, each with the others at 1: what `megatron-dppo plan` offers in its refusals."""
+    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
+    knobs = ("tp", "pp", "rollout_tp") + (("ep",) if arch.experts else ())
+    out = {}
+    for knob in knobs:
+        ok = []
+        for value in range(1, world + 1):
+            base = {"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1}
+            par = dataclasses.replace(cfg.parallel, **{**base, knob: value})
+            try:
+                check_layout(dataclasses.replace(cfg, parallel=par), arch, world_size=world)
+            except ValueError:
+                continue
+            ok.append(value)
+        out[knob] = ok
+    return out
 
 
 def model_layout_problems(

@@ -42,7 +42,7 @@ import json
 import math
 from pathlib import Path
 
-from megatron_dppo.config import apply_overrides, check_layout, load_config, resolve_gpu_settings
+from megatron_dppo.config import apply_overrides, check_layout, layout_choices, load_config, resolve_gpu_settings
 from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.vocab import padded_vocab_size
 
@@ -218,28 +218,6 @@ def load_hf_config(hf_dir: str) -> dict:
         if path.is_file():
             return json.loads(path.read_text())
     raise ValueError(f"config key 'model.hf_dir': {hf_dir!r} has no config.json (the plan needs only that file)")
-
-
-def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
-    """The values of parallel.tp, parallel.pp and parallel.rollout_tp (and parallel.ep for a
-    mixture of experts) that the trainer's layout check (config.check_layout) accepts on this
-    cluster and model, each with the others at 1. What the plan offers is filtered through the
-    same check, so it cannot offer a value the trainer refuses."""
-    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
-    knobs = ("tp", "pp", "rollout_tp") + (("ep",) if arch.experts else ())
-    out = {}
-    for knob in knobs:
-        ok = []
-        for value in range(1, world + 1):
-            base = {"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1}
-            par = dataclasses.replace(cfg.parallel, **{**base, knob: value})
-            try:
-                check_layout(dataclasses.replace(cfg, parallel=par), arch, world_size=world)
-            except ValueError:
-                continue
-            ok.append(value)
-        out[knob] = ok
-    return out
 
 
 def check_plan_layout(cfg, arch: Arch) -> None:
