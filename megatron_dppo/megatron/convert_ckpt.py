@@ -196,7 +196,7 @@ class _Writer(FileSystemWriter):
       closed, so per-file grouping keeps that to one layer (one file per rank kept the embedding
       chunk, one chunk per layer key and the output layer alive to the end);
     - .metadata records the path as a str, as Megatron's writer does: the trainer's restricted
-      metadata unpickler (checkpoint.py) rejects the pathlib.Path torch puts there.
+      metadata unpickler (megatron/dcp_metadata.py) rejects the pathlib.Path torch puts there.
     write_data mirrors FileSystemWriter.write_data of torch 2.13 (it uses the private
     _write_data, which takes the same (path, file name, items) queue)."""
 
