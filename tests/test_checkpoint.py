@@ -65,23 +65,51 @@ def test_interrupted_save_keeps_latest_and_is_cleaned_up(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint.dist_checkpointing, "save", fail)
     monkeypatch.setattr(checkpoint, "_sharded_state", lambda policy, is_loading: {})
     with pytest.raises(Boom):
-        checkpoint.save_checkpoint(str(root), 2, policy=None, trainer_state={})
+        checkpoint.save_checkpoint(str(root), 2, policy=None, trainer_state={}, run_id=checkpoint.new_run_id())
     assert (root / "latest").read_text().strip() == "step_000001"
     assert not (root / "step_000002").exists()
+
+
+class _Evil:
+    """A `.metadata` that would run a command when unpickled by pickle itself."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, ("touch " + self.marker,))
 
 
 def test_checkpoint_metadata_cannot_run_code(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_dppo.megatron import checkpoint  # noqa: F401  (installs the restricted unpickler)
+    from megatron_dppo.megatron.dcp_metadata import install_restricted_metadata_unpickler
 
-    class Evil:
-        def __reduce__(self):
-            return (os.system, ("touch " + str(tmp_path / "pwned"),))
-
-    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    install_restricted_metadata_unpickler()
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
     with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
         FileSystemReader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_checkpoint_readers_install_the_restricted_unpickler(tmp_path, monkeypatch):
+    """No import installs it: each reader does, before torch reads a `.metadata`."""
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from megatron_dppo.megatron.checkpoint import CheckpointError, load_checkpoint
+    from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata, restricted_metadata_pickle
+    from megatron_dppo.megatron.sharded_state import checkpoint_keys
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil(tmp_path / "pwned")))
+    for read in (read_dcp_metadata, checkpoint_keys):
+        monkeypatch.setattr(dcp_filesystem, "pickle", pickle)  # as torch ships it
+        with pytest.raises(pickle.UnpicklingError, match="refusing to load it"):
+            read(str(tmp_path))
+        assert dcp_filesystem.pickle is restricted_metadata_pickle
+    monkeypatch.setattr(dcp_filesystem, "pickle", pickle)
+    with pytest.raises(CheckpointError, match="does not exist"):  # dist_checkpointing.load reads it later
+        load_checkpoint(str(tmp_path / "step_000001"), policy=None)
+    assert dcp_filesystem.pickle is restricted_metadata_pickle
     assert not (tmp_path / "pwned").exists()
 
 
@@ -325,7 +353,7 @@ def test_unreadable_data_inside_a_shard_names_the_file(saved_run, tmp_path):
     tell, and it names the shard file and the tensor instead of "Please file an issue"."""
     import shutil
 
-    from megatron_dppo.megatron.checkpoint import _MetadataUnpickler
+    from megatron_dppo.megatron.dcp_metadata import MetadataUnpickler
 
     root = tmp_path / "checkpoints"
     step = root / "step_1000000"
@@ -333,7 +361,7 @@ def test_unreadable_data_inside_a_shard_names_the_file(saved_run, tmp_path):
     (root / "latest").write_text("step_1000000\n")
     model = step / "model_optim"
     with open(model / ".metadata", "rb") as f:
-        meta = _MetadataUnpickler(f).load()
+        meta = MetadataUnpickler(f).load()
     rel, offset, fqn = min(
         (i.relative_path, i.offset, k.fqn)
         for k, i in meta.storage_data.items()
@@ -408,3 +436,19 @@ def test_checkpoint_bytes_is_what_the_save_wrote(saved_run):
     step = saved_run["root"] / "step_1000000"
     on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert checkpoint_bytes(str(step)) == on_disk > 0
+
+
+def test_saving_swaps_megatrons_results_queue_only_while_it_saves():
+    """save_sharded writes in-process, so FileSystemWriterAsync's results queue is a plain queue
+    (no Manager server process) inside _no_results_manager, and Megatron's own outside it."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_dppo.megatron.checkpoint import _RESULTS_QUEUE_FACTORY, _no_results_manager
+
+    assert _RESULTS_QUEUE_FACTORY is not None  # this megatron-core has the factory to swap
+    original = getattr(filesystem_async, _RESULTS_QUEUE_FACTORY)
+    with _no_results_manager():
+        assert type(getattr(filesystem_async, _RESULTS_QUEUE_FACTORY)()) is queue.Queue
+    assert getattr(filesystem_async, _RESULTS_QUEUE_FACTORY) is original

@@ -9,19 +9,13 @@ import yaml
 from megatron_dppo.algorithms import choices, losses
 from megatron_dppo.algorithms.advantages import ADVANTAGE_KINDS
 from megatron_dppo.config import Config, check_layout, load_config, resolve, save_config
+from megatron_dppo.model.arch import Arch
 
 TINY = "examples/tiny/addition.yaml"
-FACTS = dict(
-    world_size=1,
-    local_world_size=1,
-    num_heads=4,
-    num_kv_heads=2,
-    num_layers=3,
-    ffn_hidden_size=512,
-    num_train_records=1024,
-    cuda=False,
-    threads=2,
-)
+# examples/tiny/model/config.json's numbers
+TINY_ARCH = Arch(vocab=21, hidden=128, layers=3, heads=4, kv_heads=2, head_dim=32, ffn=512, tied=True)
+TINY_MOE_ARCH = dataclasses.replace(TINY_ARCH, experts=4, experts_per_tok=2, moe_ffn=64, sparse=(True,) * 3)
+FACTS = dict(model=TINY_ARCH, world_size=1, local_world_size=1, num_train_records=1024, cuda=False, threads=2)
 
 
 def _walk(data, prefix=""):
@@ -126,7 +120,7 @@ def test_layouts_that_do_not_divide_name_the_key(overrides, world, message):
     cfg = load_config(TINY)
     cfg.parallel = dataclasses.replace(cfg.parallel, **overrides)
     with pytest.raises(ValueError, match=message):
-        check_layout(cfg, world_size=world, num_heads=4, num_kv_heads=2, num_layers=3)
+        check_layout(cfg, TINY_ARCH, world_size=world)
 
 
 def test_expert_tensor_parallel_on_cpu_is_refused_naming_the_rule():
@@ -134,7 +128,7 @@ def test_expert_tensor_parallel_on_cpu_is_refused_naming_the_rule():
     Megatron's token dispatcher: "ProcessGroupGloo::allgather: invalid tensor size at index 1
     (expected (2044, 128), got (1356, 128))" (the tiny MoE model, rerun on 2 CPU processes)."""
     cfg = load_config(TINY, ["parallel.etp=2"])
-    moe = dict(world_size=2, num_heads=4, num_kv_heads=2, num_layers=3, num_experts=4, moe_ffn_hidden_size=64)
+    moe = dict(model=TINY_MOE_ARCH, world_size=2)
     with pytest.raises(ValueError) as e:
         check_layout(cfg, **moe, cuda=False)
     assert str(e.value) == (
@@ -145,12 +139,12 @@ def test_expert_tensor_parallel_on_cpu_is_refused_naming_the_rule():
     check_layout(cfg, **moe, cuda=True)  # NCCL's all_gather takes per-rank sizes
     check_layout(load_config(TINY, ["parallel.ep=2"]), **moe, cuda=False)
     with pytest.raises(ValueError, match="parallel.etp=2 cannot run on CPU"):  # resolve passes the machine
-        resolve(cfg, **{**FACTS, "world_size": 2, "local_world_size": 2}, num_experts=4, moe_ffn_hidden_size=64)
+        resolve(cfg, **{**FACTS, "world_size": 2, "local_world_size": 2, "model": TINY_MOE_ARCH})
 
 
 def test_vllm_kv_heads_may_be_replicated():
     cfg = load_config(TINY, ["parallel.rollout_tp=4", "parallel.gpus_per_node=4"])
-    check_layout(cfg, world_size=4, num_heads=4, num_kv_heads=2, num_layers=3)  # KV heads replicated x2
+    check_layout(cfg, TINY_ARCH, world_size=4)  # KV heads replicated x2
 
 
 def test_an_override_below_a_mapping_takes_the_rest_of_the_key_as_one_entry():

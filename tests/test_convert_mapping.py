@@ -70,3 +70,19 @@ def test_unsupported_architecture_and_missing_tensor_are_named():
         qwen3.hf_to_megatron(sd, qwen3.layout_from_hf_config(cfg))
     with pytest.raises(ValueError, match="num_layers=4 is not divisible by pipeline parallel size 3"):
         qwen3.stage_layers(4, 0, 3)
+
+
+def test_experts_split_over_expert_tp_everything_else_over_tp():
+    """One rule for every place that shards or merges a megatron tensor (hf_load, shard_for_rank,
+    the weight sync, the converter): an expert's group is expert-TP, a dense tensor's TP."""
+    from megatron_dppo.model.qwen3 import is_expert, split_group
+
+    experts = [
+        "decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight",  # local spec
+        "decoder.layers.3.mlp.experts.linear_fc2.weight7",  # TE spec
+    ]
+    dense = ["decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.3.mlp.router.weight", "output_layer.weight"]
+    for name in experts:
+        assert is_expert(name) and split_group(name, 4, 2, tp_rank=3, etp_rank=1) == (1, 2)
+    for name in dense:
+        assert not is_expert(name) and split_group(name, 4, 2, tp_rank=3, etp_rank=1) == (3, 4)

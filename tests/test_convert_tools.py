@@ -132,12 +132,10 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
     # The trainer (TP=2) loads it, takes a step and saves model + optimizer; convert that back.
     root, ref = tmp_path / "run", tmp_path / "trained.safetensors"
     _ok(launch(TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", hf, "--root", root, "--ref", ref, "--tp", 2))
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 
-    from megatron_dppo.megatron.checkpoint import _restricted_metadata_pickle  # noqa: F401  (safe unpickler)
-
-    ours = _chunks(FileSystemReader(str(mg / "model_optim")).read_metadata())
-    theirs = _chunks(FileSystemReader(str(root / "step_000001" / "model_optim")).read_metadata())
+    ours = _chunks(read_dcp_metadata(str(mg / "model_optim")))
+    theirs = _chunks(read_dcp_metadata(str(root / "step_000001" / "model_optim")))
     # (megatron-core >= 0.19 also saves the non-tensor state as the object "common_state")
     model_keys = {k for k in theirs if not k.startswith(("optimizer.", "common_state/"))}
     assert model_keys == set(ours), (sorted(model_keys ^ set(ours)))[:6]
@@ -217,7 +215,7 @@ def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
     assert f"{shard} is truncated" in err, err
     os.truncate(shard, 5)
     err = _error(capsys, to_mg, "--hf-dir", truncated, "--out-dir", out)
-    assert f"{shard} is 5 bytes: too short for a safetensors header" in err, err
+    assert f"{shard} is truncated: 5 bytes, not even the 8-byte safetensors header length" in err, err
 
     err = _error(capsys, to_hf, "--megatron-dir", tmp_path, "--out-dir", out, "--max-shard-size", "2XB")
     assert "size '2XB': expected a positive byte count" in err, err

@@ -60,11 +60,13 @@ def test_cpu_resolves_the_gpu_settings_to_the_behaviour_before_them():
 
 
 def test_gpu_resolution_follows_megatron_lm_recipes():
+    from test_config import TINY_MOE_ARCH
+
     from megatron_dppo.megatron.model import GpuSettings
     from megatron_dppo.megatron.policy import _config_overrides
 
     gpu = dict(cuda=True, te=True, wgrad_kernel=True)  # a GPU with TE and APEX's fused wgrad kernel
-    moe = _resolved(**gpu, num_experts=4, moe_ffn_hidden_size=64, world_size=16, local_world_size=8)
+    moe = _resolved(**gpu, model=TINY_MOE_ARCH, world_size=16, local_world_size=8)
     assert moe.overlap_grad_reduce and moe.ddp_bucket_size == 40_000_000  # max(40M, 1M x DP=16)
     assert moe.gradient_accumulation_fusion and moe.moe_permute_fusion and moe.moe_router_fusion
     # without APEX's kernel Megatron's output layer refuses gradient_accumulation_fusion: off, or named
@@ -78,7 +80,7 @@ def test_gpu_resolution_follows_megatron_lm_recipes():
     assert _resolved(["parallel.overlap_grad_reduce=false"], cuda=True).ddp_bucket_size == 0
     sel = ["parallel.recompute=selective"]
     assert _resolved(sel, cuda=True, te=True).recompute_modules == ["core_attn"]  # flash attention: free
-    moe_sel = _resolved(sel, cuda=True, te=True, num_experts=4, moe_ffn_hidden_size=64)
+    moe_sel = _resolved(sel, cuda=True, te=True, model=TINY_MOE_ARCH)
     assert moe_sel.recompute_modules == ["core_attn", "layernorm"]  # + the unfused pre-MLP norm
     assert _resolved(sel, cuda=True, te=False).recompute_modules == ["core_attn", "mlp"]  # local path
     over = _config_overrides("te", 1, 1, False, "none", GpuSettings.from_config(moe))

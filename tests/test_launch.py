@@ -20,6 +20,7 @@ import pytest
 
 from megatron_dppo.config import check_layout, load_config
 from megatron_dppo.jobs.plan import load_hf_config
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.run.process import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,14 +220,8 @@ def test_slurm_dry_run_prints_every_nodes_torchrun_command(tmp_path):
         assert overrides[4:] == ["trainer.max_steps=7", "data.system_prompt=solve it"]
         # what every node would start, the trainer's own config and layout checks accept
         cfg = load_config(str(REPO / config), overrides)
-        arch = load_hf_config(str(REPO / "examples" / "qwen3_configs" / "32B"))
-        check_layout(
-            cfg,
-            world_size=int(flags["--nnodes"]) * int(flags["--nproc_per_node"]),
-            num_heads=arch["num_attention_heads"],
-            num_kv_heads=arch["num_key_value_heads"],
-            num_layers=arch["num_hidden_layers"],
-        )
+        arch = Arch.from_hf(load_hf_config(str(REPO / "examples" / "qwen3_configs" / "32B")))
+        check_layout(cfg, arch, world_size=int(flags["--nnodes"]) * int(flags["--nproc_per_node"]))
         assert cfg.trainer.max_steps == 7 and cfg.data.system_prompt == "solve it"
     assert endpoints == {"gpu07:29500"} and ids == {"4242"}
 

@@ -52,19 +52,16 @@ def test_pp2_equals_single_stage_packs_and_trains(torchrun):
         (dict(world_size=2, tp=0, pp=1), "must be >= 1"),
     ],
 )
-def test_validate_layout_names_the_fix(layout, expected):
-    from megatron_dppo.megatron.parallel import validate_layout
+def test_model_layout_problems_name_the_fix(layout, expected):
+    """Megatron-Core's layout rules (config/layout.py), each broken one named with the size to change."""
+    from megatron_dppo.config.layout import model_layout_problems
+    from megatron_dppo.model.arch import Arch
 
-    with pytest.raises(ValueError) as err:
-        validate_layout(**layout, num_attention_heads=4, num_query_groups=2, num_layers=4)
-    assert expected in str(err.value)
-    assert "choose" in str(err.value) or "change" in str(err.value) or "must" in str(err.value)
-
-
-def test_validate_layout_returns_data_parallel_size():
-    from megatron_dppo.megatron.parallel import validate_layout
-
-    assert validate_layout(8, 2, 2, num_attention_heads=4, num_query_groups=2, num_layers=4) == 2
+    model = Arch(vocab=50, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, ffn=96, tied=True)
+    problems = "; ".join(model_layout_problems(model, **layout, show=lambda name, value: f"{name}={value}"))
+    assert expected in problems
+    assert "choose" in problems or "change" in problems or "must" in problems
+    assert not model_layout_problems(model, world_size=8, tp=2, pp=2)  # DP 2
 
 
 # ------------------------------------------------------------------------- packed attention

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dppo.config import check_layout, load_config
+from megatron_dppo.config import check_layout, layout_choices, load_config
 from megatron_dppo.jobs.plan import (
     Arch,
     format_plan,
     layer_activation_elems,
-    layout_choices,
     load_hf_config,
     memory_plan,
     plan_main,
@@ -32,17 +31,8 @@ SIZES = ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]
 
 
 def _trainer_check(cfg, hf: dict, world: int) -> None:
-    """config.check_layout called as the trainer calls it, with the numbers of config.json `hf`."""
-    check_layout(
-        cfg,
-        world_size=world,
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        num_layers=hf["num_hidden_layers"],
-        ffn_hidden_size=hf["intermediate_size"],
-        num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
-        moe_ffn_hidden_size=hf.get("moe_intermediate_size"),
-    )
+    """config.check_layout called as the trainer calls it, with the facts of config.json `hf`."""
+    check_layout(cfg, Arch.from_hf(hf), world_size=world)
 
 
 def _cfg(path=QWEN3_32B, *overrides):

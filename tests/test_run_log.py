@@ -30,8 +30,10 @@ def test_non_finite_metrics_are_null_and_read_back_as_nan(tmp_path):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     rows = [_strict(line) for line in lines]  # a strict parser accepts every line
     assert [(r["train/aux_divergence"], r["x/max"]) for r in rows] == [(None, None), (0.5, None)]
-    for read in (read_metrics, lambda p: compare_methods.read_metrics(Path(p))):
-        back = read(str(tmp_path / "metrics.jsonl"))
+    assert compare_methods.read_metrics is read_metrics  # one reader for the trainer's rows and the tools'
+    for path in (str(tmp_path / "metrics.jsonl"), tmp_path / "metrics.jsonl"):
+        back = read_metrics(path)
         assert math.isnan(back[0]["train/aux_divergence"]) and math.isnan(back[1]["x/max"])
         assert (back[0]["reward/mean"], back[1]["train/aux_divergence"]) == (0.25, 0.5)
+    assert read_metrics(tmp_path / "not-yet.jsonl") == []  # a run before its first step
     assert (tmp_path / "curves.png").exists()

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from megatron_dppo.rollout import RolloutEngine, hf_completion_logprobs, request_seed
-from megatron_dppo.rollout.vllm_engine import _executor_backend
+from megatron_dppo.rollout.vllm_engine import _executor_backend, _named_kv_cache_errors
 
 REPO = Path(__file__).resolve().parents[1]
 # torch's own function, taken before any engine exists (vLLM is imported by RolloutEngine only)
@@ -214,6 +214,24 @@ def test_refuses_torchrun_without_process_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="init_process_group"):
         _executor_backend(1)
+
+
+@pytest.mark.parametrize(
+    "tp, per_rank, ranks",
+    # examples/tiny/model: K and V x 3 layers x head_dim 32 x 4 bytes (float32) x the rank's KV heads
+    # (2 KV heads: 2 at TP 1, 1 at TP 2, 1 replicated at TP 4)
+    [
+        (1, 2 * 3 * 2 * 32 * 4, ""),
+        (2, 2 * 3 * 1 * 32 * 4, " on each of the engine's 2 ranks"),
+        (4, 768, " on each of the engine's 4 ranks"),
+    ],
+)
+def test_kv_cache_error_counts_one_ranks_kv_heads(tp, per_rank, ranks):
+    """vLLM's KV cache size (kv_cache_memory_bytes) is per rank and each rank holds its share of the
+    KV heads: the error's bytes a token are one rank's, as `megatron-dppo plan` counts them."""
+    with pytest.raises(ValueError) as e, _named_kv_cache_errors("examples/tiny/model", "float32", 32, 200_000, tp):
+        raise ValueError("No available memory for the cache blocks")
+    assert f"({per_rank} bytes a token{ranks} for this model;" in str(e.value)
 
 
 def test_tensor_parallel_two_ranks(tiny, tmp_path, torchrun):

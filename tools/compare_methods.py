@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_dppo.run.log import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
@@ -353,21 +355,6 @@ def validate_runs(config: str, runs: list[Run]) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Running
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:  # null is how metrics.jsonl writes a value that is not finite (run_log.json_row)
-                    rows.append({k: math.nan if v is None else v for k, v in json.loads(line).items()})
-                except json.JSONDecodeError:  # a line cut by a kill
-                    break
-    return rows
 
 
 def run_is_done(run: Run, max_steps: int) -> bool:

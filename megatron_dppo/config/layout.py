@@ -1,9 +1,13 @@
 """The parallel layout against the model and the world size: what must divide what, one rule for
-trainer, converters and `plan`."""
+trainer, converters and `plan`. The model comes as its facts (model/arch.Arch: heads, layers,
+widths, experts), from its config.json."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_dppo.config.schema import Config
+from megatron_dppo.model.arch import Arch
 
 
 def config_key(name: str, value) -> str:
@@ -11,50 +15,26 @@ def config_key(name: str, value) -> str:
     return f"parallel.{name}={value}"
 
 
-def check_layout(
-    cfg: Config,
-    *,
-    world_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    num_layers: int,
-    ffn_hidden_size: int | None = None,
-    num_experts: int = 0,
-    moe_ffn_hidden_size: int | None = None,
-    cuda: bool = True,
-) -> None:
+def check_layout(cfg: Config, model: Arch, *, world_size: int, cuda: bool = True) -> None:
     """The parallel layout against the world and the model: ValueError naming every key to change.
     Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node);
-    its model rules (model_layout_problems) by the conversion tools and megatron/parallel.py.
-    num_experts / moe_ffn_hidden_size: a mixture-of-experts model's (0 / None for a dense one);
+    its model rules (model_layout_problems) by the conversion tools.
     cuda: NCCL's collectives (False: gloo's, on CPU)."""
     par = cfg.parallel
     tp, rtp = par.tp, par.rollout_tp
-    problems = model_layout_problems(
-        tp=tp,
-        pp=par.pp,
-        ep=par.ep,
-        etp=par.etp,
-        world_size=world_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        num_layers=num_layers,
-        ffn_hidden_size=ffn_hidden_size,
-        num_experts=num_experts,
-        moe_ffn_hidden_size=moe_ffn_hidden_size,
-        cuda=cuda,
-    )
+    problems = model_layout_problems(model, tp=tp, pp=par.pp, ep=par.ep, etp=par.etp, world_size=world_size, cuda=cuda)
+    num_heads, num_kv_heads = model.heads, model.kv_heads
     if par.gpus_per_node % tp:
         problems.append(
             f"parallel.tp={tp} must divide parallel.gpus_per_node={par.gpus_per_node}: a tensor-parallel "
             "group stays inside a node"
         )
-    if num_experts and par.gpus_per_node % par.etp:
+    if model.experts and par.gpus_per_node % par.etp:
         problems.append(
             f"parallel.etp={par.etp} must divide parallel.gpus_per_node={par.gpus_per_node}: an "
             "expert-tensor-parallel group stays inside a node"
         )
-    if num_experts and tp > 1 and not par.sequence_parallel:
+    if model.experts and tp > 1 and not par.sequence_parallel:
         problems.append(
             f"parallel.tp={tp} with a mixture-of-experts model needs parallel.sequence_parallel=true "
             "(Megatron-Core's MoE layer refuses to train under TP without it)"
@@ -67,10 +47,10 @@ def check_layout(
             f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
             f"num_key_value_heads {num_kv_heads}"
         )
-    if ffn_hidden_size is not None and ffn_hidden_size % rtp:
-        problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {ffn_hidden_size}")
-    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % rtp:  # vLLM splits each expert over its TP ranks
-        problems.append(f"parallel.rollout_tp={rtp} must divide moe_intermediate_size {moe_ffn_hidden_size}")
+    if model.ffn % rtp:
+        problems.append(f"parallel.rollout_tp={rtp} must divide intermediate_size {model.ffn}")
+    if model.moe_ffn % rtp:  # vLLM splits each expert over its TP ranks
+        problems.append(f"parallel.rollout_tp={rtp} must divide moe_intermediate_size {model.moe_ffn}")
     if par.gpus_per_node % rtp:
         problems.append(
             f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
@@ -80,19 +60,35 @@ def check_layout(
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
 
+def layout_choices(cfg: Config, arch: Arch) -> dict[str, list[int]]:
+    """The values of parallel.tp, parallel.pp and parallel.rollout_tp (and parallel.ep for a
+    mixture of experts) that check_layout accepts on this cluster (parallel.nodes x parallel.gpus_per_node)
+    and model, each with the others at 1: what `megatron-dppo plan` offers in its refusals."""
+    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
+    knobs = ("tp", "pp", "rollout_tp") + (("ep",) if arch.experts else ())
+    out = {}
+    for knob in knobs:
+        ok = []
+        for value in range(1, world + 1):
+            base = {"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1}
+            par = dataclasses.replace(cfg.parallel, **{**base, knob: value})
+            try:
+                check_layout(dataclasses.replace(cfg, parallel=par), arch, world_size=world)
+            except ValueError:
+                continue
+            ok.append(value)
+        out[knob] = ok
+    return out
+
+
 def model_layout_problems(
+    model: Arch,
     *,
     tp: int,
     pp: int,
     ep: int = 1,
     etp: int = 1,
     world_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    num_layers: int,
-    ffn_hidden_size: int | None = None,
-    num_experts: int = 0,
-    moe_ffn_hidden_size: int | None = None,
     cuda: bool = True,
     show=config_key,
 ) -> list[str]:
@@ -105,6 +101,7 @@ def model_layout_problems(
     all-gathers the tokens of an expert-TP group's ranks in each rank's own count (ranks of different
     data-parallel replicas hold different packs), which NCCL's all_gather does and gloo's refuses
     ("ProcessGroupGloo::allgather: invalid tensor size"): on CPU, etp is 1."""
+    num_heads, num_kv_heads, num_layers, num_experts = model.heads, model.kv_heads, model.layers, model.experts
     problems = []
     if min(tp, pp, ep, etp) < 1:
         return [f"{show('tp', tp)}, {show('pp', pp)}, {show('ep', ep)} and {show('etp', etp)} must be >= 1"]
@@ -114,8 +111,8 @@ def model_layout_problems(
         problems.append(
             f"{show('tp', tp)} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
         )
-    if ffn_hidden_size is not None and ffn_hidden_size % tp:
-        problems.append(f"{show('tp', tp)} must divide intermediate_size {ffn_hidden_size}")
+    if model.ffn % tp:
+        problems.append(f"{show('tp', tp)} must divide intermediate_size {model.ffn}")
     if num_layers % pp:
         problems.append(f"{show('pp', pp)} must divide num_hidden_layers {num_layers}")
     if (ep > 1 or etp > 1) and not num_experts:
@@ -132,8 +129,8 @@ def model_layout_problems(
         )
     if num_experts % ep:
         problems.append(f"{show('ep', ep)} must divide num_experts {num_experts}")
-    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % etp:
-        problems.append(f"{show('etp', etp)} must divide moe_intermediate_size {moe_ffn_hidden_size}")
+    if model.moe_ffn % etp:
+        problems.append(f"{show('etp', etp)} must divide moe_intermediate_size {model.moe_ffn}")
     if etp > 1 and not cuda:
         problems.append(
             f"{show('etp', etp)} cannot run on CPU: Megatron-Core's token dispatcher all-gathers the "

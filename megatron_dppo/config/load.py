@@ -132,13 +132,20 @@ def load_config(path: str | None = None, overrides=(), check: bool = True) -> Co
             _apply(cfg, data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+    apply_overrides(cfg, overrides)
+    return validate(cfg) if check else cfg
+
+
+def apply_overrides(cfg: Config, overrides) -> Config:
+    """cfg (changed in place) with dotted section.key=value overrides applied, each value parsed
+    and checked as the YAML file's would be; not validated as a whole (load_config does that)."""
     for text in overrides:
         key, value = parse_override(text)
         nested: dict = value
         for part in reversed(_override_path(cfg, key)):
             nested = {part: nested}
         _apply(cfg, nested)
-    return validate(cfg) if check else cfg
+    return cfg
 
 
 def to_dict(cfg: Config) -> dict:

@@ -5,43 +5,30 @@ from __future__ import annotations
 
 from megatron_dppo.config.layout import check_layout
 from megatron_dppo.config.schema import Config, ParallelConfig
+from megatron_dppo.model.arch import Arch
 
 
 def resolve(
     cfg: Config,
+    model: Arch,
     *,
     world_size: int,
     local_world_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    num_layers: int,
-    ffn_hidden_size: int,
     num_train_records: int,
     cuda: bool,
     threads: int,
-    num_experts: int = 0,
-    moe_ffn_hidden_size: int | None = None,
     te: bool = False,
     wgrad_kernel: bool | None = None,
 ) -> Config:
     """Fill in every value that depends on the model, the machine or the data, in one place, before
     the config is saved or read by anything else: after this no key is None or means "decide later".
+    model: the model's facts (model/arch.Arch.from_hf_config of its config.json).
     The cluster shape is the launch's (torchrun's world and processes per node), not the config's.
     te: the model runs on the Transformer Engine path (megatron/attention_backend.py's choice);
     wgrad_kernel: APEX's fused wgrad extension imports (None: look; resolve_gpu_settings)."""
     cfg.parallel.gpus_per_node = local_world_size
     cfg.parallel.nodes = max(world_size // local_world_size, 1)
-    check_layout(
-        cfg,
-        world_size=world_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        num_layers=num_layers,
-        ffn_hidden_size=ffn_hidden_size,
-        num_experts=num_experts,
-        moe_ffn_hidden_size=moe_ffn_hidden_size,
-        cuda=cuda,
-    )
+    check_layout(cfg, model, world_size=world_size, cuda=cuda)
     if cfg.data.train_size == 0 or cfg.data.train_size > num_train_records:
         cfg.data.train_size = num_train_records
     if cfg.rollout.dtype is None:
@@ -51,7 +38,7 @@ def resolve(
     if cfg.parallel.distributed_optimizer is None:  # shards Adam state over DP; pointless on CPU
         cfg.parallel.distributed_optimizer = cuda
     resolve_gpu_settings(
-        cfg.parallel, cuda=cuda, te=te, moe=num_experts > 0, world_size=world_size, wgrad_kernel=wgrad_kernel
+        cfg.parallel, cuda=cuda, te=te, moe=model.experts > 0, world_size=world_size, wgrad_kernel=wgrad_kernel
     )
     if cfg.optim.decay_steps == 0:
         t = cfg.trainer

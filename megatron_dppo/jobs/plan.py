@@ -36,11 +36,13 @@ config.check_layout with world = nodes x gpus_per_node), so `plan` accepts what 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
 from pathlib import Path
 
+from megatron_dppo.config import apply_overrides, check_layout, layout_choices, load_config, resolve_gpu_settings
 from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.vocab import padded_vocab_size
 
@@ -218,51 +220,13 @@ def load_hf_config(hf_dir: str) -> dict:
     raise ValueError(f"config key 'model.hf_dir': {hf_dir!r} has no config.json (the plan needs only that file)")
 
 
-def trainer_layout_check(cfg, arch: Arch, world: int) -> None:
-    """config.check_layout, called with the model numbers the trainer passes it."""
-    from megatron_dppo.config import check_layout as trainer_check
-
-    trainer_check(
-        cfg,
-        world_size=world,
-        num_heads=arch.heads,
-        num_kv_heads=arch.kv_heads,
-        num_layers=arch.layers,
-        ffn_hidden_size=arch.ffn,
-        num_experts=arch.experts,
-        moe_ffn_hidden_size=arch.moe_ffn or None,
-    )
-
-
-def layout_choices(cfg, arch: Arch) -> dict[str, list[int]]:
-    """The values of parallel.tp, parallel.pp and parallel.rollout_tp (and parallel.ep for a
-    mixture of experts) that the trainer's layout check (config.check_layout) accepts on this
-    cluster and model, each with the others at 1. What the plan offers is filtered through the
-    same check, so it cannot offer a value the trainer refuses."""
-    world = cfg.parallel.nodes * cfg.parallel.gpus_per_node
-    knobs = ("tp", "pp", "rollout_tp") + (("ep",) if arch.experts else ())
-    out = {}
-    for knob in knobs:
-        ok = []
-        for value in range(1, world + 1):
-            base = {"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1}
-            par = dataclasses.replace(cfg.parallel, **{**base, knob: value})
-            try:
-                trainer_layout_check(dataclasses.replace(cfg, parallel=par), arch, world)
-            except ValueError:
-                continue
-            ok.append(value)
-        out[knob] = ok
-    return out
-
-
-def check_layout(cfg, arch: Arch) -> None:
+def check_plan_layout(cfg, arch: Arch) -> None:
     """The trainer's layout rules (config.check_layout, the world being parallel.nodes x
     parallel.gpus_per_node) with the values that would pass; ValueError naming the fields."""
     par = cfg.parallel
     world = par.nodes * par.gpus_per_node
     try:
-        trainer_layout_check(cfg, arch, world)
+        check_layout(cfg, arch, world_size=world)
     except ValueError as e:
         choices = layout_choices(cfg, arch)
         hints = "; ".join(f"parallel.{k} among {v}" for k, v in choices.items() if getattr(par, k) not in v)
@@ -339,7 +303,7 @@ def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
     rbytes = _dtype_bytes(roll.dtype or cfg.model.dtype)
     engines = world // par.rollout_tp
     vllm_weights = arch.hf_params() * rbytes / par.rollout_tp
-    kv_per_token = 2 * arch.layers * max(1, arch.kv_heads // par.rollout_tp) * arch.head_dim * rbytes
+    kv_per_token = arch.kv_bytes_per_token(rbytes, par.rollout_tp)
     kv_cache = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB - vllm_weights - VLLM_RUNTIME
     return dict(
         weights=vllm_weights,
@@ -359,8 +323,6 @@ def gpu_settings(par, arch: Arch, world: int) -> dict:
     (config.resolve_gpu_settings; the plan models the fused GPU path). Their memory is in the
     rows already: DDP's buckets are views into the fp32 gradient buffer ('gradients'), and the
     wgrad temporaries that gradient_accumulation_fusion saves are left to the fragmentation term."""
-    from megatron_dppo.config import resolve_gpu_settings
-
     resolved = dataclasses.replace(par, recompute_modules=par.recompute_modules and list(par.recompute_modules))
     resolve_gpu_settings(resolved, cuda=True, te=True, moe=arch.experts > 0, world_size=world, wgrad_kernel=True)
     keys = ("overlap_grad_reduce", "ddp_bucket_size", "overlap_param_gather", "gradient_accumulation_fusion")
@@ -376,7 +338,7 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
     divide."""
     par = cfg.parallel
     arch, raw = _model_arch(cfg.model.hf_dir)
-    check_layout(cfg, arch)
+    check_plan_layout(cfg, arch)
     world = par.nodes * par.gpus_per_node
     tp, pp = par.tp, par.pp
     lay = dict(
@@ -495,15 +457,8 @@ def _candidates(cfg, plan) -> list[str]:
 
 
 def _with(cfg, overrides: str):
-    """A copy of cfg with space-separated section.key=value overrides applied."""
-    for override in overrides.split():
-        key, value = override.split("=")
-        section, name = key.split(".")
-        value = {"true": True, "false": False}.get(value, value)
-        old = getattr(getattr(cfg, section), name)
-        value = type(old)(value) if old is not None and not isinstance(value, bool) else value
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
-    return cfg
+    """A copy of cfg with space-separated section.key=value overrides applied (config.load's parser)."""
+    return apply_overrides(copy.deepcopy(cfg), overrides.split())
 
 
 def _peak(p) -> float:
@@ -665,8 +620,6 @@ def format_plan(plan: dict) -> str:
 def plan_main(argv=None) -> int:
     """`megatron-dppo plan --config FILE [section.key=value ...]`: 0 fits, 1 does not fit,
     2 bad config or a layout that does not divide."""
-    from megatron_dppo.config import load_config
-
     parser = argparse.ArgumentParser(prog="megatron-dppo plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")

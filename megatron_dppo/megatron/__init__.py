@@ -1,7 +1,7 @@
 """Everything that touches Megatron-Core lives in this package (and only here).
 
 cpu_compat  the CUDA-to-CPU shim (active only without CUDA)
-parallel    torch.distributed + Megatron parallel state, layout validation
+parallel    torch.distributed + Megatron parallel state (the layout rules: config/layout.py)
 model       Qwen3 GPTModel from a transformers config (TE spec or local spec)
 attention   packed (THD) causal attention for the local spec
 logprobs    vocab-parallel per-token log-probs and entropy
@@ -14,7 +14,6 @@ from megatron_dppo.megatron.parallel import (
     data_parallel_rank_and_size,
     destroy_parallel,
     initialize_parallel,
-    validate_layout,
 )
 from megatron_dppo.model.vocab import padded_vocab_size
 
@@ -28,5 +27,4 @@ __all__ = [
     "data_parallel_rank_and_size",
     "destroy_parallel",
     "initialize_parallel",
-    "validate_layout",
 ]

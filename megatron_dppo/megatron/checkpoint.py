@@ -1,44 +1,33 @@
-"""Resumable checkpoints: Megatron dist checkpoints, written atomically, checked, loaded at any TP/PP.
+"""Resumable checkpoints: Megatron dist checkpoints (torch_dist), written atomically, checked
+before use, loadable at any TP/PP.
 
-Layout of <root>/:
-    step_000012/            one complete checkpoint
-        model_optim/        megatron.core.dist_checkpointing (torch_dist): model + optimizer
-        trainer_state.json  step, scheduler, data order, run_id, anything JSON the trainer adds
-        history.json        the prompt-history store
-        rng/rank_<r>.safetensors   per-rank torch RNG states
-        manifest.json       every file above with its size, written last
-    latest                  text: name of the newest complete checkpoint
+    <root>/step_000012/         one complete checkpoint
+        model_optim/            megatron.core.dist_checkpointing: model + optimizer shards
+        trainer_state.json      step, scheduler, data order, run_id, world_size, what the trainer adds
+        history.json            the prompt-history store
+        rng/rank_<r>.safetensors  each rank's torch RNG state
+        manifest.json           every file above with its size, written last
+    <root>/latest               the name of the newest complete checkpoint
 
-Atomicity: everything is written under .tmp-step_000012/; only when every rank has finished
-does rank 0 list the files into manifest.json, rename the dir to step_000012/ and then replace
-`latest` (write + os.replace). A save killed at any point leaves `latest` naming the previous
-complete checkpoint.
+Save: everything goes under .tmp-step_000012/; when every rank is done, rank 0 writes the
+manifest, renames the dir into place, then replaces `latest`, so a save killed at any point
+leaves `latest` naming a complete checkpoint. The shard files are written by threads of the
+saving process (_InProcessTorchDistSave), not by the writer processes Megatron-Core forks: a
+child forked from the multi-threaded trainer can block on a lock held at fork time, and forked
+writers outlive a killed trainer. A full disk is one OSError naming the path.
 
-Checking (check_checkpoint, run by load_checkpoint before anything is read): every file of the
-manifest must exist with its recorded size, the DCP `.metadata` must unpickle, every shard must
-hold the bytes `.metadata` says it does, and common.pt must load. A failure is a one-line
-CheckpointError naming the file and what was expected: a checkpoint without one of its files
-(history.json, an RNG file) is an error, never a resume that silently differs. Converted
-checkpoints (tools/convert_hf_to_megatron.py) and checkpoints of older versions have no
-manifest; they get the other checks.
+Keep: pruning (keep_last) deletes only checkpoints that carry this run's run_id (new_run_id for
+a new run, the loaded checkpoint's for a resumed one) at or below the step just saved, ordered
+by step number, so another run's checkpoints in the same dir are never deleted or outranked.
 
-Writer processes: the files of a torch_dist save are written by threads of the saving process
-(_InProcessTorchDistSave), not by the writer processes Megatron-Core 0.16.1 forks from the
-multi-threaded trainer (with a Manager server process to collect their results): a forked child
-can block forever on a lock another thread held at fork() time, and neither the writers nor the
-Manager die with a SIGKILLed trainer. File writes release the GIL, so the writes still overlap,
-and nothing outlives the trainer. The writer keeps a failed write's exception (megatron-core
->= 0.17's threaded writer keeps only its type), so save_checkpoint names a full disk as one.
+Check (check_checkpoint, before anything is loaded): every manifest file with its size, the DCP
+`.metadata`, every shard's bytes, the common state. A failure is one CheckpointError naming the
+file and what was expected: a resume never silently differs. A checkpoint without a manifest
+(tools/convert_hf_to_megatron.py writes none) gets the other checks.
 
-Pruning (keep_last) orders checkpoints by step number, not name, and deletes only checkpoints
-of this run (the run_id in trainer_state.json: a fresh id for a new run, the loaded
-checkpoint's for a resumed one) at or below the step just saved: a leftover higher step of an
-older run in the same dir neither outranks nor deletes the new run's checkpoints.
-
-Loading never runs pickled code: tensors come from torch_dist shards and safetensors, the
-common state through torch.load(weights_only=True) (the torch default Megatron relies on), and
-DCP's pickled `.metadata` through a restricted unpickler that only admits the checkpoint
-metadata classes (see _restricted_metadata_pickle).
+Load runs no pickled code: tensors come from torch_dist shards and safetensors, the common state
+through torch.load(weights_only=True), `.metadata` through megatron/dcp_metadata.py's restricted
+unpickler.
 """
 
 from __future__ import annotations
@@ -62,8 +51,6 @@ from functools import partial
 
 import megatron.core
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -71,10 +58,15 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_dppo.megatron.dcp_metadata import (
+    MetadataUnpickler,
+    install_restricted_metadata_unpickler,
+    read_dcp_metadata,
+)
 from megatron_dppo.megatron.sharded_state import fit_to_checkpoint  # TE's _extra_state vs local-spec checkpoints
+from megatron_dppo.run.collectives import barrier, world
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -92,46 +84,6 @@ _WHAT = {
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what was expected."""
-
-
-# ---- safe metadata unpickling -------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    _ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-        ("torch.serialization", "_get_layout"),
-        ("torch", "strided"),
-    }
-
-    def find_class(self, module, name):
-        if module.startswith(self._ALLOWED_PREFIXES) or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not a checkpoint metadata type: "
-            "refusing to load it (it could run code)"
-        )
-
-
-class _restricted_metadata_pickle:
-    """Stands in for the `pickle` module inside torch.distributed.checkpoint.filesystem, whose
-    read_metadata() would otherwise unpickle `.metadata` without restriction."""
-
-    dump = staticmethod(pickle.dump)
-    dumps = staticmethod(pickle.dumps)
-    HIGHEST_PROTOCOL = pickle.HIGHEST_PROTOCOL
-
-    @staticmethod
-    def load(f, **kwargs):
-        return _MetadataUnpickler(f).load()
-
-
-dcp_filesystem.pickle = _restricted_metadata_pickle
 
 
 # ---- paths ----------------------------------------------------------------------------------
@@ -198,30 +150,16 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _sharded_state(policy, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
     return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
 # ---- run identity (pruning touches only this run's checkpoints) -----------------------------
-_run_ids: dict[str, str] = {}  # realpath(root) -> run_id of the run saving there from this process
-
-
-def _run_id(root: str) -> str:
-    return _run_ids.setdefault(os.path.realpath(root), uuid.uuid4().hex[:12])
+def new_run_id() -> str:
+    """The id a new run's checkpoints carry (trainer_state.json's run_id); a resumed run keeps the
+    loaded checkpoint's (load_checkpoint's state["run_id"])."""
+    return uuid.uuid4().hex[:12]
 
 
 def _read_run_id(step_dir: str) -> str | None:
@@ -259,7 +197,8 @@ def _write_buckets_in_threads(transforms, rank, write_buckets, results_queue) ->
 
 
 class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-    """torch_dist saving whose shard files are written by threads of this process (module docstring)."""
+    """torch_dist saving whose shard files are written by threads of this process (module docstring);
+    a failed write keeps its exception, so a full disk is named as one."""
 
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret, *args, **kwargs):
         # megatron-core 0.17 added an `async_strategy` argument: pass whatever the caller gave.
@@ -311,23 +250,32 @@ def save_sharded(sharded_state: dict, directory: str) -> None:
 
 # ---- save ---------------------------------------------------------------------------------------
 def save_checkpoint(
-    root: str, step: int, policy, trainer_state: dict, history=None, keep_last: int = 2, extra_files: dict | None = None
+    root: str,
+    step: int,
+    policy,
+    trainer_state: dict,
+    history=None,
+    keep_last: int = 2,
+    extra_files: dict | None = None,
+    *,
+    run_id: str,
 ) -> str:
-    """Collective. Writes <root>/step_<step> atomically and points `latest` at it.
+    """Collective. Writes <root>/step_<step> atomically and points `latest` at it. run_id: the
+    run's (new_run_id, or the resumed checkpoint's): pruning deletes only checkpoints that carry it.
     extra_files {name in the checkpoint: source path} are copied in by rank 0 (e.g. the HF
     config, so that the checkpoint converts back to HF on its own). A full disk is an OSError
     (ENOSPC) naming the path, whichever writer thread or DCP wrapper it surfaced through; the
     partial save is removed (rank 0) so that the disk is not left full."""
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     try:
-        return _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files)
+        return _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files, run_id)
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
         full = _disk_full_error(e)
         if full is None and isinstance(e, CheckpointException):
             raise _save_error(e, tmp) from None
         if full is None:
             raise
-        if _rank() == 0:
+        if world()[0] == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise OSError(
             errno.ENOSPC,
@@ -376,27 +324,28 @@ def _first_sentence(e: BaseException, limit: int = 300) -> str:
     return " ".join(str(e).split()).split(". ")[0][:limit]
 
 
-def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files) -> str:
+def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extra_files, run_id) -> str:
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
-    if _rank() == 0:
+    rank, world_size = world()
+    if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(os.path.join(tmp, MODEL_DIR))
         os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
+    barrier()
     save_sharded(_sharded_state(policy, is_loading=False), os.path.join(tmp, MODEL_DIR))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().cpu()
-    save_file(rng, os.path.join(tmp, "rng", f"rank_{_rank()}.safetensors"))
-    if _rank() == 0:
+    save_file(rng, os.path.join(tmp, "rng", f"rank_{rank}.safetensors"))
+    if rank == 0:
         state = dict(
             trainer_state,
             step=step,
             scheduler=policy.scheduler.state_dict(),
-            run_id=_run_id(root),
-            world_size=_world_size(),
+            run_id=run_id,
+            world_size=world_size,
             manifest=MANIFEST,
         )
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
@@ -405,15 +354,15 @@ def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extr
             history.save(os.path.join(tmp, "history.json"))
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, os.path.join(tmp, name))
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if rank == 0:
         _write_manifest(tmp)
         if os.path.exists(final):  # re-saving the same step (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_text_atomic(os.path.join(root, LATEST), step_dir_name(step) + "\n")
-        _prune_old(root, keep_last, step, _run_id(root))
-    _barrier()
+        _prune_old(root, keep_last, step, run_id)
+    barrier()
     return final
 
 
@@ -509,7 +458,7 @@ def _check_dist_files(model_dir: str) -> None:
         raise CheckpointError(f"{meta_path} is missing (the index of the tensor shards)")
     try:
         with open(meta_path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata = MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
         if "refusing to load it" in str(e):
             raise
@@ -609,7 +558,7 @@ def _check_global_shapes(sharded: dict, model_dir: str) -> None:
     """Every tensor the model asks for has the checkpoint's global shape (the checkpoint of another
     model fails here, naming a tensor and both shapes, before anything is read). Tensors that may
     differ (Megatron's padded vocabulary at another TP) are left to the load."""
-    saved = FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(model_dir).state_dict_metadata
     diffs = []
     for t in nested_values(sharded):
         if not isinstance(t, ShardedTensor) or getattr(t, "allow_shape_mismatch", False):
@@ -652,7 +601,7 @@ def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
 def _find_unreadable_item(model_dir: str):
     """(shard path, key, byte offset) of the first tensor item that torch.load cannot read, or None.
     Reads every tensor item once: only after a load failed on unreadable data."""
-    metadata = FileSystemReader(model_dir).read_metadata()
+    metadata = read_dcp_metadata(model_dir)
     items = sorted((info.relative_path, info.offset, info.length, index.fqn) for index, info in _tensor_items(metadata))
     for rel, offset, length, fqn in items:
         shard = os.path.join(model_dir, rel)
@@ -669,10 +618,11 @@ def _find_unreadable_item(model_dir: str):
 def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     """Collective. Checks the checkpoint (check_checkpoint), loads model (+ optimizer,
     scheduler) into `policy`, whatever TP/PP it was saved at; returns the trainer state (with
-    'history_path' when one was saved). Later saves under the same root continue its run_id."""
+    'history_path' when one was saved, and the 'run_id' a resumed run saves under: the checkpoint's,
+    or a new one for a checkpoint without (a converted one))."""
+    install_restricted_metadata_unpickler()  # dist_checkpointing.load reads `.metadata` through it
     state = check_checkpoint(path)
-    if state.get("run_id"):
-        _run_ids[os.path.realpath(os.path.dirname(os.path.abspath(path)))] = state["run_id"]
+    state["run_id"] = state.get("run_id") or new_run_id()
     # A converted checkpoint (tools/convert_hf_to_megatron.py) holds only the model: start the
     # optimizer and scheduler fresh.
     load_optimizer = load_optimizer and not state.get("model_only", False)
@@ -698,7 +648,8 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         policy.scheduler.load_state_dict(state["scheduler"])
     else:
         policy.optimizer.reload_model_params()
-    rng_path = os.path.join(path, "rng", f"rank_{_rank()}.safetensors")
+    rank = world()[0]
+    rng_path = os.path.join(path, "rng", f"rank_{rank}.safetensors")
     saved_world = state.get("world_size")
     if os.path.exists(rng_path):
         try:
@@ -708,10 +659,10 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    elif saved_world is not None and _rank() < saved_world:  # (a larger world has ranks with none)
+    elif saved_world is not None and rank < saved_world:  # (a larger world has ranks with none)
         raise CheckpointError(
             f"{rng_path} is missing (the RNG state): the checkpoint was saved by "
-            f"{saved_world} ranks, so rank {_rank()} wrote one"
+            f"{saved_world} ranks, so rank {rank} wrote one"
         )
     history = os.path.join(path, "history.json")
     if os.path.exists(history):

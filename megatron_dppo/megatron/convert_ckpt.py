@@ -45,19 +45,18 @@ import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_dppo.config import model_layout_problems
-from megatron_dppo.megatron.checkpoint import (  # also installs the safe metadata unpickler
-    check_checkpoint,
-    latest_checkpoint,
-)
+from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint
+from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.model import qwen3
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.hf_io import (
     HFCheckpoint,
     SafetensorsShardWriter,
@@ -151,8 +150,7 @@ def _tp_chunks(name: str, st: ShardedTensor, tp: int):
     Experts are one chunk each already (at any EP) and split over expert-TP, here 1."""
     p = st.prepend_axis_num
     off, size = list(st.global_offset), [1] * p + list(st.local_shape)
-    if qwen3.expert_index(name) is not None:
-        tp = 1
+    tp = qwen3.split_group(name, tp, etp_size=1)[1]
     axis = {"vocab": 0, "column": 0, "fc1": 0, "row": 1}.get(qwen3.tp_split_kind(name))
     if axis is None or tp == 1:
         return [(off, size)]
@@ -198,7 +196,7 @@ class _Writer(FileSystemWriter):
       closed, so per-file grouping keeps that to one layer (one file per rank kept the embedding
       chunk, one chunk per layer key and the output layer alive to the end);
     - .metadata records the path as a str, as Megatron's writer does: the trainer's restricted
-      metadata unpickler (checkpoint.py) rejects the pathlib.Path torch puts there.
+      metadata unpickler (megatron/dcp_metadata.py) rejects the pathlib.Path torch puts there.
     write_data mirrors FileSystemWriter.write_data of torch 2.13 (it uses the private
     _write_data, which takes the same (path, file name, items) queue)."""
 
@@ -228,22 +226,14 @@ def check_layout_flags(tp: int, pp: int, ep: int = 1) -> None:
             raise ValueError(f"{flag} {value}: expected a positive integer (a parallel size)")
 
 
-def check_model_layout(config_path: str, layout: qwen3.Qwen3Layout, tp: int, pp: int, ep: int = 1) -> None:
+def check_model_layout(config_path: str, model: Arch, tp: int, pp: int, ep: int = 1) -> None:
     """The model against --tp / --pp / --ep: one ValueError naming the file, the flags and every
     count that does not divide (the trainer's rules, config.model_layout_problems, on the
     smallest world that holds the layout)."""
     check_layout_flags(tp, pp, ep)
+    world = pp * math.lcm(tp, ep)
     problems = model_layout_problems(
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        world_size=pp * math.lcm(tp, ep),
-        num_heads=layout.num_heads,
-        num_kv_heads=layout.num_kv_heads,
-        num_layers=layout.num_layers,
-        ffn_hidden_size=layout.intermediate,
-        num_experts=layout.num_experts,
-        show=lambda flag, value: f"--{flag} {value}",
+        model, tp=tp, pp=pp, ep=ep, world_size=world, show=lambda flag, value: f"--{flag} {value}"
     )
     if problems:
         raise ValueError(f"{config_path}: --tp {tp} --pp {pp} --ep {ep} do not fit the model: " + "; ".join(problems))
@@ -257,7 +247,7 @@ def check_hf_source(hf_dir: str, tp: int, pp: int, ep: int = 1):
     hf = HFCheckpoint(hf_dir)
     hf_config, _ = qwen3.read_model_config(hf.config_path)
     layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
-    check_model_layout(hf.config_path, layout, tp, pp, ep)
+    check_model_layout(hf.config_path, Arch.from_hf_config(hf_config), tp, pp, ep)
     hf.check_has(qwen3.hf_tensor_names(layout))
     return hf, hf_config, layout
 
@@ -425,7 +415,7 @@ def megatron_to_hf_checkpoint(
     config_path = os.path.join(ckpt, HF_CONFIG)
     hf_config, _ = qwen3.read_model_config(config_path)
     check_checkpoint(ckpt)  # the trainer's check: every file there, whole (one line naming the file)
-    md = FileSystemReader(model_dir).read_metadata()
+    md = read_dcp_metadata(model_dir)
     layers = _checkpoint_layers(md.state_dict_metadata)
     if EMBEDDING not in md.state_dict_metadata or layers is None:
         raise ValueError(f"{model_dir} holds no Megatron GPT model ({EMBEDDING} or {_LAYER_KEY} is missing)")

@@ -33,7 +33,8 @@ from megatron.core import parallel_state
 
 from megatron_dppo.megatron.model import current_device
 from megatron_dppo.model import qwen3 as mapping
-from megatron_dppo.model.hf_dir import HFModelDir, HFModelDirError, _fail, check_hf_model_dir
+from megatron_dppo.model.hf_dir import HFModelDirError, _fail, check_hf_model_dir
+from megatron_dppo.model.hf_io import HFCheckpoint
 
 
 # ---- positioned reads of slices -----------------------------------------------------------------
@@ -42,7 +43,7 @@ class SliceReader:
     Full-width rows are one contiguous read; a column slice is one read per row (only the needed
     bytes). Keeps its files open until close()."""
 
-    def __init__(self, model_dir: HFModelDir):
+    def __init__(self, model_dir: HFCheckpoint):
         self.model_dir = model_dir
         self._fds = {}
         self.bytes_read = 0
@@ -130,7 +131,7 @@ def local_megatron_tensor(
 
 
 # ---- loading into models ---------------------------------------------------------------------------
-def _check_same_model(model_dir: HFModelDir, layout: mapping.Qwen3Layout) -> None:
+def _check_same_model(model_dir: HFCheckpoint, layout: mapping.Qwen3Layout) -> None:
     theirs = model_dir.layout
     fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab", "tied")
     fields += ("num_experts", "moe_intermediate", "moe_layers")
@@ -170,7 +171,7 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
     """Copy this rank's slices of the HF checkpoint into each of `models` (GPTModels of the same
     stage, TP and EP rank, e.g. the policy and its reference). Not collective. Returns stats
     (tensors loaded, bytes read, the HF tensors read)."""
-    model_dir = hf_dir if isinstance(hf_dir, HFModelDir) else check_hf_model_dir(hf_dir)
+    model_dir = hf_dir if isinstance(hf_dir, HFCheckpoint) else check_hf_model_dir(hf_dir)
     _check_same_model(model_dir, layout)
     tp_rank, tp_size, pp_rank, pp_size = rank_layout()
     ep_rank, ep_size, etp_rank, etp_size = expert_rank_layout()
@@ -193,10 +194,8 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
                     ep_size=ep_size,
                     num_experts=layout.num_experts,
                 )
-                expert = mapping.expert_index(name) is not None  # split over expert-TP, not TP
-                t = local_megatron_tensor(
-                    reader, layout, name, etp_rank if expert else tp_rank, etp_size if expert else tp_size
-                )
+                rank, size = mapping.split_group(name, tp_size, etp_size, tp_rank, etp_rank)
+                t = local_megatron_tensor(reader, layout, name, rank, size)
                 if t.shape != params[0][local].shape:
                     have = list(params[0][local].shape)
                     raise ValueError(
@@ -212,7 +211,7 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
 
 
 def load_hf_into_policy(policy, hf_dir, into_reference: bool = True) -> dict:
-    """Load the HF checkpoint in hf_dir (a path or a checked HFModelDir) into this rank's shard
+    """Load the HF checkpoint in hf_dir (a path or a checked HFCheckpoint) into this rank's shard
     of policy (and of its KL reference, when it has one and into_reference). Each rank reads
     only its stage's tensors and its TP slice of each. Collective only in that every rank learns
     whether any rank failed (then all raise, instead of the others hanging in the next step)."""

@@ -1,4 +1,5 @@
-"""Process groups: torch.distributed + Megatron-Core parallel state, and layout validation."""
+"""Process groups: torch.distributed + Megatron-Core parallel state (what must divide what is
+config/layout.py's, checked before anything is built)."""
 
 import os
 from datetime import timedelta
@@ -7,33 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_dppo.config import model_layout_problems
 from megatron_dppo.megatron.cpu_compat import enable_cpu_compat
-
-
-def validate_layout(
-    world_size: int,
-    tp: int,
-    pp: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    num_layers: int,
-) -> int:
-    """Check that a TP x PP layout fits the world and the model (config.model_layout_problems, the
-    trainer's rules); returns the DP size. Raises ValueError naming what to change."""
-    problems = model_layout_problems(
-        tp=tp,
-        pp=pp,
-        world_size=world_size,
-        num_heads=num_attention_heads,
-        num_kv_heads=num_query_groups,
-        num_layers=num_layers,
-        show=lambda name, value: f"{name}={value}",
-    )
-    if problems:
-        raise ValueError("invalid parallel layout: " + "; ".join(problems))
-    return world_size // (tp * pp)
-
 
 DEFAULT_TIMEOUT_MINUTES = 60.0  # parallel.timeout_minutes
 

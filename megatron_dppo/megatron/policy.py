@@ -101,7 +101,7 @@ def _experts_apart(model) -> None:
     are then reduced over the expert-data-parallel group, which at EP=1 (and expert-TP 1) is the
     dense data-parallel group times TP: the ranks whose tokens reach a replica of the expert."""
     for name, p in model.named_parameters():
-        if mapping.expert_index(name) is not None:
+        if mapping.is_expert(name):
             p.allreduce = False
 
 

@@ -25,16 +25,15 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensor,
     ShardedTensorFactory,
 )
-from torch.distributed.checkpoint import FileSystemReader
+
+from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 
 EXTRA_STATE = "_extra_state"
 
 
 def checkpoint_keys(model_dir: str) -> set[str]:
     """The keys a torch_dist checkpoint holds: ShardedTensor keys and ShardedObject unique keys."""
-    import megatron_dppo.megatron.checkpoint  # noqa: F401  (installs the restricted .metadata unpickler)
-
-    return set(FileSystemReader(model_dir).read_metadata().state_dict_metadata)
+    return set(read_dcp_metadata(model_dir).state_dict_metadata)
 
 
 def _requested_key(item) -> str | None:

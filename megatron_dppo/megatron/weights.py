@@ -63,10 +63,6 @@ class _Ranks:
         )
 
 
-def _is_expert(name: str) -> bool:
-    return mapping.expert_index(name) is not None
-
-
 def _merged_shape(name: str, shape, split_size: int) -> tuple:
     """The full shape of a tensor split split_size ways (TP, or expert-TP for an expert)."""
     kind = mapping.tp_split_kind(name)
@@ -153,9 +149,9 @@ def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
 def _produced(local: str, t: torch.Tensor, ranks: _Ranks, layout) -> list:
     """(global name, full shape, dtype) of what this rank's stage makes of one local tensor: one
     entry, or for an expert one per EP rank (every EP rank holds the same local names)."""
-    if not _is_expert(local):
-        return [(ranks.global_name(local, layout), _merged_shape(local, t.shape, ranks.tp_size), t.dtype)]
-    shape = _merged_shape(local, t.shape, ranks.etp_size)
+    shape = _merged_shape(local, t.shape, mapping.split_group(local, ranks.tp_size, ranks.etp_size)[1])
+    if not mapping.is_expert(local):
+        return [(ranks.global_name(local, layout), shape, t.dtype)]
     return [(ranks.global_name(local, layout, ep_rank=r), shape, t.dtype) for r in range(ranks.ep_size)]
 
 
@@ -222,7 +218,7 @@ def _stage_unit(names: list, tensors: dict, ranks: _Ranks, layout) -> dict:
     ranks all hold the same local names: they iterate them in the same (sorted) order."""
     out, experts = {}, {}
     for local in sorted(names):
-        if _is_expert(local):  # grouped by layer and linear: local expert 0's name is the key
+        if mapping.is_expert(local):  # grouped by layer and linear: local expert 0's name is the key
             experts.setdefault(mapping.with_expert_index(local, 0), []).append(local)
             continue
         group = parallel_state.get_tensor_model_parallel_group()

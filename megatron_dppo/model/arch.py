@@ -26,17 +26,23 @@ class Arch:
 
     @classmethod
     def from_hf(cls, c: dict) -> Arch:
-        """The numbers of config.json `c`, after the trainer's own check of it
-        (model/qwen3.layout_from_hf_config, on the same transformers config the trainer
-        builds): a model `train` refuses is a ValueError here too, naming the field."""
+        """The numbers of config.json `c` (a dict), after the trainer's own check of it
+        (from_hf_config): a model `train` refuses is a ValueError here too, naming the field."""
         from transformers import CONFIG_MAPPING
-
-        from megatron_dppo.model import qwen3
 
         model_type = c.get("model_type", "qwen3")
         if model_type not in CONFIG_MAPPING:
             raise ValueError(f"config.json model_type={model_type!r}: not a model type transformers knows")
-        hf = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
+        return cls.from_hf_config(
+            CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
+        )
+
+    @classmethod
+    def from_hf_config(cls, hf) -> Arch:
+        """The numbers of a transformers config, after model/qwen3.layout_from_hf_config's check
+        (the one the trainer and the converters make): ValueError naming the field."""
+        from megatron_dppo.model import qwen3
+
         lay = qwen3.layout_from_hf_config(hf)
         return cls(
             vocab=lay.vocab,
@@ -61,10 +67,18 @@ class Arch:
         layer's fc1 [gate; up], fc2) are split over TP; the two RMSNorms (hidden), q/k-norms
         (head_dim) and an MoE layer's router (experts x hidden) are replicated."""
         h, d = self.hidden, self.head_dim
-        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         if sparse:
-            return attn // tp + 2 * h + 2 * d + self.experts * h
-        return (attn + 3 * h * self.ffn) // tp + 2 * h + 2 * d
+            return self.attention_params() // tp + 2 * h + 2 * d + self.experts * h
+        return (self.attention_params() + self.dense_mlp_params()) // tp + 2 * h + 2 * d
+
+    def attention_params(self) -> int:
+        """One layer's attention matmul weights, whole: QKV (heads + 2 KV heads) and the out-proj."""
+        h, d = self.hidden, self.head_dim
+        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+
+    def dense_mlp_params(self) -> int:
+        """One dense layer's SwiGLU weights, whole: fc1 [gate; up] and fc2."""
+        return 3 * self.hidden * self.ffn
 
     def expert_params(self, ep: int = 1, etp: int = 1) -> int:
         """One sparse layer's experts on one rank: num_experts / ep SwiGLU experts split over etp."""
@@ -82,3 +96,10 @@ class Arch:
         """Parameters a token passes through (top-k of the experts): the 'A3B' of Qwen3-30B-A3B."""
         inactive = sum(self.is_sparse(i) for i in range(self.layers)) * (self.experts - self.experts_per_tok)
         return self.hf_params() - inactive * 3 * self.hidden * self.moe_ffn
+
+    def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
+        """KV-cache bytes one token takes on one rank of a vLLM engine of TP `tp`: K and V of every
+        layer for the rank's KV heads. vLLM splits the KV heads over its TP ranks and, where tp
+        exceeds them, gives each rank one replicated head (its get_num_kv_heads); the cache size
+        it is given (kv_cache_memory_bytes, gpu_memory_utilization) is per rank."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes

@@ -10,15 +10,11 @@ file (and tensor). It never contacts the Hugging Face hub.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import struct
-
-import torch
 
 from megatron_dppo.model import qwen3 as mapping
-from megatron_dppo.model.hf_io import _DTYPE_NAMES, INDEX, SINGLE, HFCheckpoint
+from megatron_dppo.model.hf_io import INDEX, SINGLE, HFCheckpoint
 
 # Files one of which a Hugging Face tokenizer is built from (fast, BPE, WordPiece, SentencePiece).
 # RoPE types whose max_position_embeddings is already the scaled context (vLLM does not multiply it).
@@ -28,30 +24,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt
 
 class HFModelDirError(ValueError):
     """A model directory that cannot be loaded; the message is one line naming the file."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """Where one HF tensor's bytes are: file, dtype, shape, absolute byte offset."""
-
-    file: str
-    dtype: torch.dtype
-    shape: tuple
-    offset: int
-
-
-@dataclasses.dataclass
-class HFModelDir:
-    """A checked HF model directory: its config (a transformers config) and tensor table."""
-
-    path: str
-    config: object
-    checkpoint: HFCheckpoint
-    tensors: dict  # HF name -> TensorEntry
-
-    @property
-    def layout(self) -> mapping.Qwen3Layout:
-        return mapping.layout_from_hf_config(self.config)
 
 
 # ---- checking a model directory -----------------------------------------------------------------
@@ -97,55 +69,11 @@ def _check_index(path: str) -> None:
         _fail(f'{index} has no "weight_map" object of tensor name -> shard file name')
 
 
-def _shard_entries(file: str) -> dict:
-    """{name: TensorEntry} of one safetensors file, checked against the file's size."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            _fail(f"{file} is truncated: {size} bytes, not even the 8-byte safetensors header length")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            _fail(f"{file} is truncated: {size} bytes, but its header alone says it is {8 + n} bytes long")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            _fail(f"{file}: the safetensors header is not valid JSON ({e}): the file is corrupt")
-    if not isinstance(header, dict):
-        _fail(f"{file}: the safetensors header is not a JSON object: the file is corrupt")
-    base, parsed = 8 + n, []
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            _fail(
-                f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
-                f"{sorted(_DTYPE_NAMES)}"
-            )
-        need = torch.Size(shape).numel() * dtype.itemsize
-        if end - begin != need:
-            _fail(
-                f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
-                f"{e['dtype']} needs {need}"
-            )
-        parsed.append((begin, end, name, dtype, shape))
-    parsed.sort()
-    expected = base + max((end for _, end, *_ in parsed), default=0)
-    for _begin, end, name, _dtype, _shape in parsed:  # in file order: name the first tensor cut short
-        if base + end > size:
-            _fail(
-                f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
-                f"(the header says the file is {expected} bytes long)"
-            )
-    return {name: TensorEntry(file, dtype, shape, base + begin) for begin, end, name, dtype, shape in parsed}
-
-
-def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFModelDir:
+def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFCheckpoint:
     """Everything that can be wrong with an HF model directory, from config.json, the index and
-    the safetensors headers and file sizes (no tensor data is read; milliseconds). Raises
-    HFModelDirError with one line naming the file (and tensor); never contacts the hub."""
+    the safetensors headers and file sizes (no tensor data is read; milliseconds) -> the checked
+    HFCheckpoint (its config and tensor table read). Raises HFModelDirError with one line naming
+    the file (and tensor); never contacts the hub."""
     if not path:
         _fail(f"{field} is empty: give a local Hugging Face model directory")
     if not os.path.exists(path):
@@ -157,25 +85,16 @@ def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFModelDir:
         _fail(f"{field}: {path} is a file, not a model directory")
     config = _read_config(path, field)
     _check_index(path)
-    single = os.path.join(path, SINGLE)
-    if not os.path.isfile(os.path.join(path, INDEX)) and os.path.isfile(single):
-        _shard_entries(single)  # HFCheckpoint reads this header: check it first
     try:
-        ckpt = HFCheckpoint(path)
+        ckpt = HFCheckpoint(path, config)
+        tensors = ckpt.tensors
     except (FileNotFoundError, OSError, ValueError) as e:
         _fail(str(e))
-    tensors = {}
-    for file in sorted(set(ckpt.weight_map.values())):
-        entries = _shard_entries(os.path.join(path, file))
-        for name in (n for n, f in ckpt.weight_map.items() if f == file):
-            if name not in entries:
-                _fail(f"{ckpt.source} maps tensor {name!r} to {file}, whose header does not have it")
-            tensors[name] = entries[name]
     layout = mapping.layout_from_hf_config(config)
     absent = [n for n in mapping.hf_tensor_names(layout) if n not in tensors]
     if absent:
         _fail(f"{ckpt.source} lacks {len(absent)} tensor(s) that config.json's model needs, e.g. {absent[:3]}")
-    return HFModelDir(path, config, ckpt, tensors)
+    return ckpt
 
 
 def check_context(max_model_len: int, hf_dir: str) -> None:
@@ -217,7 +136,7 @@ def check_context(max_model_len: int, hf_dir: str) -> None:
 
 def check_model(hf_dir: str):
     """model.hf_dir's files, tokenizer and vocabulary, as `train` and `evaluate` both check them
-    before anything slow -> (hf_load.HFModelDir, the tokenizer)."""
+    before anything slow -> (the checked HFCheckpoint, the tokenizer)."""
     model_dir = check_hf_model_dir(hf_dir)
     tokenizer = load_tokenizer(hf_dir)
     check_vocab(model_dir, tokenizer)
@@ -245,7 +164,7 @@ def load_tokenizer(hf_dir: str):
 
 def check_vocab(model_dir, tokenizer) -> None:
     """config.json's vocab_size against the embedding rows in the safetensors headers and against
-    the tokenizer (model_dir: hf_load.check_hf_model_dir's result; no tensor is read)."""
+    the tokenizer (model_dir: check_hf_model_dir's result; no tensor is read)."""
     config_path = os.path.join(model_dir.path, "config.json")
     vocab = model_dir.config.vocab_size
     for name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -1,7 +1,8 @@
 """HF checkpoint files, read and written one tensor at a time (no megatron import).
 
 Reading: HFCheckpoint reads one tensor's bytes with a plain positioned read into a fresh
-tensor, using the shard's safetensors header. (safe_open would mmap the shard: the pages a
+tensor, using the shard's safetensors header (safetensors_entries, checked against the file).
+(safe_open would mmap the shard: the pages a
 tensor touches then count as resident until the file is closed, doubling what a large tensor
 costs.) Memory is bounded by the tensors in flight, not by the shards.
 
@@ -21,6 +22,8 @@ a retry would take it for a finished one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import glob
 import json
 import os
@@ -29,6 +32,8 @@ import socket
 import struct
 
 import torch
+
+from megatron_dppo.model import qwen3
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -51,34 +56,77 @@ _DTYPES = {
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def _read_header(path: str):
-    """A safetensors file's header dict and the offset its data starts at; a ValueError naming
-    the file when it is not one (truncated, empty, another format)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ValueError(f"{path} is {size} bytes: too short for a safetensors header (truncated?)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ValueError(
-                f"{path}: its header claims {n} bytes but the file has {size}: truncated, or not a safetensors file"
-            )
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one HF tensor's bytes are: file, dtype, shape, absolute byte offset."""
+
+    file: str
+    dtype: torch.dtype
+    shape: tuple
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+def safetensors_entries(file: str) -> dict:
+    """{name: TensorEntry} of one safetensors file from its header, checked against the file's size
+    (every tensor's bytes inside it, as many as its shape and dtype need). The one reader of
+    safetensors headers here: a ValueError naming the file (and tensor) for one that is not whole."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file} is truncated: {size} bytes, not even the 8-byte safetensors header length")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ValueError(f"{file} is truncated: {size} bytes, but its header alone says it is {8 + n} bytes long")
         try:
             header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: the safetensors header is not valid JSON ({e}): the file is corrupt") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: the safetensors header is not a JSON object")
-    return header, 8 + n
+        raise ValueError(f"{file}: the safetensors header is not a JSON object: the file is corrupt")
+    base, parsed = 8 + n, []
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(
+                f"{file}: header entry of tensor {name!r} is not understood ({e!r}); dtypes read: "
+                f"{sorted(_DTYPE_NAMES)}"
+            ) from None
+        need = torch.Size(shape).numel() * dtype.itemsize
+        if end - begin != need:
+            raise ValueError(
+                f"{file}: tensor {name!r} has {end - begin} bytes in the header, its shape {list(shape)} "
+                f"{e['dtype']} needs {need}"
+            )
+        parsed.append((begin, end, name, dtype, shape))
+    parsed.sort()
+    expected = base + max((end for _, end, *_ in parsed), default=0)
+    for _begin, end, name, _dtype, _shape in parsed:  # in file order: name the first tensor cut short
+        if base + end > size:
+            raise ValueError(
+                f"{file} is truncated: {size} bytes, but tensor {name!r} ends at byte {base + end} "
+                f"(the header says the file is {expected} bytes long)"
+            )
+    return {name: TensorEntry(file, dtype, shape, base + begin) for begin, end, name, dtype, shape in parsed}
 
 
 class HFCheckpoint:
-    """An HF model directory: config.json plus model.safetensors or sharded safetensors + index."""
+    """An HF model directory: config.json plus model.safetensors, or sharded safetensors with an
+    index; its tensors read one at a time. config: the model's transformers config when the caller
+    has checked it already (model/hf_dir.check_hf_model_dir), else read from config.json on use."""
 
-    def __init__(self, path: str):
-        self.dir = path
-        self._headers = {}
+    def __init__(self, path: str, config=None):
+        self.dir = self.path = path
+        self._entries = {}  # file -> its safetensors_entries
+        if config is not None:
+            self.config = config
         self.config_path = os.path.join(path, "config.json")
         if not os.path.isfile(self.config_path):
             raise FileNotFoundError(f"{self.config_path} is missing: --hf-dir must be an HF model directory")
@@ -93,7 +141,7 @@ class HFCheckpoint:
                 ) from None
             self.source = index
         elif os.path.isfile(os.path.join(path, SINGLE)):
-            self.weight_map = {k: SINGLE for k in _read_header(os.path.join(path, SINGLE))[0] if k != "__metadata__"}
+            self.weight_map = dict.fromkeys(self._file_entries(os.path.join(path, SINGLE)), SINGLE)
             self.source = os.path.join(path, SINGLE)
         else:
             raise FileNotFoundError(
@@ -108,10 +156,37 @@ class HFCheckpoint:
                 f"missing from {path}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
 
+    @functools.cached_property
+    def config(self):
+        return qwen3.read_model_config(self.config_path)[0]
+
+    @property
+    def layout(self):
+        """The model's qwen3.Qwen3Layout (unpadded vocabulary)."""
+        return qwen3.layout_from_hf_config(self.config)
+
+    @functools.cached_property
+    def tensors(self) -> dict:
+        """{HF name: TensorEntry} of every tensor the weight map names (every shard's header read)."""
+        return {name: self.entry(name) for name in self.weight_map}
+
     def _file(self, name: str) -> str:
         if name not in self.weight_map:
             raise KeyError(f"tensor {name!r} is not in {self.source}")
         return os.path.join(self.dir, self.weight_map[name])
+
+    def _file_entries(self, path: str) -> dict:
+        if path not in self._entries:
+            self._entries[path] = safetensors_entries(path)
+        return self._entries[path]
+
+    def entry(self, name: str) -> TensorEntry:
+        """Where tensor `name` is, from its shard's header (read once)."""
+        path = self._file(name)
+        entries = self._file_entries(path)
+        if name not in entries:
+            raise ValueError(f"{self.source} maps tensor {name!r} to {path}, whose header does not have it")
+        return entries[name]
 
     def check_has(self, names) -> None:
         """Every name is mapped to a shard whose header lists it with data inside the file
@@ -120,48 +195,23 @@ class HFCheckpoint:
         if absent:
             raise KeyError(f"{self.source} lacks {len(absent)} tensor(s) the mapping needs, e.g. {absent[:3]}")
         for name in names:
-            _, _, offset, length = self._entry(name)
-            path = self._file(name)
-            if offset + length > os.path.getsize(path):
-                raise ValueError(
-                    f"{path} is truncated: {name} ends at byte {offset + length}, the file has {os.path.getsize(path)}"
-                )
-
-    def _entry(self, name: str):
-        """(dtype, shape, absolute byte offset, byte length) from the shard's header (cached)."""
-        path = self._file(name)
-        if path not in self._headers:
-            self._headers[path] = _read_header(path)
-        header, base = self._headers[path]
-        if name not in header:
-            raise KeyError(f"{path} has no tensor {name!r}, although {self.source} maps it there")
-        e = header[name]
-        if e.get("dtype") not in _DTYPE_NAMES:
-            raise ValueError(
-                f"{path}: tensor {name!r} has dtype {e.get('dtype')!r}, expected one of {sorted(_DTYPE_NAMES)}"
-            )
-        begin, end = e["data_offsets"]
-        return _DTYPE_NAMES[e["dtype"]], tuple(e["shape"]), base + begin, end - begin
+            self.entry(name)
 
     def get(self, name: str) -> torch.Tensor:
-        dtype, shape, offset, length = self._entry(name)
-        out = torch.empty(shape, dtype=dtype)
+        e = self.entry(name)
+        out = torch.empty(e.shape, dtype=e.dtype)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        if len(view) != length:
-            raise ValueError(
-                f"{self._file(name)}: {name} has {length} bytes, its shape {shape} {dtype} needs {len(view)}"
-            )
-        with open(self._file(name), "rb", buffering=0) as f:
-            f.seek(offset)
+        with open(e.file, "rb", buffering=0) as f:
+            f.seek(e.offset)
             while view:  # readinto may return less than asked for
                 n = f.readinto(view)
                 if not n:
-                    raise ValueError(f"{self._file(name)} is truncated (reading {name})")
+                    raise ValueError(f"{e.file} is truncated (reading {name})")
                 view = view[n:]
         return out
 
     def dtype(self, name: str) -> torch.dtype:
-        return self._entry(name)[0]
+        return self.entry(name).dtype
 
     def total_bytes(self) -> int:
         return sum(os.path.getsize(os.path.join(self.dir, f)) for f in set(self.weight_map.values()))

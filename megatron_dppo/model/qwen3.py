@@ -405,6 +405,17 @@ def expert_index(name: str):
     return None if m is None else int(m.group("seq") if m.group("seq") is not None else m.group("tenum"))
 
 
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (numbered over EP, split over expert-TP), not a dense one."""
+    return expert_index(name) is not None
+
+
+def split_group(name: str, tp_size: int, etp_size: int, tp_rank: int = 0, etp_rank: int = 0) -> tuple[int, int]:
+    """(rank, size) of the group a megatron tensor is split over (tp_shard / tp_merge): an expert's
+    over expert-TP, Megatron's expert_tensor_parallel group, never over TP; any other over TP."""
+    return (etp_rank, etp_size) if is_expert(name) else (tp_rank, tp_size)
+
+
 def with_expert_index(name: str, expert: int) -> str:
     """The same expert tensor's name with another expert number (global <-> EP-local)."""
     m = _EXPERT.match(name)
@@ -519,8 +530,7 @@ def shard_for_rank(
             name, pp_rank, pp_size, layout.num_layers, ep_rank=ep_rank, ep_size=ep_size, num_experts=layout.num_experts
         )
         if local is not None:
-            expert = expert_index(name) is not None
-            out[local] = tp_shard(name, tensor, etp_rank if expert else tp_rank, etp_size if expert else tp_size)
+            out[local] = tp_shard(name, tensor, *split_group(name, tp_size, etp_size, tp_rank, etp_rank))
     if layout.tied and pp_size > 1 and pp_rank == pp_size - 1:
         # The last stage holds its own copy of the tied embedding as output_layer.weight.
         out["output_layer.weight"] = tp_shard(

@@ -42,6 +42,7 @@ from typing import Literal
 
 import torch
 
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.hf_dir import check_context
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -92,11 +93,11 @@ def request_seed(*parts) -> int:
 
 
 @contextlib.contextmanager
-def _named_kv_cache_errors(model_dir: str, dtype: str, max_model_len: int, kv_bytes: int | None):
+def _named_kv_cache_errors(model_dir: str, dtype: str, max_model_len: int, kv_bytes: int | None, tp: int = 1):
     """vLLM's "No available memory for the cache blocks" / "To serve at least one request ..."
     ValueErrors advise raising gpu_memory_utilization even where the KV cache size is
     kv_cache_memory_bytes (CPU: rollout.kv_cache_gb). Name the setting that applies and what one
-    sequence needs; any other error passes through."""
+    sequence needs on one of the engine's tp ranks; any other error passes through."""
     try:
         yield
     except ValueError as e:
@@ -105,10 +106,11 @@ def _named_kv_cache_errors(model_dir: str, dtype: str, max_model_len: int, kv_by
             raise
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(model_dir)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * getattr(torch, dtype).itemsize
-        need = f"{per_token} bytes a token for this model; vLLM allocates whole blocks of tokens, one kept in reserve"
+        arch = Arch.from_hf_config(AutoConfig.from_pretrained(model_dir))
+        per_token = arch.kv_bytes_per_token(getattr(torch, dtype).itemsize, tp)
+        ranks = f" on each of the engine's {tp} ranks" if tp > 1 else ""
+        need = f"{per_token} bytes a token{ranks} for this model; vLLM allocates whole blocks of tokens, "
+        need += "one kept in reserve"
         if kv_bytes is not None:
             setting = f"rollout.kv_cache_gb={kv_bytes / 2**30:.4g} ({kv_bytes} bytes)"
             fix = "raise rollout.kv_cache_gb or lower rollout.max_model_len"
@@ -193,7 +195,10 @@ class RolloutEngine:
         t0 = time.perf_counter()
         set_num_threads = torch.set_num_threads
         try:
-            with self.context(), _named_kv_cache_errors(model_dir, dtype, max_model_len, kv_cache_memory_bytes):
+            with (
+                self.context(),
+                _named_kv_cache_errors(model_dir, dtype, max_model_len, kv_cache_memory_bytes, tensor_parallel_size),
+            ):
                 from vllm import LLM
 
                 if not on_gpu and tensor_parallel_size > 1:

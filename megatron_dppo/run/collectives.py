@@ -30,6 +30,12 @@ def world(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def barrier(group=None) -> None:
+    """Wait for every rank of group; nothing without torch.distributed."""
+    if dist.is_initialized():
+        dist.barrier(group)
+
+
 def backend(group=None) -> str | None:
     """The group's backend name ("gloo", "nccl", ...); None without torch.distributed."""
     return str(dist.get_backend(group)) if dist.is_initialized() else None

@@ -172,8 +172,6 @@ def phase_summary(rows: list[dict]) -> str:
 
 
 def _logged_steps(path: str) -> set:
-    if not os.path.exists(path):
-        return set()
     return {row.get("step") for row in read_metrics(path)}
 
 
@@ -194,9 +192,12 @@ def _metric_lines(path: str):
             raise ValueError(f"{path}:{i}: not a JSON metrics row: {line[:80]!r}") from None
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The rows of a metrics.jsonl; a partial last line (a kill while it was written) is left out,
-    a bad line anywhere else is a ValueError naming the file and line."""
+def read_metrics(path) -> list[dict]:
+    """The rows of a metrics.jsonl (str or Path); none for a file not written yet (a run before its
+    first step); a partial last line (a kill while it was written) is left out, a bad line anywhere
+    else is a ValueError naming the file and line."""
+    if not os.path.exists(path):
+        return []
     return [row for _, row in _metric_lines(path) if row is not None]
 
 
@@ -207,7 +208,7 @@ def plot_curves(metrics_path: str, png_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    rows = read_metrics(metrics_path)
     if not rows:
         return
     t0 = rows[0]["wall_time"] - rows[0].get("time/step", 0)

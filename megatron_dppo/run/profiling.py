@@ -43,9 +43,7 @@ def _arch(hf_config) -> Arch:
 def matmul_params(hf_config) -> int:
     """Weights that take part in a matmul for every token (see the module docstring)."""
     a = _arch(hf_config)
-    h, d = a.hidden, a.head_dim
-    layer = h * (a.heads + 2 * a.kv_heads) * d + a.heads * d * h + 3 * h * a.ffn
-    return a.layers * layer + a.vocab * h
+    return a.layers * (a.attention_params() + a.dense_mlp_params()) + a.vocab * a.hidden
 
 
 def forward_flops_breakdown(hf_config, seq_lengths: Iterable[int]) -> dict:

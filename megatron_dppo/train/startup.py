@@ -14,6 +14,7 @@ import torch
 from megatron_dppo.config import Config, resolve
 from megatron_dppo.data.prompts import PromptDataset, PromptRenderer
 from megatron_dppo.model import hf_dir
+from megatron_dppo.model.arch import Arch
 from megatron_dppo.rollout.validation import load_eval_sets
 from megatron_dppo.run import collectives as mdist
 from megatron_dppo.run.identity import check_resume_compatible, resume_metadata
@@ -90,17 +91,11 @@ def attention_backend(cfg: Config) -> str:
 def resolve_config(cfg: Config, inputs: Inputs) -> None:
     """One resolution step: from here on the config is complete and is what runs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    hf = inputs.hf_config
     resolve(
         cfg,
+        Arch.from_hf_config(inputs.hf_config),
         world_size=world,
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        num_layers=hf.num_hidden_layers,
-        ffn_hidden_size=hf.intermediate_size,
-        num_experts=getattr(hf, "num_experts", 0) or 0,
-        moe_ffn_hidden_size=getattr(hf, "moe_intermediate_size", None),
         num_train_records=len(inputs.data),
         cuda=torch.cuda.is_available(),
         threads=torch.get_num_threads(),

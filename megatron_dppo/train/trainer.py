@@ -141,6 +141,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
+        self.ckpt_run_id = None  # the run_id its checkpoints carry: the resumed one's, else new at the first save
         self._save_cost_logged = False
         self.watchdog.phase("load weights")
         # A resumed run without a KL term reads neither HF weights nor init_checkpoint: the
@@ -311,10 +312,11 @@ class Trainer:
         cost, not known yet) is staged in the run dir first (RunLogger.stage): the loop logs it only
         after the save, and a run killed in between resumes after this step with the staged row
         restored, so no step that a checkpoint claims lacks its row."""
-        from megatron_dppo.megatron.checkpoint import checkpoint_bytes, save_checkpoint
+        from megatron_dppo.megatron.checkpoint import checkpoint_bytes, new_run_id, save_checkpoint
 
         self.watchdog.phase("save", step)
         self.logger.stage(row)
+        self.ckpt_run_id = self.ckpt_run_id or new_run_id()
         t0 = time.perf_counter()
         path = save_checkpoint(
             self.ckpt_dir,
@@ -329,6 +331,7 @@ class Trainer:
             self.history,
             keep_last=self.cfg.trainer.keep_checkpoints,
             extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
+            run_id=self.ckpt_run_id,
         )
         seconds = time.perf_counter() - t0
         size = checkpoint_bytes(path) if self.is_main else 0
@@ -379,6 +382,7 @@ class Trainer:
             self.curriculum.load_state_dict(state["adaprefix"])
         self.history = PromptHistory.load(state["history_path"])
         self.first_step = state["step"] + 1
+        self.ckpt_run_id = state["run_id"]
 
     # ---- the loop --------------------------------------------------------------------------------
     def train(self) -> list[dict]:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel  # noqa: E402
-from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_dppo.megatron.checkpoint import load_checkpoint, new_run_id, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config, verify_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import expert_rank_layout, load_hf_into_models, rank_layout  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
@@ -87,7 +87,7 @@ def main():
 
     # The tools' --verify check, here at this layout: logits against transformers'.
     result["logit_diff"] = verify_logits(args.ckpt, args.hf_dir, log=lambda *a: None)
-    save_checkpoint(args.root, 1, policy, {"note": "moe convert test"})
+    save_checkpoint(args.root, 1, policy, {"note": "moe convert test"}, run_id=new_run_id())
     if dist.get_rank() == 0:
         shutil.copyfile(os.path.join(args.ckpt, HF_CONFIG), os.path.join(args.root, "step_000001", HF_CONFIG))
     results = all_gather_objects(result)

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
-from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from megatron_dppo.megatron.checkpoint import load_checkpoint, new_run_id, save_checkpoint  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import HF_CONFIG, load_hf_config  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
 from megatron_dppo.model.hf_io import HFCheckpoint  # noqa: E402
@@ -54,7 +54,7 @@ def main():
     tokens = torch.randint(3, cfg.vocab_size, (12,), generator=gen)
     mb = build_thd_batch([Sample(tokens=tokens, prompt_len=4, advantage=1.0, old_logp=-torch.ones(8))])
     policy.train_step([mb], denominator=8.0)
-    save_checkpoint(args.root, 1, policy, {"note": "convert test"})
+    save_checkpoint(args.root, 1, policy, {"note": "convert test"}, run_id=new_run_id())
     trained = policy.hf_state_dict()
     if dist.get_rank() == 0:
         shutil.copyfile(os.path.join(args.ckpt, HF_CONFIG), os.path.join(args.root, "step_000001", HF_CONFIG))

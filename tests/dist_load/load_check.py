@@ -33,7 +33,7 @@ from megatron.core import parallel_state  # noqa: E402
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig  # noqa: E402
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel  # noqa: E402
-from megatron_dppo.megatron.checkpoint import load_checkpoint, save_checkpoint, step_dir_name  # noqa: E402
+from megatron_dppo.megatron.checkpoint import load_checkpoint, new_run_id, save_checkpoint, step_dir_name  # noqa: E402
 from megatron_dppo.megatron.convert_ckpt import megatron_logits  # noqa: E402
 from megatron_dppo.megatron.hf_load import load_hf_into_policy  # noqa: E402
 from megatron_dppo.megatron.policy import MegatronPolicy  # noqa: E402
@@ -124,7 +124,7 @@ def main():
         assert not (r["policy_vs_whole"] or r["reference_vs_whole"] or r["policy_vs_partition_attrs"]), r
         assert r["logit_diff_policy"] <= TOL and r["logit_diff_reference"] <= TOL, r
         if i == 0:  # model.init_checkpoint: the policy and the reference start from a Megatron checkpoint
-            save_checkpoint(args.ckpt_root, 0, new, {"note": "init"})
+            save_checkpoint(args.ckpt_root, 0, new, {"note": "init"}, run_id=new_run_id())
             fresh = policy(cfg)
             load_checkpoint(os.path.join(args.ckpt_root, step_dir_name(0)), fresh, load_optimizer=False)
             saved = params(new.model.module)

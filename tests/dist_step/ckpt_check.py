@@ -29,7 +29,13 @@ from grad_check import MAX_NEW, B, G, hf_model, make_problem, my_microbatches
 from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
 from megatron_dppo.megatron import destroy_parallel, initialize_parallel
-from megatron_dppo.megatron.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_dppo.megatron.checkpoint import (  # noqa: E402
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    new_run_id,
+    save_checkpoint,
+)
 from megatron_dppo.megatron.policy import MegatronPolicy
 
 
@@ -105,7 +111,7 @@ def main():
         m = policy.train_step(mbs, denom)
         record[step] = [m["loss"], m["grad_norm"], m["lr"]]
         if step == args.save_at and args.phase != "resume":
-            save_checkpoint(args.ckpt, step, policy, {"note": "test"})
+            save_checkpoint(args.ckpt, step, policy, {"note": "test"}, run_id=new_run_id())
     if args.phase == "killed":
         os.kill(os.getpid(), signal.SIGKILL)
     if dist.get_rank() == 0 and args.out:
@@ -117,14 +123,18 @@ def main():
 def phase_save_steps(args, policy):
     from megatron_dppo.algorithms.history import PromptHistory
 
-    if args.resume:
-        print("resumed step", load_checkpoint(latest_checkpoint(args.ckpt), policy)["step"], flush=True)
+    run_id = new_run_id()
+    if args.resume:  # the resumed run saves under the loaded checkpoint's run_id
+        state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
+        print("resumed step", state["step"], flush=True)
+        run_id = state["run_id"]
     history = PromptHistory()
     history.update(["a", "b"], torch.tensor([[0.0, 1.0], [1.0, 1.0]]))
     _, model = hf_model()
     policy.train_step(*batch_for_step(model, 1, 0, 1))  # an optimizer with state to save
     for step in map(int, args.save_steps.split(",")):
-        save_checkpoint(args.ckpt, step, policy, {"data": {"epoch": 0, "pos": step}}, history, keep_last=args.keep_last)
+        data = {"data": {"epoch": 0, "pos": step}}
+        save_checkpoint(args.ckpt, step, policy, data, history, keep_last=args.keep_last, run_id=run_id)
 
 
 def phase_load(args, policy):
@@ -154,7 +164,7 @@ def phase_save_disk_full(args, policy):
 
     filesystem_async._write_item = full_disk
     try:
-        save_checkpoint(args.ckpt, 5, policy, {})
+        save_checkpoint(args.ckpt, 5, policy, {}, run_id=new_run_id())
     except OSError as e:
         print(f"OSError: {e}", flush=True)
         sys.exit(4)
@@ -184,7 +194,7 @@ def phase_hold_save(args, policy):
         os.makedirs(args.ckpt, exist_ok=True)
         dist_checkpointing.save({"model": policy.model.module.sharded_state_dict()}, args.ckpt)
     else:
-        save_checkpoint(args.ckpt, 1, policy, {})
+        save_checkpoint(args.ckpt, 1, policy, {}, run_id=new_run_id())
 
 
 if __name__ == "__main__":
