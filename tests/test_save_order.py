@@ -44,7 +44,7 @@ def _trainer(cfg, run_dir, first_step: int) -> Trainer:
     t = Trainer.__new__(Trainer)
     t.cfg, t.is_main, t.world, t.rank, t.engine_init_s, t.config_warnings = cfg, True, 1, 0, 0.0, []
     t.run_dir, t.ckpt_dir, t.first_step, t.resume_meta = str(run_dir), str(run_dir / "checkpoints"), first_step, {}
-    t._save_cost_logged = False
+    t._save_cost_logged, t.ckpt_run_id = False, None
     t.data = t.strategy = SimpleNamespace(skipped_long=0, state_dict=dict)
     t.curriculum, t.history = None, None
     t.policy = SimpleNamespace(attention=SimpleNamespace(describe=str), hf_weight_buckets=lambda: iter([]))
