@@ -260,7 +260,7 @@ def build(out: str = DEFAULT_OUT, cache_dir: str = DEFAULT_CACHE, wheel: str | N
 ADDITION_PROMPT = "What is {a} + {b}? Put the final answer after ####."
 
 
-def check_additions(out: str, n: int, seed: int = 0, max_new_tokens: int = 128, batch_size: int = 64) -> dict:
+def check_additions(out: str, n: int, seed: int = 0, max_new_tokens: int = 128, batch_size: int = 16) -> dict:
     """Greedy transformers answers to n seeded two-digit additions (ADDITION_PROMPT, chat template).
 
     Scored two ways: the integer after "####" (as the math rewards parse), and the completion's last
@@ -291,6 +291,13 @@ def check_additions(out: str, n: int, seed: int = 0, max_new_tokens: int = 128, 
             strict += bool(after) and after.group(1).replace(",", "") == str(a + b)
             numbers = re.findall(r"-?\d+", text.replace(",", ""))
             last += bool(numbers) and numbers[-1] == str(a + b)
+        done = min(i + batch_size, n)
+        print(
+            f"check: {done}/{n} answered, {strict} right after '####', {last} with the sum last, "
+            f"{tokens} tokens in {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     seconds = time.perf_counter() - start
     return dict(n=n, after_hashes=strict, last_number=last, tokens=tokens, seconds=round(seconds, 1))
 
