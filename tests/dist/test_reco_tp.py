@@ -1,0 +1,20 @@
+"""ReCo's token scale (the Gini impurity) vocab-parallel over a real 2-process gloo group equals the
+full-vocabulary formula (the worker: tests/dist/workers/methods/reco_tp.py; the single-process rules:
+tests/unit/test_reco.py)."""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_dppo.algorithms import losses
+from megatron_dppo.algorithms.methods import reco
+from megatron_dppo.algorithms.methods.reco import ReCoConfig
+
+
+
+def test_gini_is_the_same_sharded_over_two_tp_ranks(torchrun):
+    out = torchrun(Path(__file__).resolve().parent / "workers" / "methods" / "reco_tp.py", 2, timeout=120)
+    assert out.count("gini tp ok") == 2, out

@@ -1,0 +1,20 @@
+"""SSOPD's divergences vocab-parallel over a real 2-process gloo group equal the full-vocabulary
+definition, values and gradients (the worker: tests/dist/workers/methods/ssopd_tp.py; the
+single-process rules: tests/unit/test_ssopd.py)."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_dppo.algorithms.advantages import group_advantages
+from megatron_dppo.algorithms.methods import ssopd
+from megatron_dppo.algorithms.methods.ssopd import SSOPDConfig
+from megatron_dppo.algorithms.pruning import prune_completions
+
+
+
+def test_divergences_are_the_same_sharded_over_two_tp_ranks(torchrun):
+    out = torchrun(Path(__file__).resolve().parent / "workers" / "methods" / "ssopd_tp.py", 2, timeout=120)
+    assert out.count("ssopd tp ok") == 2, out
