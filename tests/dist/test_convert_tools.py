@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
+from worker_results import ok_output as _ok
+from worker_results import safetensors_weights as _weights
 import torch
 from safetensors.torch import load_file
 
@@ -61,19 +63,6 @@ def converted_tied_tp2(hf_models, tmp_path_factory):
     mg = tmp_path_factory.mktemp("converted") / "mg"
     _ok(run_workers(TO_MG, 1, "--hf-dir", hf_models["tied"], "--out-dir", mg, "--tp", 2))
     return mg
-
-
-def _weights(d: Path) -> dict:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _ok(res) -> str:
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-8000:]
-    return out
 
 
 def _assert_bitwise_roundtrip(hf: Path, back: Path):

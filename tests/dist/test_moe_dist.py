@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 import pytest
 import torch
-from test_convert_tools import _ok, _weights
+from worker_results import ok_output as _ok
+from worker_results import safetensors_weights as _weights
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model
 from megatron_dppo.model import qwen3
 

@@ -13,22 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from trainer_runs import SMALL
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "tiny" / "addition.yaml"
-SMALL = [
-    "trainer.prompts_per_step=8",
-    "rollout.group_size=4",
-    "data.train_size=16",
-    "trainer.eval_every=0",
-    "logging.wandb=disabled",
-    "logging.progress=false",
-    "logging.tensorboard=false",
-    "trainer.threads=1",
-    "trainer.max_time_s=0",
-]  # step budgets, not wall-clock ones: a loaded machine must not cut runs short
 
 
 def _env():

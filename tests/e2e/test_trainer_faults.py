@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
-from test_trainer import SMALL as TRAINER_SMALL
+from trainer_runs import SMALL as TRAINER_SMALL
 
 from megatron_dppo.run.process import free_port
 

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer_dist import (
+from trainer_runs import (
     REPO,
     STEPS,
     TINY,
@@ -44,7 +44,7 @@ COMPARED = ("train/loss", "train/grad_norm", "train/moe_load_imbalance", "reward
 
 
 def moe_cmd(root, name, nproc, *overrides, resume=False):
-    """test_trainer_dist.train_cmd on examples/tiny/moe.yaml and the test's MoE model."""
+    """trainer_runs.train_cmd on examples/tiny/moe.yaml and the test's MoE model."""
     cmd = train_cmd(root, name, root / "model", nproc, *EXTRA, *overrides, resume=resume)
     cmd[cmd.index(str(TINY / "addition.yaml"))] = str(CONFIG)
     return cmd

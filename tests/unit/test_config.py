@@ -5,23 +5,11 @@ import typing
 
 import pytest
 import yaml
+from tiny_config import FACTS, TINY
 
 from megatron_dppo.algorithms import choices, losses
 from megatron_dppo.algorithms.advantages import ADVANTAGE_KINDS
 from megatron_dppo.config import Config, check_layout, load_config, resolve, save_config
-
-TINY = "examples/tiny/addition.yaml"
-FACTS = dict(
-    world_size=1,
-    local_world_size=1,
-    num_heads=4,
-    num_kv_heads=2,
-    num_layers=3,
-    ffn_hidden_size=512,
-    num_train_records=1024,
-    cuda=False,
-    threads=2,
-)
 
 
 def _walk(data, prefix=""):

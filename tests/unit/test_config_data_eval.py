@@ -2,7 +2,7 @@
 
 import pytest
 import yaml
-from test_config import FACTS, TINY  # the tiny config and the facts resolve() needs
+from tiny_config import FACTS, TINY
 
 from megatron_dppo.config import load_config, resolve, save_config
 

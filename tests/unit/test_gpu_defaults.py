@@ -8,7 +8,7 @@ import pytest
 
 from megatron_dppo.rollout import vllm_engine
 
-HERE = Path(__file__).resolve().parent
+QWEN3_32B = Path(__file__).resolve().parents[2] / "examples" / "qwen3_32b" / "config.yaml"
 
 
 def test_sleeping_gpu_engines_release_cuda_graphs_and_nccl_buffers():
@@ -31,7 +31,7 @@ def test_sleeping_gpu_engines_release_cuda_graphs_and_nccl_buffers():
 
 
 def _resolved(overrides=(), **facts):
-    from test_config import FACTS, TINY
+    from tiny_config import FACTS, TINY
 
     from megatron_dppo.config import load_config, resolve
 
@@ -96,8 +96,6 @@ def test_a_gpu_setting_that_cannot_run_is_refused_naming_its_key(override, facts
 
 
 def test_plan_shows_the_gpu_settings_and_follows_the_recompute_modules():
-    from test_plan import QWEN3_32B, _cfg
-
     from megatron_dppo.jobs.plan import format_plan, layer_activation_elems, memory_plan, moe_layer_activation_elems
     from megatron_dppo.model.arch import Arch
 
@@ -110,8 +108,10 @@ def test_plan_shows_the_gpu_settings_and_follows_the_recompute_modules():
     assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("layernorm",))["kept"] == act - 1024
     assert moe_layer_activation_elems(moe, 1, False, "selective", 1, 2, ("moe",))["kept"] < act
 
-    default = memory_plan(_cfg())
-    lean = memory_plan(_cfg(QWEN3_32B, "parallel.recompute_modules=[core_attn,mlp]"))
+    from megatron_dppo.config import load_config
+
+    default = memory_plan(load_config(str(QWEN3_32B), [], check=False))
+    lean = memory_plan(load_config(str(QWEN3_32B), ["parallel.recompute_modules=[core_attn,mlp]"], check=False))
     assert default["layout"]["gpu_settings"]["overlap_grad_reduce"] is True  # planned as a GPU run with TE
     assert default["layout"]["gpu_settings"]["recompute_modules"] == ["core_attn"]  # TE: Megatron's default
     first = lean["stages"]["first"]["train"]["activations"]

@@ -94,7 +94,7 @@ def test_longest_phase_is_logged_and_a_thin_margin_warned():
 
 @pytest.mark.parametrize("cuda, expected", [(False, 600.0), (True, 1800.0)])
 def test_stall_timeout_default_depends_on_the_device(cuda, expected):
-    from test_config import FACTS, TINY
+    from tiny_config import FACTS, TINY
 
     from megatron_dppo.config import load_config, resolve
 
