@@ -9,10 +9,11 @@ env:
 main: env
 	.venv/bin/megatron-dppo train --config examples/tiny/addition.yaml
 
-# The tests by tier (tests/conftest.py): test-fast is tests/unit (one process, a few minutes), the
-# inner loop; test is every tier (unit, dist, engine, e2e): what CI and the README run.
+# The tests by tier (tests/conftest.py): test-fast is tests/unit without its `slow` Monte-Carlo and
+# accuracy checks (in one process, ~2 minutes), the inner loop; test is every tier (unit, dist,
+# engine, e2e) and every test: what CI and the README run.
 test-fast: env
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests/unit -m "not slow"
 
 test: env
 	$(PY) -m pytest -q tests

@@ -13,7 +13,7 @@ import pytest
 from megatron_dppo.config import Config, load_config
 from megatron_dppo.train.preflight import config_warnings
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_dppo"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dppo"
 CONFIG_MODULES = {*(PACKAGE / "config").glob("*.py"), PACKAGE / "algorithms" / "methods" / "configs.py"}
 
 

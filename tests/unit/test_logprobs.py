@@ -109,6 +109,7 @@ def _peak_growth_mib(fn) -> float:
     return (_status_kib("VmHWM") - base) / 1024
 
 
+@pytest.mark.slow
 def test_blocked_logprobs_keep_no_fp32_copy_of_the_logits(tp1):
     """Forward + backward of bf16 logits at 2048 x 16384 (128 MiB an fp32 copy). The replaced
     formulation keeps CE's fp32 softmax from the forward to the backward and peaks at two fp32

@@ -83,6 +83,7 @@ def _run(fn, qkv, w):
     return out.detach(), [g.detach() for g in torch.autograd.grad((out * w).sum(), qkv)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ragged+gaps+tail", "ragged dense", "uniform", "one sequence", "gqa=1 (mha)"])
 def test_bucketed_attention_equals_each_sequence_alone_and_the_loop(case):
     """Forward and backward of the bucketed kernel equal (a) each sequence's attention computed

@@ -101,6 +101,7 @@ def test_adaprefix_shows_whole_steps_of_the_reference_and_never_its_answer():
     assert cur.assisted(rec, prompt, step=9)[1] == 0  # withdrawn by 80% of the run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_is_biased_by_design_and_dppo_unbiased_for_its_own_loss(method):
     # ReCo's is a ratio (its c_t's step mean), judged on its bias: draws for an s.e. under 2.5%
@@ -110,6 +111,7 @@ def test_each_method_is_biased_by_design_and_dppo_unbiased_for_its_own_loss(meth
     assert method == "adaprefix" or res.design_gap > 0.1, res.summary(cfg)
 
 
+@pytest.mark.slow
 def test_the_method_check_can_fail(monkeypatch):
     """A trainer that forgot ReCo's response weight, or SSOPD's prompt weight w_q in the aux
     coefficients, is caught."""

@@ -214,6 +214,7 @@ def _tiny_step(seed, num_prompts=5, g=4):
     return rewards, lengths, completions
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("div", ["fkl_clip", "jsd", "rkl_sampled"])
 def test_aux_is_zero_when_teacher_context_equals_student_context(tiny_model, div):
     rewards, lengths, completions = _tiny_step(0)

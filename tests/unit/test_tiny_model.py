@@ -110,6 +110,7 @@ def test_longtail_data_and_tokenizer(longtail):
     assert gold.std() / gold.mean() > 0.7 and gold.max() / gold.median() > 5
 
 
+@pytest.mark.slow
 def test_longtail_model_is_long_tailed_and_partly_right(longtail):
     """Greedy completions of the committed model on 100 held-out problems: coefficient of
     variation of their lengths >= 0.5, max/median >= 4 (issue 13's bar; measured on all 500 at

@@ -6,6 +6,9 @@ from megatron_dppo.algorithms import pruning
 from megatron_dppo.algorithms.losses import LOSS_AGGS
 from megatron_dppo.jobs.verify_unbiased import CheckConfig, bias_estimate, run_check, run_dynamic_check
 
+# Thousands of draws per check: minutes of CPU in all, left out of `make test-fast` (CI runs them).
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("agg", LOSS_AGGS)
 @pytest.mark.parametrize("ratio_type,kl", [("token", 0.0), ("sequence", 0.0), ("token", 0.1)])
