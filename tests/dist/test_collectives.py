@@ -3,14 +3,7 @@ optimizer (MegatronPolicy.hf_grads) and the process groups' timeouts, in torchru
 (tests/dist/workers/model/collectives_worker.py, timeout_worker.py). The one-process fallback and the
 launch environment: tests/unit/test_distributed.py."""
 
-import argparse
-import importlib.util
-import math
-import sys
 from pathlib import Path
-import pytest
-import torch
-import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "workers" / "model" / "collectives_worker.py"

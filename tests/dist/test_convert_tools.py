@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import pytest
-from worker_results import ok_output as _ok
-from worker_results import safetensors_weights as _weights
 import torch
 from safetensors.torch import load_file
+from worker_results import ok_output as _ok
+from worker_results import safetensors_weights as _weights
 
 REPO = Path(__file__).resolve().parents[2]
 TO_MG = REPO / "tools" / "convert_hf_to_megatron.py"

@@ -1,9 +1,6 @@
 """The GPU settings' overlapped gradient reduce, in 2 torchrun workers: the same gradients as without it."""
 
-import dataclasses
 from pathlib import Path
-import pytest
-from megatron_dppo.rollout import vllm_engine
 
 HERE = Path(__file__).resolve().parent
 

@@ -6,12 +6,9 @@ copy_policy_to_reference), and that each rank read no more than its share of the
 conftest's sharded_hf_models; the model-directory errors: tests/unit/test_hf_load.py."""
 
 import json
-import shutil
-import struct
-import time
 from pathlib import Path
+
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "dist" / "workers" / "load" / "load_check.py"

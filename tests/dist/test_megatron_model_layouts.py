@@ -4,10 +4,7 @@ Each test launches a worker script under torchrun (tests/dist/workers/model/*_wo
 parallel state and the CPU shim are process-global, so they never run inside the pytest process.
 The in-process tests of the packed-attention kernels and the layout rules: tests/unit/test_megatron_model.py."""
 
-import random
 from pathlib import Path
-import pytest
-import torch
 
 DIST = Path(__file__).resolve().parents[1] / "dist" / "workers" / "model"
 

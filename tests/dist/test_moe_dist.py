@@ -5,12 +5,12 @@ tests/unit/test_moe.py."""
 
 import json
 from pathlib import Path
+
 import pytest
 import torch
+from tiny_models import tiny_qwen3_moe_model
 from worker_results import ok_output as _ok
 from worker_results import safetensors_weights as _weights
-from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model
-from megatron_dppo.model import qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 DIST = REPO / "tests" / "dist" / "workers" / "model"

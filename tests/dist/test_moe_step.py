@@ -83,7 +83,8 @@ def test_vllm_logprobs_equal_megatron_after_moe_weight_sync(torchrun, request, e
 def test_policy_and_reference_on_the_device_without_distributed_optimizer(torchrun):
     """The policy and the KL reference are moved to current_device() before the DDP wrapper (a
     fake device catches what stays behind, as on a GPU), and the step with
-    parallel.distributed_optimizer=false and a reference model runs (tests/dist/workers/step/device_placement_check.py)."""
+    parallel.distributed_optimizer=false and a reference model runs
+    (tests/dist/workers/step/device_placement_check.py)."""
     out = torchrun(REPO / "tests" / "dist" / "workers" / "step" / "device_placement_check.py", 1)
     assert "ok fake device" in out and "DEVICE PLACEMENT CHECK PASSED" in out, out[-3000:]
 

@@ -2,17 +2,7 @@
 full-vocabulary formula (the worker: tests/dist/workers/methods/reco_tp.py; the single-process rules:
 tests/unit/test_reco.py)."""
 
-import math
-import os
-import sys
 from pathlib import Path
-
-import pytest
-import torch
-from megatron_dppo.algorithms import losses
-from megatron_dppo.algorithms.methods import reco
-from megatron_dppo.algorithms.methods.reco import ReCoConfig
-
 
 
 def test_gini_is_the_same_sharded_over_two_tp_ranks(torchrun):

@@ -2,17 +2,7 @@
 definition, values and gradients (the worker: tests/dist/workers/methods/ssopd_tp.py; the
 single-process rules: tests/unit/test_ssopd.py)."""
 
-import os
-import sys
 from pathlib import Path
-
-import pytest
-import torch
-from megatron_dppo.algorithms.advantages import group_advantages
-from megatron_dppo.algorithms.methods import ssopd
-from megatron_dppo.algorithms.methods.ssopd import SSOPDConfig
-from megatron_dppo.algorithms.pruning import prune_completions
-
 
 
 def test_divergences_are_the_same_sharded_over_two_tp_ranks(torchrun):

@@ -5,10 +5,8 @@ reference of tests/unit/test_reco.py (imported from there: one copy of the refer
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "unit"))
-from test_reco import _logits, _gini_reference, PADDED, VOCAB  # noqa: E402
+from test_reco import PADDED, VOCAB, _gini_reference, _logits  # noqa: E402
 
 from megatron_dppo.algorithms.methods import reco  # noqa: E402
 
@@ -36,4 +34,3 @@ def _tp_worker():
 
 if __name__ == "__main__":
     _tp_worker()
-

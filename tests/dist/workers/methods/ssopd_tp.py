@@ -10,8 +10,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "unit"))
 from test_ssopd import CASES, PADDED, VOCAB, _compare, _logits  # noqa: E402
 
-from megatron_dppo.algorithms.methods import ssopd  # noqa: E402
-
 
 def _tp_worker():
     import torch.distributed as dist
@@ -32,4 +30,3 @@ def _tp_worker():
 
 if __name__ == "__main__":
     _tp_worker()
-

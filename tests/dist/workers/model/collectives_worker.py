@@ -16,7 +16,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent

@@ -18,9 +18,16 @@ VOCAB = 50  # padded by Megatron to 128 * tp
 
 def tiny_config(**overrides) -> Qwen3Config:
     kwargs = dict(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, intermediate_size=128, tie_word_embeddings=True,
-        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )
     kwargs.update(overrides)
     return Qwen3Config(**kwargs)
@@ -30,7 +37,7 @@ def _global_name(model, name: str) -> str:
     """decoder.layers.<local i> -> decoder.layers.<global i>; a PP last stage's tied
     output_layer.weight is the embedding."""
     if name.startswith("decoder.layers."):
-        local, rest = name[len("decoder.layers."):].split(".", 1)
+        local, rest = name[len("decoder.layers.") :].split(".", 1)
         return f"decoder.layers.{model.decoder.layers[int(local)].layer_number - 1}.{rest}"
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
@@ -41,8 +48,7 @@ def _shard(param, full: torch.Tensor) -> torch.Tensor:
     if not getattr(param, "tensor_model_parallel", False):
         return full
     dim, stride = param.partition_dim, param.partition_stride
-    tp, rank = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_tensor_model_parallel_rank())
+    tp, rank = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank())
     size = param.shape[dim] * tp
     if full.shape[dim] != size:  # vocab padding differs between layouts: pad or cut rows
         full = full.narrow(dim, 0, min(size, full.shape[dim]))
@@ -84,9 +90,7 @@ def finalize_grads(model) -> None:
     for name, p in model.named_parameters():
         if ("q_layernorm" in name or "k_layernorm" in name) and p.grad is not None:
             torch.distributed.all_reduce(p.grad, group=tp_group)
-    if model.share_embeddings_and_output_weights and (
-        parallel_state.get_pipeline_model_parallel_world_size() > 1
-    ):
+    if model.share_embeddings_and_output_weights and (parallel_state.get_pipeline_model_parallel_world_size() > 1):
         weight = model.shared_embedding_or_output_weight()
         torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
@@ -110,15 +114,19 @@ def pack(seqs, multiple=4):
     starts = [sum(padded[:i]) for i in range(len(seqs))]
     for s, start in zip(seqs, starts):
         n = len(s)
-        ids[0, start:start + n] = s
-        pos[0, start:start + n] = torch.arange(n)
-        labels[0, start:start + n - 1] = s[1:]
+        ids[0, start : start + n] = s
+        pos[0, start : start + n] = torch.arange(n)
+        labels[0, start : start + n - 1] = s[1:]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_pad = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     params = PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
-        max_seqlen_q=max(padded), max_seqlen_kv=max(padded),
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_pad,
+        cu_seqlens_kv_padded=cu_pad,
+        max_seqlen_q=max(padded),
+        max_seqlen_kv=max(padded),
     )
     return ids, pos, labels, params, starts
 

@@ -7,10 +7,10 @@ whose Apex loads). Here that default is replaced by a norm that refuses RMSNorm 
 FusedLayerNorm does; the model must still build, with the layers' own norm type at the end,
 and give the same logits as the model built with Megatron's default left alone (same seed)."""
 
+import common
 import torch
 from megatron.core.transformer import transformer_block
 
-import common
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel
 
 

@@ -21,13 +21,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import common  # noqa: E402
 from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
 
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.jobs import plan  # noqa: E402
-from megatron_dppo.model import qwen3  # noqa: E402
-from megatron_dppo.model.arch import Arch  # noqa: E402
 from megatron_dppo.megatron import build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs  # noqa: E402
 from megatron_dppo.megatron.attention import packed_seq_params  # noqa: E402
 from megatron_dppo.megatron.hf_load import expert_rank_layout  # noqa: E402
-from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
+from megatron_dppo.model import qwen3  # noqa: E402
+from megatron_dppo.model.arch import Arch  # noqa: E402
 
 TOL = 1e-5
 LENGTHS = ((7, 19, 3, 12), (5, 11, 16))  # one batch per rank at EP=2
@@ -91,8 +91,11 @@ def check(ep: int, cfg, hf, batches, what: str):
         ref = (ref_all if qwen3.expert_index(n) is not None else ref_own)[n]
         gerr, gmax = max(gerr, (g - ref).abs().max().item()), max(gmax, ref.abs().max().item())
     gerr /= gmax
-    print(f"[rank {rank}] {what} EP={ep}: {sum(map(len, logp))} tokens, max |logp diff| {lerr:.2e}, "
-          f"max |grad diff| / max |grad| {gerr:.2e} (max |grad| {gmax:.1f})", flush=True)
+    print(
+        f"[rank {rank}] {what} EP={ep}: {sum(map(len, logp))} tokens, max |logp diff| {lerr:.2e}, "
+        f"max |grad diff| / max |grad| {gerr:.2e} (max |grad| {gmax:.1f})",
+        flush=True,
+    )
     assert lerr < TOL and gerr < TOL, (what, ep, lerr, gerr)
     destroy_parallel(world=False)
 
@@ -102,7 +105,9 @@ def main():
     batches = [[torch.randint(0, common.VOCAB, (n,), generator=g) for n in lens] for lens in LENGTHS]
     variants = {
         "top-2 renormalised, layer 1 dense": {},
-        "top-2 of softmax, decoder_sparse_step=2": dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[]),
+        "top-2 of softmax, decoder_sparse_step=2": dict(
+            norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[]
+        ),
     }
     for what, overrides in variants.items():
         cfg, hf = tiny_qwen3_moe_model(0, **overrides)

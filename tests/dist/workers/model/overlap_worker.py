@@ -1,13 +1,13 @@
 """DP=2 worker for tests/dist/test_gpu_defaults_overlap.py: parallel.overlap_grad_reduce (DDP's per-bucket
 reduce during the backward, the other micro-batches under no_sync) against the one reduce after
-the backward (from the second iteration on, when Megatron starts overlapping), with small buckets (several per model) and with the distributed optimizer off and
-on: the same reduced gradients, and the same weights after a step."""
+the backward (from the second iteration on, when Megatron starts overlapping), with small buckets
+(several per model) and with the distributed optimizer off and on: the same reduced gradients, and the
+same weights after a step."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
@@ -45,7 +45,9 @@ def main():
         runs = {}
         for overlap in (False, True):
             gpu = GpuSettings(overlap_grad_reduce=overlap, ddp_bucket_size=20_000 if overlap else 0)
-            policy = MegatronPolicy(cfg, OptimConfig(lr=1e-2), loss_cfg, distributed_optimizer=dist_opt, gpu_settings=gpu)
+            policy = MegatronPolicy(
+                cfg, OptimConfig(lr=1e-2), loss_cfg, distributed_optimizer=dist_opt, gpu_settings=gpu
+            )
             assert policy.model.ddp_config.overlap_grad_reduce is overlap
             if overlap:
                 buckets = sum(len(b.buckets) for b in policy.model.bucket_groups)
@@ -64,7 +66,10 @@ def main():
         err_g = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
         err_w = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
         scale = max(float(g.abs().max()) for g in g0.values())
-        print(f"rank {dp_rank} dist_opt={dist_opt}: overlap vs not: grad {err_g:.1e} (max |g| {scale:.1e}), weights {err_w:.1e}")
+        print(
+            f"rank {dp_rank} dist_opt={dist_opt}: overlap vs not: "
+            f"grad {err_g:.1e} (max |g| {scale:.1e}), weights {err_w:.1e}"
+        )
         assert scale > 0 and err_g <= 1e-6 * scale and err_w <= 1e-5, (err_g, err_w)
     if dist.get_rank() == 0:
         print("OVERLAP GRAD REDUCE OK", flush=True)

@@ -5,16 +5,19 @@ loss, log-probs and gradients for the same weights; packed THD log-probs and gra
 per-sequence runs at PP=2 (ragged lengths, with and without padding between sequences); a few
 optimizer steps at PP=2 reduce the loss."""
 
+import common
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-import common
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 from megatron_dppo.megatron import (
-    build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
+    build_gpt_model,
+    destroy_parallel,
+    initialize_parallel,
+    token_logprobs,
 )
 from megatron_dppo.megatron.attention import packed_seq_params
-from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 
 SEED = 4321
 TOL = 1e-5
@@ -38,9 +41,13 @@ def run(model, micro_batches, forward_only=False):
     loss_func dicts (one per micro-batch), elsewhere []."""
     ids = micro_batches[0][0]
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[model],
-        num_microbatches=len(micro_batches), seq_length=ids.size(1),
-        micro_batch_size=ids.size(0), forward_only=forward_only,
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=ids.size(1),
+        micro_batch_size=ids.size(0),
+        forward_only=forward_only,
     )
 
 
@@ -63,12 +70,12 @@ def packing_case(model, seqs, multiple):
     starts = batch.cu_seqlens_padded.tolist()
     mask = torch.zeros(labels.shape)  # real next-token positions only
     for s, q in zip(starts, seqs):
-        mask[0, s:s + len(q) - 1] = 1.0
+        mask[0, s : s + len(q) - 1] = 1.0
     model.zero_grad(set_to_none=True)
     out = run(model, [(ids, pos, labels, params, mask)])
     common.finalize_grads(model)
     grads_packed = common.full_grads(model)
-    packed = [out[0]["logp"][0, s:s + len(q) - 1] for s, q in zip(starts, seqs)] if out else []
+    packed = [out[0]["logp"][0, s : s + len(q) - 1] for s, q in zip(starts, seqs)] if out else []
 
     model.zero_grad(set_to_none=True)
     alone = []
@@ -114,13 +121,15 @@ def main():
         packed, alone, grads_packed, grads_alone = packing_case(model, seqs, multiple)
         errs = dict(
             logp=max([(a - b).abs().max().item() for a, b in zip(packed, alone)], default=0.0),
-            logp_vs_pp1=max([(a - b).abs().max().item() for a, b in zip(packed, ref_packed)],
-                            default=0.0),
+            logp_vs_pp1=max([(a - b).abs().max().item() for a, b in zip(packed, ref_packed)], default=0.0),
             grad=common.max_diff(grads_packed, grads_alone),
             grad_vs_pp1=common.max_diff(grads_packed, common.shard(model, ref_packed_grads)),
         )
-        print(f"rank {torch.distributed.get_rank()} packing at PP=2, pad_multiple {multiple}:",
-              {k: f"{v:.2e}" for k, v in errs.items()}, flush=True)
+        print(
+            f"rank {torch.distributed.get_rank()} packing at PP=2, pad_multiple {multiple}:",
+            {k: f"{v:.2e}" for k, v in errs.items()},
+            flush=True,
+        )
         assert all(v < TOL for v in errs.values()), errs
     destroy_parallel(world=False)
 

@@ -5,15 +5,19 @@ GPTModel train on CPU; the GPTModel equals transformers' Qwen3 (logits, tied and
 vocab-parallel log-probs/entropy equal log_softmax over the real vocabulary; bf16 builds;
 the attention switch resolves to the local path on CPU."""
 
+import common
 import torch
 from transformers import Qwen3ForCausalLM
 
-import common
 from megatron_dppo.megatron import (
-    build_gpt_model, enable_cpu_compat, initialize_parallel, suspend_cpu_compat,
-    token_logprobs, token_logprobs_and_entropy,
+    build_gpt_model,
+    cpu_compat,
+    enable_cpu_compat,
+    initialize_parallel,
+    suspend_cpu_compat,
+    token_logprobs,
+    token_logprobs_and_entropy,
 )
-from megatron_dppo.megatron import cpu_compat
 from megatron_dppo.megatron.model import resolve_attention_backend
 
 
@@ -49,8 +53,10 @@ def hf_to_megatron(hf_model, cfg) -> dict:
     the table in docs/platform.md section 1 (fused QKV grouped per KV head, fc1 = [gate; up])."""
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     heads, groups, dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": sd["model.norm.weight"],
+    }
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
@@ -64,8 +70,7 @@ def hf_to_megatron(hf_model, cfg) -> dict:
         out[mg + "self_attention.k_layernorm.weight"] = sd[hf + "self_attn.k_norm.weight"]
         out[mg + "input_layernorm.weight"] = sd[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = sd[hf + "post_attention_layernorm.weight"]
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]])
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat([sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]])
         out[mg + "mlp.linear_fc2.weight"] = sd[hf + "mlp.down_proj.weight"]
     return out
 
@@ -101,21 +106,20 @@ def check_logprobs(cfg):
     logits = model(ids, torch.arange(11).expand(2, 11), None)[:, :-1]
     assert logits.shape[-1] == 128
     leaf = logits.detach().requires_grad_()
-    logp, ent = token_logprobs_and_entropy(leaf, ids[:, 1:], vocab_size=common.VOCAB,
-                                           temperature=0.7)
+    logp, ent = token_logprobs_and_entropy(leaf, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.7)
     (logp.sum() + 0.3 * ent.sum()).backward()
     ref_leaf = logits.detach().requires_grad_()
     ref = torch.log_softmax(ref_leaf[..., : common.VOCAB] / 0.7, -1)
     ref_logp = ref.gather(-1, ids[:, 1:, None])[..., 0]
     ref_ent = -(ref.exp() * ref).sum(-1)
     (ref_logp.sum() + 0.3 * ref_ent.sum()).backward()
-    errs = [(logp - ref_logp).abs().max(), (ent - ref_ent).abs().max(),
-            (leaf.grad - ref_leaf.grad).abs().max()]
+    errs = [(logp - ref_logp).abs().max(), (ent - ref_ent).abs().max(), (leaf.grad - ref_leaf.grad).abs().max()]
     print("log-probs/entropy/grad vs log_softmax:", [f"{e:.1e}" for e in errs])
     assert max(errs) < 1e-5, errs
     plain = token_logprobs(logits, ids[:, 1:], vocab_size=common.VOCAB)
-    assert torch.allclose(plain, torch.log_softmax(logits[..., : common.VOCAB], -1).gather(
-        -1, ids[:, 1:, None])[..., 0], atol=1e-5)
+    assert torch.allclose(
+        plain, torch.log_softmax(logits[..., : common.VOCAB], -1).gather(-1, ids[:, 1:, None])[..., 0], atol=1e-5
+    )
 
 
 def check_bf16(cfg):
@@ -137,8 +141,7 @@ def main():
             raise AssertionError(f"{bad!r} accepted")
         except err:
             pass
-    cfg = common.tiny_config(num_hidden_layers=2, rope_parameters={"rope_type": "default",
-                                                                  "rope_theta": 1e6})
+    cfg = common.tiny_config(num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     check_cpu_compat(cfg)
     check_matches_hf(cfg)
     check_matches_hf(common.tiny_config(num_hidden_layers=2, tie_word_embeddings=False))

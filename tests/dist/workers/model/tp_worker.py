@@ -6,17 +6,19 @@ TP=1 and TP=2 (ragged lengths, with and without padding between sequences, bucke
 per-sequence attention)."""
 
 import itertools
-import os
-
-import torch
 
 import common
+import torch
+
+from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 from megatron_dppo.megatron import (
-    build_gpt_model, destroy_parallel, initialize_parallel, token_logprobs,
+    build_gpt_model,
+    destroy_parallel,
+    initialize_parallel,
+    token_logprobs,
     token_logprobs_and_entropy,
 )
 from megatron_dppo.megatron.attention import PackedDotProductAttention, packed_seq_params
-from megatron_dppo.algorithms.packing import Sample, build_thd_batch
 
 SEED = 1234
 TOL = 1e-5
@@ -41,8 +43,9 @@ def check_blocks(model, ids):
     out = {}
     for name, chunk in (("one", 1 << 25), ("small", 5 * logits.size(-1))):
         leaf = logits.clone().requires_grad_()
-        logp, ent = token_logprobs_detached_entropy(leaf, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.8,
-                                                    chunk_elements=chunk)
+        logp, ent = token_logprobs_detached_entropy(
+            leaf, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.8, chunk_elements=chunk
+        )
         (logp * weight).sum().backward()
         out[name] = logp.detach(), ent, leaf.grad
     _, ent_ref = token_logprobs_and_entropy(logits, ids[:, 1:], vocab_size=common.VOCAB, temperature=0.8)
@@ -77,10 +80,13 @@ def check_packing(model, lengths=(7, 41, 5, 10, 2, 23, 9, 70)):
         assert params.cu_seqlens_q_padded is None
         assert params.cu_seqlens_q.tolist() == batch.cu_seqlens_padded.tolist()
         model.zero_grad(set_to_none=True)
-        logp = token_logprobs(model(batch.tokens, batch.position_ids, None, packed_seq_params=params),
-                              batch.labels, vocab_size=common.VOCAB)[0]
+        logp = token_logprobs(
+            model(batch.tokens, batch.position_ids, None, packed_seq_params=params),
+            batch.labels,
+            vocab_size=common.VOCAB,
+        )[0]
         starts = batch.cu_seqlens_padded.tolist()
-        packed = [logp[s:s + len(q) - 1] for s, q in zip(starts, seqs)]
+        packed = [logp[s : s + len(q) - 1] for s, q in zip(starts, seqs)]
         sum(x.sum() for x in packed).backward()
         err = max((a - b).abs().max().item() for a, b in zip(packed, alone))
         gerr = common.max_diff(common.full_grads(model), grads_alone)

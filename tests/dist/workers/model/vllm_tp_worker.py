@@ -7,6 +7,7 @@ full tensors), the same against the new model; after close() the trainer's world
 vLLM's groups run under the timeout given (vllm_timeout_kwargs, parallel.timeout_minutes).
 Rank 0 writes its measurements as JSON to --out. Any failed check raises (non-zero exit).
 """
+
 import argparse
 import json
 import time
@@ -58,8 +59,13 @@ def main():
     old = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(args.new_model_dir, dtype=torch.float32).eval()
     engine = RolloutEngine(
-        args.model_dir, dtype="float32", max_model_len=128, tensor_parallel_size=2,
-        kv_cache_memory_bytes=16 << 20, block_size=32, logprobs_mode="processed_logprobs",
+        args.model_dir,
+        dtype="float32",
+        max_model_len=128,
+        tensor_parallel_size=2,
+        kv_cache_memory_bytes=16 << 20,
+        block_size=32,
+        logprobs_mode="processed_logprobs",
         **vllm_timeout_kwargs(TIMEOUT_MINUTES),
     )
     result_timeouts = vllm_group_timeouts()

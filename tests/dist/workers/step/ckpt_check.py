@@ -165,7 +165,9 @@ def phase_hold_save(args, policy):
 
     from megatron_dppo.rewards import RewardScorer
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # tests/: reward_fixtures
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..")
+    )  # tests/: reward_fixtures
     scorer = RewardScorer("reward_fixtures:hang_on_leading_one", timeout_s=600, num_workers=2)
     threading.Thread(target=scorer.score, args=(["1 hangs", "2"], ["3", "2"]), daemon=True).start()
     write = FileSystemWriterAsync.write_preloaded_data
