@@ -394,7 +394,7 @@ def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_
     a user function given by file path returning a dict with extras, and a module function),
     chat-rendered, trained 3 steps and validated with sampling (avg@4, pass@k, maj@4 per source);
     the logged val/ rows equal a recomputation from the validation dump."""
-    from megatron_dppo.data.prompts import tasks
+    from megatron_dppo.data import tasks
     from megatron_dppo.rollout.validation import metrics_from_rows, read_dump
 
     tiny = REPO / "examples" / "tiny"

@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "unit"))
 from test_reco import PADDED, VOCAB, _gini_reference, _logits  # noqa: E402
 
-from megatron_dppo.algorithms.methods import reco  # noqa: E402
+from megatron_dppo.algorithms.methods.reco import rules as reco  # noqa: E402
 
 
 def _tp_worker():
