@@ -116,7 +116,7 @@ class Trainer:
         ).start()
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
         place = EnginePlace.of_rank(self.rank, self.world, pc.rollout_tp)
-        self.engine_index, self.num_engines, self.engine_leader = place.index, place.count, place.leader
+        self.engine_place = place
         self.policy = startup.build_policy(cfg, self.hf_config)
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.method = Method.from_config(cfg, self.strategy)
@@ -300,9 +300,9 @@ class Trainer:
             step=step,
             dump_dir=os.path.join(self.run_dir, "val"),
             seed=self.cfg.trainer.seed,
-            engine_index=self.engine_index,
-            num_engines=self.num_engines,
-            engine_leader=self.engine_leader,
+            engine_index=self.engine_place.index,
+            num_engines=self.engine_place.count,
+            engine_leader=self.engine_place.leader,
             is_main=self.is_main,
         )
 
