@@ -77,3 +77,51 @@ def tiny_qwen3_moe_model(seed: int, **overrides):
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
     return cfg, model
+
+
+# ---- the Llama and Qwen2 families (model/families.py) -------------------------------------------
+# llama3 RoPE whose low/high_freq_factor and original context are not Megatron-Core's fixed
+# 1 / 4 / 8192 (its RotaryEmbedding would scale none of these frequencies): the original context
+# 64 < the 128 positions, so the scaling bites on the tiny model's sequences.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 1e4,
+    "factor": 4.0,
+    "low_freq_factor": 2.0,
+    "high_freq_factor": 8.0,
+    "original_max_position_embeddings": 64,
+}
+# Qwen2 has no head_dim field (hidden / heads; vLLM's Qwen2 derives it so too): hidden 128 for 32.
+FAMILY_SHAPES = {
+    "llama": dict(SHAPE, architectures=["LlamaForCausalLM"]),
+    "qwen2": {
+        **{k: v for k, v in SHAPE.items() if k != "head_dim"},
+        "hidden_size": 128,
+        "architectures": ["Qwen2ForCausalLM"],
+    },
+}
+
+
+def tiny_family_config(family: str, **overrides):
+    """The tiny shape as a transformers LlamaConfig ("llama") or Qwen2Config ("qwen2")."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    copied = {k: dict(v) if isinstance(v, dict) else v for k, v in overrides.items()}  # LLAMA3_ROPE stays as is
+    return cls(**{**FAMILY_SHAPES[family], **copied})
+
+
+def tiny_family_model(family: str, seed: int, **overrides):
+    """(config, fp32 transformers model) of the family from `seed`, norms and biases perturbed
+    (HF initialises norms to 1 and Qwen2's q/k/v biases to 0: a dropped bias would go unnoticed)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_family_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    _perturb_norms(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return cfg, model

@@ -1,4 +1,6 @@
-"""Qwen3 dense models as Megatron-Core GPTModels, built from a transformers Qwen3Config.
+"""The supported families (model/families.py: Qwen3 dense and MoE, Llama, Qwen2) as Megatron-Core
+GPTModels, built from a transformers config: qk_layernorm for Qwen3's q/k norms, add_qkv_bias for
+Qwen2's q/k/v biases, llama3 RoPE scaling applied with all of config.json's keys.
 
 Two attention paths behind one switch (megatron/attention_backend.py decides "auto"):
   "te"    Transformer Engine layer spec (fused kernels, THD varlen attention); needs CUDA + TE.
@@ -26,6 +28,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_dppo.megatron import moe
 from megatron_dppo.megatron.attention import PackedDotProductAttention
 from megatron_dppo.megatron.attention_backend import attention_choice
+from megatron_dppo.model import families
 from megatron_dppo.model.vocab import VOCAB_DIVISIBLE_BY, padded_vocab_size
 
 
@@ -70,17 +73,22 @@ class GpuSettings:
         return {name: True for name in fusions if getattr(self, name)}
 
 
-def _rope_theta(hf_config) -> float:
-    rope = getattr(hf_config, "rope_parameters", None) or {}  # transformers 5
-    if rope.get("rope_type", "default") != "default":
-        raise NotImplementedError(f"rope_type {rope['rope_type']!r} is not supported")
-    return float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+def _apply_rope_scaling(model: GPTModel, hf_config) -> None:
+    """llama3 RoPE (Llama 3.1 / 3.2) with all four of config.json's keys. Megatron-Core's
+    RotaryEmbedding(rope_scaling=True) passes it `factor` only and fixes low/high_freq_factor at
+    1 / 4 and the original context at 8192 (tests/unit/test_families.py shows a config where that
+    differs from transformers); its own _apply_scaling takes all four, so it is called here on the
+    unscaled frequencies, before any forward caches them."""
+    rope = families.rope_parameters(hf_config)
+    if rope["rope_type"] == "llama3" and hasattr(model, "rotary_pos_emb"):
+        emb = model.rotary_pos_emb
+        emb.inv_freq = emb._apply_scaling(emb.inv_freq, **{k: rope[k] for k in families.LLAMA3_ROPE_KEYS})
 
 
 def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto", **overrides):
-    """TransformerConfig for a Qwen3 dense model at the current TP/PP sizes."""
-    if getattr(hf_config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not supported")
+    """TransformerConfig for a model of a supported family (model/families.py) at the current
+    TP/PP sizes."""
+    family = families.check_supported(hf_config)
     backend = resolve_attention_backend(attention, dtype=params_dtype)
     on_cpu = not torch.cuda.is_available()
     fuse = backend == "te"  # jit/TE fusions; the CPU and the plain-GPU path run unfused
@@ -94,11 +102,11 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
         kv_channels=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=family.qk_norm,
         gated_linear_unit=True,  # SwiGLU: fc1 = [gate; up] per TP rank
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        add_qkv_bias=family.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=hf_config.initializer_range,
@@ -123,16 +131,17 @@ def transformer_config(hf_config, *, params_dtype=torch.float32, attention="auto
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(backend: str, thd_attention: str = "auto"):
+def layer_spec(backend: str, thd_attention: str = "auto", qk_norm: bool = True):
     """One decoder layer's spec. thd_attention: the local path's packed-attention kernel
-    (model.thd_attention: megatron/attention.py), fixed here when the model is built."""
+    (model.thd_attention: megatron/attention.py), fixed here when the model is built. qk_norm:
+    the family's q/k RMSNorm (Qwen3's; Llama and Qwen2 have none)."""
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=PackedDotProductAttention, params={"thd_impl": thd_attention}
     )
@@ -165,7 +174,7 @@ def build_gpt_model(
     make_vocab_size_divisible_by: int = VOCAB_DIVISIBLE_BY,
     **config_overrides,
 ) -> GPTModel:
-    """This rank's stage of a Qwen3 GPTModel (parallel state must be initialised).
+    """This rank's stage of the model's GPTModel (parallel state must be initialised).
 
     pre_process / post_process default to whether this rank is the first / last PP stage.
     model.vocab_size is the padded vocabulary (see padded_vocab_size); the forward with
@@ -184,7 +193,9 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            moe.decoder_spec(hf_config, config, backend, layer_spec(backend, thd_attention), vp_stage),
+            moe.decoder_spec(
+                hf_config, config, backend, layer_spec(backend, thd_attention, config.qk_layernorm), vp_stage
+            ),
             backend,
             config,
             vp_stage,
@@ -196,9 +207,10 @@ def build_gpt_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
-        rotary_base=_rope_theta(hf_config),
+        rotary_base=families.rope_parameters(hf_config)["rope_theta"],
         vp_stage=vp_stage,
     )
+    _apply_rope_scaling(model, hf_config)
     # Norm weights are created in fp32 whatever params_dtype says (Megatron-LM casts the whole
     # model with Float16Module); cast here so one model has one dtype.
     return model.to(params_dtype)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Arch:
-    """The numbers of a Qwen3-style model (GQA attention, SwiGLU MLP, RMSNorm, qk-norm), dense or
-    a mixture of experts (Qwen3 MoE: sparse layers of routed SwiGLU experts, no shared expert)."""
+    """The numbers of a model of a supported family (model/families.py: GQA attention, SwiGLU MLP,
+    RMSNorm; Qwen3's qk-norm, Qwen2's q/k/v biases), dense or a mixture of experts (Qwen3 MoE:
+    sparse layers of routed SwiGLU experts, no shared expert)."""
 
     vocab: int
     hidden: int
@@ -23,6 +24,8 @@ class Arch:
     experts_per_tok: int = 0  # top-k
     moe_ffn: int = 0  # each expert's SwiGLU width (moe_intermediate_size)
     sparse: tuple = ()  # per layer: True where the MLP is an MoE layer (empty: dense)
+    qk_norm: bool = True  # Qwen3's q/k RMSNorm (head_dim each, replicated over TP)
+    qkv_bias: bool = False  # Qwen2's q/k/v biases (split over TP with the QKV rows)
 
     @classmethod
     def from_hf(cls, c: dict) -> Arch:
@@ -57,6 +60,8 @@ class Arch:
             experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0)) if lay.moe_layers else 0,
             moe_ffn=lay.moe_intermediate,
             sparse=lay.moe_layers,
+            qk_norm=lay.qk_norm,
+            qkv_bias=lay.qkv_bias,
         )
 
     def is_sparse(self, layer: int) -> bool:
@@ -66,15 +71,18 @@ class Arch:
         """One decoder layer on one TP rank, experts not included: QKV, out-proj (and a dense
         layer's fc1 [gate; up], fc2) are split over TP; the two RMSNorms (hidden), q/k-norms
         (head_dim) and an MoE layer's router (experts x hidden) are replicated."""
-        h, d = self.hidden, self.head_dim
+        h = self.hidden
+        replicated = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         if sparse:
-            return self.attention_params() // tp + 2 * h + 2 * d + self.experts * h
-        return (self.attention_params() + self.dense_mlp_params()) // tp + 2 * h + 2 * d
+            return self.attention_params() // tp + replicated + self.experts * h
+        return (self.attention_params() + self.dense_mlp_params()) // tp + replicated
 
     def attention_params(self) -> int:
-        """One layer's attention matmul weights, whole: QKV (heads + 2 KV heads) and the out-proj."""
+        """One layer's attention weights, whole: QKV (heads + 2 KV heads; with their biases) and
+        the out-proj."""
         h, d = self.hidden, self.head_dim
-        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        qkv = (self.heads + 2 * self.kv_heads) * d
+        return qkv * (h + self.qkv_bias) + self.heads * d * h
 
     def dense_mlp_params(self) -> int:
         """One dense layer's SwiGLU weights, whole: fc1 [gate; up] and fc2."""

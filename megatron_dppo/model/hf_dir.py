@@ -14,6 +14,7 @@ import json
 import os
 
 from megatron_dppo.model import qwen3 as mapping
+from megatron_dppo.model.families import family_of
 from megatron_dppo.model.hf_io import INDEX, SINGLE, HFCheckpoint
 
 # Files one of which a Hugging Face tokenizer is built from (fast, BPE, WordPiece, SentencePiece).
@@ -91,9 +92,19 @@ def check_hf_model_dir(path: str, field: str = "model.hf_dir") -> HFCheckpoint:
     except (FileNotFoundError, OSError, ValueError) as e:
         _fail(str(e))
     layout = mapping.layout_from_hf_config(config)
-    absent = [n for n in mapping.hf_tensor_names(layout) if n not in tensors]
+    needed = mapping.hf_tensor_names(layout)
+    absent = [n for n in needed if n not in tensors]
     if absent:
         _fail(f"{ckpt.source} lacks {len(absent)} tensor(s) that config.json's model needs, e.g. {absent[:3]}")
+    # A layer tensor the family does not have (Qwen3's q_norm under a Llama config.json, Qwen2's
+    # biases under a Qwen3 one) would be dropped without a word: another model's weights.
+    needed = set(needed)
+    extra = sorted(n for n in tensors if n.startswith("model.layers.") and n not in needed and "inv_freq" not in n)
+    if extra:
+        _fail(
+            f"{ckpt.source} holds {len(extra)} layer tensor(s) that a {family_of(config).architecture} does not have, "
+            f"e.g. {extra[:3]}: config.json's architectures do not match the weights"
+        )
     return ckpt
 
 

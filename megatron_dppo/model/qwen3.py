@@ -1,4 +1,7 @@
-"""Qwen3 HF <-> Megatron-Core GPTModel weight mapping, with TP and PP sharding.
+"""HF <-> Megatron-Core GPTModel weight mapping of every supported family (model/families.py:
+Qwen3, Qwen3 MoE, Llama, Qwen2), with TP and PP sharding. The families share the HF names;
+Qwen3's q/k norms (layout.qk_norm) and Qwen2's q/k/v biases (layout.qkv_bias) are the rows
+only some have. (The module keeps its first family's name.)
 
 Plain torch on state dicts (no megatron import), so the conversion tools, the trainer's weight
 push to vLLM and the tests share one mapping. Names (measured, docs/platform.md section 1):
@@ -7,7 +10,8 @@ push to vLLM and the tests share one mapping. Names (measured, docs/platform.md 
   model.layers.L.input_layernorm.weight     decoder.layers.L.input_layernorm.weight
                                             (TE spec: ...self_attention.linear_qkv.layer_norm_weight)
   model.layers.L.self_attn.{q,k,v}_proj     decoder.layers.L.self_attention.linear_qkv.weight
-  model.layers.L.self_attn.{q,k}_norm       decoder.layers.L.self_attention.{q,k}_layernorm.weight
+  model.layers.L.self_attn.{q,k,v}_proj.bias  decoder.layers.L.self_attention.linear_qkv.bias (Qwen2)
+  model.layers.L.self_attn.{q,k}_norm       decoder.layers.L.self_attention.{q,k}_layernorm.weight (Qwen3)
   model.layers.L.self_attn.o_proj           decoder.layers.L.self_attention.linear_proj.weight
   model.layers.L.post_attention_layernorm   decoder.layers.L.pre_mlp_layernorm.weight
                                             (TE spec: ...mlp.linear_fc1.layer_norm_weight)
@@ -16,9 +20,9 @@ push to vLLM and the tests share one mapping. Names (measured, docs/platform.md 
   model.norm.weight                         decoder.final_layernorm.weight
   lm_head.weight                            output_layer.weight (absent when tied)
 
-The fused QKV rows are grouped per KV head: for each group g, its nq/ng query heads, then k
-head g, then v head g. A TP rank owns whole groups, so a TP split of linear_qkv is a plain split
-of dim 0; linear_fc1 must be split gate and up separately.
+The fused QKV rows (and Qwen2's fused bias) are grouped per KV head: for each group g, its
+nq/ng query heads, then k head g, then v head g. A TP rank owns whole groups, so a TP split of
+linear_qkv is a plain split of dim 0; linear_fc1 must be split gate and up separately.
 
 Qwen3 MoE (Qwen3MoeForCausalLM) sparse layers, expert e of E (megatron/moe.py has the model side):
   model.layers.L.mlp.gate.weight            decoder.layers.L.mlp.router.weight
@@ -43,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+from megatron_dppo.model.families import check_supported
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class Qwen3Layout:
     num_experts: int = 0  # routed experts per sparse layer; 0: a dense model
     moe_intermediate: int = 0  # each expert's SwiGLU width
     moe_layers: tuple = ()  # per layer: True where the MLP is sparse (empty for a dense model)
+    qk_norm: bool = True  # q_norm / k_norm per head (Qwen3); Llama and Qwen2 have none
+    qkv_bias: bool = False  # q/k/v biases (Qwen2), fused into linear_qkv.bias as the weights are
 
     @property
     def heads_per_group(self) -> int:
@@ -102,32 +108,6 @@ def read_model_config(path: str):
         raise ValueError(str(e) if path in str(e) else f"{path}: {e}") from None
 
 
-def check_supported(hf_config) -> None:
-    """What the trainer, the converters and `megatron-dppo plan` refuse alike: a ValueError
-    naming the config.json field the model builder (megatron/model.py) does not carry."""
-    archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__.replace("Config", "ForCausalLM")]
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"config.json architectures={archs}: only {SUPPORTED_ARCHITECTURES} are supported "
-            "(Qwen2.5 adds q/k/v biases and has no qk-norm; Llama 3 has no qk-norm and uses "
-            "llama3 RoPE scaling: neither is mapped nor built by megatron_dppo.megatron.model)"
-        )
-    if getattr(hf_config, "use_sliding_window", False):
-        raise ValueError("config.json use_sliding_window=true: sliding-window attention is not supported")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"config.json rope_parameters.rope_type={rope['rope_type']!r}: only 'default' RoPE is supported"
-        )
-    experts = int(getattr(hf_config, "num_experts", 0) or 0)
-    if experts:
-        k = getattr(hf_config, "num_experts_per_tok", 0)
-        if not 1 <= k <= experts:
-            raise ValueError(f"config.json num_experts_per_tok={k}: expected 1..num_experts ({experts})")
-        if getattr(hf_config, "shared_expert_intermediate_size", 0):
-            raise ValueError("config.json shared_expert_intermediate_size: shared experts are not mapped")
-
-
 def moe_layer_pattern(hf_config) -> tuple:
     """Per decoder layer, whether transformers builds it sparse (Qwen3MoeDecoderLayer's rule):
     not in mlp_only_layers and every decoder_sparse_step-th layer; () for a dense model."""
@@ -141,14 +121,7 @@ def moe_layer_pattern(hf_config) -> tuple:
 
 def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: bool = False) -> Qwen3Layout:
     """The layout of a supported model; a ValueError naming the config.json field otherwise."""
-    check_supported(hf_config)
-    # Fields a Qwen3 checkpoint may set that this mapping (or the GPTModel built from the same
-    # config) does not carry: refuse rather than convert into a different model.
-    if getattr(hf_config, "attention_bias", False):
-        raise ValueError("config.json attention_bias=true: q/k/v/o biases are not mapped")
-    act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
+    family = check_supported(hf_config)  # refuses what this mapping or the GPTModel does not carry
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     if hf_config.num_attention_heads % hf_config.num_key_value_heads:
         raise ValueError(
@@ -171,6 +144,8 @@ def layout_from_hf_config(hf_config, padded_vocab: int | None = None, te_names: 
         if moe_layer_pattern(hf_config)
         else 0,
         moe_layers=moe_layer_pattern(hf_config),
+        qk_norm=family.qk_norm,
+        qkv_bias=family.qkv_bias,
     )
 
 
@@ -247,20 +222,21 @@ def _layer_rules(i: int, layout: Qwen3Layout) -> dict:
     serves the whole-layer conversion and the tensor-at-a-time streaming converter."""
     h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
     ln1, ln2 = _mg_norm_names(layout, i)
-    a = h + "self_attn."
+    a, q = h + "self_attn.", p + "self_attention."
     same = _same
-    return {
+    fuse = lambda q, k, v: fuse_qkv(q, k, v, layout)  # noqa: E731
+    rules = {
         ln1: ((h + "input_layernorm.weight",), same),
-        p + "self_attention.linear_qkv.weight": (
-            (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-            lambda q, k, v: fuse_qkv(q, k, v, layout),
-        ),
-        p + "self_attention.q_layernorm.weight": ((a + "q_norm.weight",), same),
-        p + "self_attention.k_layernorm.weight": ((a + "k_norm.weight",), same),
-        p + "self_attention.linear_proj.weight": ((a + "o_proj.weight",), same),
-        ln2: ((h + "post_attention_layernorm.weight",), same),
-        **_mlp_rules(i, layout),
+        q + "linear_qkv.weight": ((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), fuse),
     }
+    if layout.qkv_bias:
+        rules[q + "linear_qkv.bias"] = ((a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), fuse)
+    if layout.qk_norm:
+        rules[q + "q_layernorm.weight"] = ((a + "q_norm.weight",), same)
+        rules[q + "k_layernorm.weight"] = ((a + "k_norm.weight",), same)
+    rules[q + "linear_proj.weight"] = ((a + "o_proj.weight",), same)
+    rules[ln2] = ((h + "post_attention_layernorm.weight",), same)
+    return {**rules, **_mlp_rules(i, layout)}
 
 
 def _global_rules(layout: Qwen3Layout) -> dict:
@@ -320,19 +296,17 @@ def _megatron_mlp_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
 def megatron_layer_to_hf(i: int, get, layout: Qwen3Layout) -> dict:
     h, p = f"model.layers.{i}.", f"decoder.layers.{i}."
     ln1, ln2 = _mg_norm_names(layout, i)
-    q, k, v = split_qkv(get(p + "self_attention.linear_qkv.weight"), layout)
-    a = h + "self_attn."
-    return {
-        h + "input_layernorm.weight": get(ln1),
-        a + "q_proj.weight": q,
-        a + "k_proj.weight": k,
-        a + "v_proj.weight": v,
-        a + "q_norm.weight": get(p + "self_attention.q_layernorm.weight"),
-        a + "k_norm.weight": get(p + "self_attention.k_layernorm.weight"),
-        a + "o_proj.weight": get(p + "self_attention.linear_proj.weight"),
-        h + "post_attention_layernorm.weight": get(ln2),
-        **_megatron_mlp_to_hf(i, get, layout),
-    }
+    a, s = h + "self_attn.", p + "self_attention."
+    out = {h + "input_layernorm.weight": get(ln1)}
+    for kind in ("weight", "bias") if layout.qkv_bias else ("weight",):
+        qkv = split_qkv(get(f"{s}linear_qkv.{kind}"), layout)
+        out.update(zip((f"{a}{n}_proj.{kind}" for n in "qkv"), qkv))
+    if layout.qk_norm:
+        out[a + "q_norm.weight"] = get(s + "q_layernorm.weight")
+        out[a + "k_norm.weight"] = get(s + "k_layernorm.weight")
+    out[a + "o_proj.weight"] = get(s + "linear_proj.weight")
+    out[h + "post_attention_layernorm.weight"] = get(ln2)
+    return {**out, **_megatron_mlp_to_hf(i, get, layout)}
 
 
 def _getter(sd: dict, what: str):
@@ -429,7 +403,7 @@ def tp_split_kind(name: str) -> str:
     row/column/fc1/vocab/replicated."""
     if name.endswith(("word_embeddings.weight", "output_layer.weight")):
         return "vocab"
-    if name.endswith("linear_qkv.weight"):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
         return "column"
     if re.search(r"linear_fc1\.weight\d*$", name):
         return "fc1"

@@ -28,7 +28,7 @@ from megatron_dppo.model.hf_dir import TOKENIZER_FILES
 # Config keys a resumed run must keep (see the module docstring for why each).
 FIXED_KEYS = ("rollout.group_size", "pruning.strategy")
 ARCHITECTURE_FIELDS = (
-    "model_type",
+    "model_type",  # the family (model/families.py): llama, qwen2, qwen3, qwen3_moe
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -45,6 +45,11 @@ ARCHITECTURE_FIELDS = (
     "norm_topk_prob",
     "mlp_only_layers",
     "decoder_sparse_step",
+    # the family's attention and RoPE (model/families.py): Llama 3.1's llama3 scaling, a theta
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "attention_bias",
 )
 # The files a tokenizer is built from (preflight's list), and those that change what it produces.
 _TOKENIZER_FILES = TOKENIZER_FILES + (
@@ -116,10 +121,11 @@ def model_difference(saved: dict, current: dict, weights: bool = True) -> str:
     it does not): config.json's architecture first, then the tokenizer files, then (weights) the
     weights. A saved identity without a tokenizer or weights hash (from hf_config.json alone)
     compares its architecture only."""
+    # A field an older version did not record (absent, not None) is not compared: its checkpoints resume.
     arch = [
         f"{k} {saved['architecture'].get(k)!r} -> {current['architecture'].get(k)!r}"
         for k in ARCHITECTURE_FIELDS
-        if saved["architecture"].get(k) != current["architecture"].get(k)
+        if k in saved["architecture"] and saved["architecture"][k] != current["architecture"].get(k)
     ]
     if arch:
         return f"its config.json differs ({', '.join(arch)})"

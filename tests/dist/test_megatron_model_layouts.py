@@ -1,4 +1,5 @@
-"""The Megatron-Core model on CPU against transformers, at TP=1, TP=2 and PP=2, with packed attention.
+"""The Megatron-Core model on CPU against transformers, at TP=1, TP=2 and PP=2, with packed attention
+(Qwen3; the Llama and Qwen2 families in families_worker.py).
 
 Each test launches a worker script under torchrun (tests/dist/workers/model/*_worker.py): Megatron's
 parallel state and the CPU shim are process-global, so they never run inside the pytest process.
@@ -34,3 +35,11 @@ def test_pp2_equals_single_stage_packs_and_trains(torchrun):
     out = torchrun(DIST / "pp_worker.py", 2)
     assert out.count("packing at PP=2, pad_multiple") == 4  # 2 cases x 2 ranks
     assert "PP=2 training losses" in out and "OK" in out
+
+
+def test_llama_and_qwen2_equal_transformers_at_tp1_tp2_pp2(torchrun):
+    """The Llama (tied with llama3 RoPE, untied) and Qwen2 (q/k/v biases; tied, untied) families:
+    packed THD log-probs and gradients equal transformers' (fp32, 1e-5) at TP=1, TP=2 and PP=2,
+    so each layout equals one process (families_worker.py says how)."""
+    out = torchrun(DIST / "families_worker.py", 2)
+    assert out.count("max |logp diff|") == 4 * 3 * 2 and "OK" in out  # variants x layouts x ranks

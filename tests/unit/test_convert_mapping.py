@@ -61,8 +61,8 @@ def test_shard_then_merge_recovers_full(tp, pp):
 
 def test_unsupported_architecture_and_missing_tensor_are_named():
     cfg, sd = _hf(True)
-    cfg.architectures = ["LlamaForCausalLM"]
-    with pytest.raises(ValueError, match="architectures=\\['LlamaForCausalLM'\\]"):
+    cfg.architectures = ["MistralForCausalLM"]
+    with pytest.raises(ValueError, match="architectures=\\['MistralForCausalLM'\\]: only \\('Qwen3ForCausalLM', "):
         qwen3.layout_from_hf_config(cfg)
     cfg.architectures = ["Qwen3ForCausalLM"]
     del sd["model.layers.2.mlp.up_proj.weight"]

@@ -446,8 +446,16 @@ def test_ep_on_a_dense_model_is_refused():
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "architectures=['LlamaForCausalLM']"),
-        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "architectures=['Qwen2ForCausalLM']"),
+        (
+            {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+            "architectures=['MistralForCausalLM']: only ('Qwen3ForCausalLM', 'Qwen3MoeForCausalLM', "
+            "'LlamaForCausalLM', 'Qwen2ForCausalLM') are supported",
+        ),
+        (
+            {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True},
+            "use_sliding_window=true (Qwen2ForCausalLM)",
+        ),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True}, "attention_bias=true"),
         ({"use_sliding_window": True}, "use_sliding_window=true"),
         (
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}},
