@@ -215,3 +215,18 @@ def sharded_hf_models(tmp_path_factory):
     assert (tied / "model.safetensors").exists() and not (tied / "model.safetensors.index.json").exists()
     assert len(list(untied.glob("*.safetensors"))) > 3 and (untied / "model.safetensors.index.json").exists()
     return {"tied": tied, "untied": untied}
+
+
+@pytest.fixture(scope="session")
+def family_hf_models(tmp_path_factory):
+    """Tiny random HF dirs of the Llama and Qwen2 families (tests/tiny_models.py): "llama" (tied,
+    llama3 RoPE, one fp32 file) and "qwen2" (untied, q/k/v biases, fp32 in several shards + index)."""
+    from tiny_models import LLAMA3_ROPE, tiny_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    _, llama = tiny_family_model("llama", 5, rope_parameters=LLAMA3_ROPE)
+    llama.save_pretrained(root / "llama")
+    _, qwen2 = tiny_family_model("qwen2", 6, tie_word_embeddings=False)
+    qwen2.save_pretrained(root / "qwen2", max_shard_size="100KB")
+    assert (root / "qwen2" / "model.safetensors.index.json").exists()
+    return {"llama": root / "llama", "qwen2": root / "qwen2"}

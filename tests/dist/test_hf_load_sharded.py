@@ -19,8 +19,12 @@ def _results(output: str) -> list:
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1_dp2", "tp2", "pp2"])
-def test_sharded_load_equals_whole_checkpoint_and_hf_logits(sharded_hf_models, tmp_path, torchrun, tp, pp):
+def test_sharded_load_equals_whole_checkpoint_and_hf_logits(
+    sharded_hf_models, family_hf_models, tmp_path, torchrun, tp, pp
+):
+    """Qwen3 tied and untied, and the Llama (llama3 RoPE) and Qwen2 (q/k/v biases) families."""
     # ~40 s of CPU; the generous limit is for a shared 2-core machine (load averages of 20+ seen)
+    models = [sharded_hf_models["untied"], sharded_hf_models["tied"], *family_hf_models.values()]
     out = torchrun(
         WORKER,
         2,
@@ -29,7 +33,7 @@ def test_sharded_load_equals_whole_checkpoint_and_hf_logits(sharded_hf_models, t
         "--pp",
         pp,
         "--models",
-        f"{sharded_hf_models['untied']},{sharded_hf_models['tied']}",
+        ",".join(map(str, models)),
         "--ckpt-root",
         tmp_path / "ckpt",
         timeout=900,
@@ -37,6 +41,7 @@ def test_sharded_load_equals_whole_checkpoint_and_hf_logits(sharded_hf_models, t
     results = _results(out)
     assert len(results) == 2, out[-4000:]
     for res in results:
+        assert len(res["models"]) == 4
         init = res["init_checkpoint"]
         assert init["copied"] and init["reference_mismatches_before_copy"] > 0
         assert not (init["reference_vs_saved"] or init["policy_vs_saved"] or init["reference_after_policy_change"])
