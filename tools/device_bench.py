@@ -24,6 +24,9 @@ recorded and the next one still runs (exit status 1 if any check failed):
               and router fusions, gradient accumulation fusion), else the local path with the
               reason recorded; then, where vllm imports, the vLLM cycle of the tiny MoE
               (tools/make_tiny_moe.py; vLLM's FusedMoE and, on a GPU, Model Runner V2).
+  families    the grad check of the Llama (llama3 RoPE) and Qwen2 (q/k/v biases) toys
+              (device_checks.TOY_LLAMA, TOY_QWEN2) through Transformer Engine where it runs, else
+              the local path with the reason recorded.
   kl          the grad check with parallel.distributed_optimizer=false and a reference model
               (kl_coef 0.1): the reference model's forward on the device and its log-probs
               against transformers', the KL term's gradient, DDP's all-reduce path.
@@ -84,7 +87,7 @@ GRAD_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # bf16: its 8-bit 
 # max |vLLM - Megatron| per sampled token's log-prob: two implementations, same weights. bf16:
 # different kernels and reduction orders in 16-bit (a reload that failed gives nats).
 VLLM_LOGP_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25}
-SECTIONS = ("grad-check", "te", "moe", "kl", "convert", "vllm", "bench")
+SECTIONS = ("grad-check", "te", "moe", "families", "kl", "convert", "vllm", "bench")
 KL_COEF = 0.1
 # |reference model - transformers| per completion token's log-prob (the reference forward): fp32
 # exact up to summation order; bf16 the policy's 16-bit arithmetic against fp32 on the same weights.
@@ -358,6 +361,19 @@ def main(argv=None) -> int:
         if not v["max_logprob_diff"] <= v["tolerance"]:
             failed.append("vllm moe")
 
+    def family_checks():
+        """The grad check of the Llama (llama3 RoPE) and Qwen2 (q/k/v biases) toys, through
+        Transformer Engine where it runs (its spec without q/k norms, with the QKV bias), else
+        the local path with the reason recorded."""
+        dtype = torch.bfloat16 if cuda else torch.float32
+        blocker = device_checks.te_blocker(dtype)
+        if blocker:
+            skip(f"families grad-check through te {str(dtype).replace('torch.', '')}: {blocker} (the local path runs)")
+        for cfg in (device_checks.TOY_LLAMA, device_checks.TOY_QWEN2):
+            r = device_checks.grad_check(dtype, cfg=cfg, attention="local" if blocker else "te")
+            r["tolerance"] = GRAD_TOLERANCE[dtype]
+            _grad_ok(r, "grad_families")
+
     def kl_check():
         dtype = torch.bfloat16 if cuda else torch.float32
         r = device_checks.grad_check(dtype, distributed_optimizer=False, kl_coef=KL_COEF)
@@ -416,6 +432,7 @@ def main(argv=None) -> int:
         "grad-check": grad_checks,
         "te": te_grad_checks,
         "moe": moe_checks,
+        "families": family_checks,
         "kl": kl_check,
         "convert": convert,
         "vllm": vllm_cycle,

@@ -78,28 +78,54 @@ TOY_MOE = dict(
 )
 ROUTER_STD = 0.5
 
+# The toy as the Llama family (docs/models.md "Model families"): no q/k norm, llama3 RoPE at
+# factors Megatron-Core's own scaling does not reproduce (the original context 64 is shorter than
+# the problem's sequences, so the scaling bites); and as Qwen2: q/k/v biases, head_dim = hidden /
+# heads (64; Qwen2 has no head_dim field).
+TOY_LLAMA = dict(
+    TOY,
+    architectures=["LlamaForCausalLM"],
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 1e4,
+        "factor": 4.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
+        "original_max_position_embeddings": 64,
+    },
+)
+TOY_QWEN2 = dict({k: v for k, v in TOY.items() if k != "head_dim"}, architectures=["Qwen2ForCausalLM"])
+
 
 def _is_moe(cfg: dict) -> bool:
     return "Qwen3MoeForCausalLM" in cfg.get("architectures", [])
 
 
 def _hf_config(cfg: dict):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    import transformers
 
-    return (Qwen3MoeConfig if _is_moe(cfg) else Qwen3Config)(**cfg)
+    name = {
+        "Qwen3ForCausalLM": "Qwen3Config",
+        "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+        "LlamaForCausalLM": "LlamaConfig",
+        "Qwen2ForCausalLM": "Qwen2Config",
+    }[cfg["architectures"][0]]
+    return getattr(transformers, name)(**copy.deepcopy(cfg))
 
 
 def _hf_model(cfg: dict, seed: int):
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = (Qwen3MoeForCausalLM if _is_moe(cfg) else Qwen3ForCausalLM)(_hf_config(cfg)).float()
-    with torch.no_grad():  # transformers inits norms to 1: perturb them so a misplaced norm shows
+    model = AutoModelForCausalLM.from_config(_hf_config(cfg)).float()
+    with torch.no_grad():  # transformers inits norms to 1 and biases to 0: perturb them so a misplaced one shows
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, ROUTER_STD)
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     return model
 
 
@@ -264,11 +290,15 @@ def grad_check(
     step = policy.optimizer_step()
     after = {k: v.float().cpu() for k, v in policy.hf_state_dict().items()}
     moved = max(float((after[k] - before[k]).abs().max()) for k in after)
-    impl = "transformer-engine" if attention == "te" else _thd_impl(device, dtype, cfg["head_dim"])
+    impl = (
+        "transformer-engine"
+        if attention == "te"
+        else _thd_impl(device, dtype, cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    )
     out = {
         "dtype": str(dtype).replace("torch.", ""),
         "device": str(device),
-        "model": "qwen3_moe" if _is_moe(cfg) else "qwen3",
+        "model": _hf_config(cfg).model_type,
         "distributed_optimizer": distributed_optimizer,
         "gpu_settings": dataclasses.asdict(gpu),
         "kl_coef": kl_coef,

@@ -3,7 +3,8 @@
 The device run cannot happen in CI (no GPU), so this is what keeps the prepared script working:
 the gradient check in fp32 and bf16 with the distributed optimizer (against transformers), the
 Transformer Engine section (skipped here, with its reason), the tiny Qwen3-MoE's gradient check
-and vLLM cycle, the check without the distributed optimizer and with a reference model (KL),
+and vLLM cycle, the Llama and Qwen2 toys' gradient checks, the check without the distributed
+optimizer and with a reference model (KL),
 the converter's --verify as a subprocess, one vLLM sleep/wake/reload/generate cycle against
 Megatron's log-probs, and the packed vs padded train-step bench, through the same functions the
 GPU run calls, and the JSON the docs read.
@@ -50,6 +51,10 @@ def test_device_bench_smoke(tmp_path):
     assert moe["rel_grad_error"] < 1e-5, moe
     assert not any(moe["gpu_settings"][k] for k in ("overlap_grad_reduce", "moe_permute_fusion", "moe_router_fusion"))
     assert any(x.startswith("moe grad-check through te") for x in r["skipped"]), r["skipped"]
+    families = r["checks"]["grad_families"]  # the Llama (llama3 RoPE) and Qwen2 (q/k/v biases) toys
+    assert [g["model"] for g in families] == ["llama", "qwen2"]
+    for g in families:
+        assert g["update_ok"] and g["max_weight_change"] > 0 and g["rel_grad_error"] < 1e-5, g
     vm = r["checks"]["vllm_moe"]
     assert vm["model"] == "qwen3_moe" and vm["tokens"] > 0 and vm["max_logprob_diff"] <= vm["tolerance"], vm
 
