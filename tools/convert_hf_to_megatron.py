@@ -126,11 +126,18 @@ def main(argv=None) -> int:
     quiet_libraries()
     import torch
 
-    from megatron_dppo.megatron.convert_ckpt import check_layout_flags, hf_to_megatron_checkpoint
+    from megatron_dppo.megatron.convert_ckpt import check_layout_flags, check_model_layout, hf_to_megatron_checkpoint
+    from megatron_dppo.model.arch import Arch
+    from megatron_dppo.model.qwen3 import read_model_config
 
     try:
         check_layout_flags(args.tp, args.pp, args.ep)
-    except ValueError as e:
+        if args.verify_only:  # the conversion checks the layout itself; a verify at another layout here
+            config_path = os.path.join(args.hf_dir, "config.json")
+            check_model_layout(
+                config_path, Arch.from_hf_config(read_model_config(config_path)[0]), args.tp, args.pp, args.ep
+            )
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.verify_only:  # under torchrun already, or a single process: verify here

@@ -338,6 +338,8 @@ def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path,
         (["--ep", 0], "--ep 0: expected a positive integer"),
         (["--ep", 2], "--ep 2 needs a mixture-of-experts model"),
         (["--tp", 3], "--tp 3 --pp 1 --ep 1 do not fit the model"),
+        # a verify at another layout than converted for (SmolLM2's 9 heads at --tp 2: Megatron's traceback)
+        (["--tp", 3, "--verify-only"], "--tp 3 --pp 1 --ep 1 do not fit the model"),
     ],
 )
 def test_bad_layout_flags_are_one_line_errors_naming_the_flag(hf_models, tmp_path, capsys, flags, text):
