@@ -167,3 +167,68 @@ def test_resume_identity_tells_the_rope_scaling_apart(tmp_path):
     older = dict(plain, architecture={k: v for k, v in plain["architecture"].items() if not k.startswith("rope")})
     assert identity.model_difference(older, plain) == ""
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+# Real models' config.json fields (their model cards) and their published parameter counts.
+LLAMA32_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+REAL_SHAPES = {
+    "SmolLM2-135M": (
+        "llama",
+        dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+             intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+        134_515_008,
+    ),
+    "Llama-3.2-1B": (
+        "llama",
+        dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+             rope_parameters=LLAMA32_ROPE),
+        1_235_814_400,
+    ),
+    "Llama-3.2-3B": (
+        "llama",
+        dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072,
+             rope_parameters=LLAMA32_ROPE),
+        3_212_749_824,
+    ),
+    "Qwen2.5-0.5B": (
+        "qwen2",
+        dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+             intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+             use_sliding_window=False, sliding_window=32768, max_window_layers=21),
+        494_032_768,
+    ),
+    "Qwen2.5-7B": (
+        "qwen2",
+        dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+             intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
+             use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        7_615_616_512,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+def test_real_shapes_are_taken_and_counted_as_published(name):
+    """The SmolLM2, Llama-3.2 and Qwen2.5 shapes pass the trainer's check (sliding_window set but
+    off, as Qwen2.5's config.json has it), and `plan`'s count equals the published one and
+    transformers' (the model built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    family, fields, published = REAL_SHAPES[name]
+    cfg = tiny_family_config(family, **fields)
+    layout = qwen3.layout_from_hf_config(cfg)
+    assert (layout.qk_norm, layout.qkv_bias, layout.tied) == (False, family == "qwen2", fields["tie_word_embeddings"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert Arch.from_hf(cfg.to_dict()).hf_params() == published == sum(p.numel() for p in model.parameters())
