@@ -50,7 +50,9 @@ def _make_hf(path: Path, tied: bool) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: cheap to build again on each pytest-xdist worker, and a module fixture
+# would tie all of this file's tests to one worker (tests/conftest.py).
+@pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"tied": _make_hf(root / "tied", True), "untied": _make_hf(root / "untied", False)}
