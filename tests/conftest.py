@@ -156,11 +156,15 @@ def pytest_testnodedown(node, error):
     _LEFTOVERS.extend(getattr(node, "workeroutput", {}).get("leftovers", []))
 
 
-def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_workers(
+    script, nproc: int, *args, timeout: float = 600, user_warnings: bool = False
+) -> subprocess.CompletedProcess:
     """Run a worker script (under torchrun on a free port when nproc > 1) in its own process
     group. Output goes to files, not pipes, and everything it started is killed afterwards: its
     process group, and every process carrying its RUN_VAR mark (torchrun starts each worker in a
-    session of its own, out of reach of the group kill, and a killed torchrun leaves them running)."""
+    session of its own, out of reach of the group kill, and a killed torchrun leaves them running).
+    user_warnings: Python's warning filters as a user has them (no PYTHONWARNINGS=ignore), for the
+    tests that check a tool's stderr is empty."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
@@ -176,6 +180,8 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
         ]
     run_token = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
+    if user_warnings:
+        del env["PYTHONWARNINGS"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env, start_new_session=True)
         try:
