@@ -15,8 +15,11 @@ main: env
 test-fast: env
 	$(PY) -m pytest -q tests/unit -m "not slow"
 
+# make test: on TEST_WORKERS pytest-xdist workers (2: this machine's and CI's cores); the tests of a
+# file with a module-scoped fixture share a worker (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: env
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20 tests
 
 # ruff: lint and format check (pyproject.toml); `ruff format .` fixes the formatting.
 # lint-imports: the folders' dependency direction ([tool.importlinter] in pyproject.toml).

@@ -40,7 +40,7 @@ setup(
         # tools/build_smollm2.py: transformers dequantizes a GGUF file only with both (its minimums).
         "smollm2": ["gguf>=0.10", "accelerate>=1.1"],
         # datasets: the tests write real save_to_disk dirs, which data_files.py reads with pyarrow alone.
-        "dev": ["pytest", "pytest-timeout", "ruff==0.17.5", "import-linter==2.1", "datasets"],
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff==0.17.5", "import-linter==2.1", "datasets"],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},
 )

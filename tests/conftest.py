@@ -60,10 +60,13 @@ def _kill_leftovers(procs: list[psutil.Process], what: str, grace_s: float = 10.
 
 def _ends_with_pytest(p: psutil.Process) -> bool:
     """pytest's own multiprocessing helpers (a RewardScorer in a test: forkserver, its workers,
-    the resource tracker) watch a pipe to pytest and exit with it."""
+    the resource tracker) watch a pipe to pytest and exit with it; so do pytest-xdist's workers
+    (execnet's bootstrap reads its code from the pipe to the controller)."""
     try:
         return any(
-            "from multiprocessing.forkserver import" in a or "from multiprocessing.resource_tracker import" in a
+            "from multiprocessing.forkserver import" in a
+            or "from multiprocessing.resource_tracker import" in a
+            or "exec(eval(sys.stdin.readline()))" in a
             for a in p.cmdline()
         )
     except psutil.Error:
@@ -94,9 +97,21 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{tier}: {what}")
 
 
+def _uses_a_module_fixture(item) -> bool:
+    defs = getattr(item, "_fixtureinfo", None)
+    return defs is not None and any(
+        d.scope in ("module", "package") for fixture in defs.name2fixturedefs.values() for d in fixture
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     """Each test is marked with its folder's tier (`-m unit`, `-m "not e2e"`); a test file outside
-    the tier folders is an error, so that no test escapes `make test-fast`'s choice."""
+    the tier folders is an error, so that no test escapes `make test-fast`'s choice.
+
+    `make test` runs the tests on two pytest-xdist workers (`--dist loadgroup`): each test goes to
+    whichever worker is free, but the tests of a file that builds a module-scoped fixture (a vLLM
+    engine, converted checkpoints, a saved run) share one worker, so that fixture is built once."""
     for item in items:
         path = Path(item.fspath).resolve()
         if not path.is_relative_to(REPO / "tests"):
@@ -105,6 +120,8 @@ def pytest_collection_modifyitems(config, items):
         if tier is None:
             raise pytest.UsageError(f"{item.nodeid}: a test file must be in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(tier)
+        if _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(str(path.relative_to(REPO / "tests"))))
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -112,7 +129,10 @@ def pytest_sessionfinish(session, exitstatus):
     (but pytest and its own multiprocessing helpers, which end with it), and anything run_workers
     had to kill after its launch ended, is reported, killed, and fails the run."""
     token = os.environ.get(SESSION_VAR)
-    if not token or hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller reports
+        session.config.workeroutput["leftovers"] = _LEFTOVERS
+        return
+    if not token:
         return
     me = psutil.Process()
     ours = {me.pid} | {p.pid for p in me.children(recursive=True) if _ends_with_pytest(p)}
@@ -130,11 +150,21 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: no error when xdist is absent
+def pytest_testnodedown(node, error):
+    """A pytest-xdist worker ended: what its run_workers calls had to kill is the session's too."""
+    _LEFTOVERS.extend(getattr(node, "workeroutput", {}).get("leftovers", []))
+
+
+def run_workers(
+    script, nproc: int, *args, timeout: float = 600, user_warnings: bool = False
+) -> subprocess.CompletedProcess:
     """Run a worker script (under torchrun on a free port when nproc > 1) in its own process
     group. Output goes to files, not pipes, and everything it started is killed afterwards: its
     process group, and every process carrying its RUN_VAR mark (torchrun starts each worker in a
-    session of its own, out of reach of the group kill, and a killed torchrun leaves them running)."""
+    session of its own, out of reach of the group kill, and a killed torchrun leaves them running).
+    user_warnings: Python's warning filters as a user has them (no PYTHONWARNINGS=ignore), for the
+    tests that check a tool's stderr is empty."""
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
@@ -150,6 +180,8 @@ def run_workers(script, nproc: int, *args, timeout: float = 600) -> subprocess.C
         ]
     run_token = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
+    if user_warnings:
+        del env["PYTHONWARNINGS"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env, start_new_session=True)
         try:

@@ -6,7 +6,7 @@ Qwen3-0.6B- and 1.7B-shaped models, packed vs padded.
     python tools/device_bench.py            # everything; under 8 minutes on one H100/H200 (--budget-s)
     python tools/device_bench.py --smoke    # the same code paths at toy size: here on the CPU (a test),
                                             # or a one-minute first pass on the GPU
-    python tools/device_bench.py --tiny     # only the throughput part, at toy size (tests/e2e/test_profiling_tools.py)
+    python tools/device_bench.py --tiny     # only the throughput part, at toy size (what --smoke runs last)
 
 Sections, in this order; each adds its result to the JSON (--out, default $OUT/device_bench.json
 or runs/device_bench.json) as it finishes, so a timeout keeps what ran, and a failing section is

@@ -283,18 +283,49 @@ def test_latest_file_errors(tmp_path):
         latest_checkpoint(str(tmp_path))
 
 
-def test_load_checks_before_reading(saved_run, tmp_path):
-    """load_checkpoint itself refuses a checkpoint whose RNG file is missing (a real load in a
-    worker), instead of resuming with a fresh RNG."""
+@pytest.fixture(scope="module")
+def loads(saved_run, tmp_path_factory):
+    """Three loads in ONE worker process (each start costs ~10 s), in this order: saved_run's intact
+    latest checkpoint, a copy without its RNG file, a copy with bytes damaged inside one tensor's
+    record (its torch.save header intact). -> (the process, {name: its output block}, the damaged
+    shard's (path, offset, tensor name))."""
+    import shutil
+
     from conftest import run_workers
 
-    root = tmp_path / "checkpoints"
-    root.mkdir()
-    _corrupt_copy(saved_run["root"] / "step_1000000", root / "step_1000000", "missing rng")
-    (root / "latest").write_text("step_1000000\n")
-    res = run_workers(WORKER, 1, "--phase", "load", "--ckpt", root)
-    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
-    assert "CheckpointError: " in res.stdout and "rng/rank_0.safetensors is missing (the RNG state)" in res.stdout
+    from megatron_dppo.megatron.dcp_metadata import MetadataUnpickler
+
+    work = tmp_path_factory.mktemp("loads")
+    rng = work / "missing_rng"
+    _corrupt_copy(saved_run["root"] / "step_1000000", rng / "step_1000000", "missing rng")
+    (rng / "latest").write_text("step_1000000\n")
+    damaged = work / "damaged"
+    shutil.copytree(saved_run["root"] / "step_1000000", damaged / "step_1000000")
+    (damaged / "latest").write_text("step_1000000\n")
+    model = damaged / "step_1000000" / "model_optim"
+    with open(model / ".metadata", "rb") as f:
+        meta = MetadataUnpickler(f).load()
+    rel, offset, fqn = min(
+        (i.relative_path, i.offset, k.fqn)
+        for k, i in meta.storage_data.items()
+        if hasattr(meta.state_dict_metadata[k.fqn], "size") and i.relative_path == "__0_0.distcp"
+    )
+    with open(model / rel, "r+b") as f:
+        f.seek(offset + 8)
+        f.write(os.urandom(400))
+    roots = {"intact": saved_run["root"], "missing_rng": rng, "damaged": damaged}
+    res = run_workers(WORKER, 1, "--phase", "load", "--ckpt", roots["intact"], "--then", rng, "--then", damaged)
+    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]  # two of the three fail
+    blocks = {name: res.stdout.split(f"== load {root}\n", 1)[1].split("== load ", 1)[0] for name, root in roots.items()}
+    return res, blocks, (model / rel, offset, fqn)
+
+
+def test_load_checks_before_reading(loads):
+    """load_checkpoint itself refuses a checkpoint whose RNG file is missing (a real load in a
+    worker), instead of resuming with a fresh RNG."""
+    _, blocks, _ = loads
+    line = _one_error_line(blocks["missing_rng"])
+    assert "rng/rank_0.safetensors is missing (the RNG state)" in line, line
 
 
 def test_latest_missing_or_not_text_names_the_step_dirs(tmp_path):
@@ -328,9 +359,14 @@ def _load(ckpt_root, *args):
 
 
 def _one_error_line(res) -> str:
-    assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
-    lines = [line for line in res.stdout.splitlines() if line.startswith("CheckpointError: ")]
-    assert len(lines) == 1, res.stdout[-3000:]
+    """The one CheckpointError line of a load (a failed worker, or one block of `loads`)."""
+    if isinstance(res, str):
+        out = res
+    else:
+        assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]
+        out = res.stdout
+    lines = [line for line in out.splitlines() if line.startswith("CheckpointError: ")]
+    assert len(lines) == 1, out[-3000:]
     return lines[0]
 
 
@@ -348,41 +384,22 @@ def test_a_checkpoint_of_another_model_names_a_tensor_and_both_shapes(saved_run)
     assert "64" in line.split(" in the checkpoint")[0].split(" is ")[-1] and "128" in line.split(" but ")[-1], line
 
 
-def test_unreadable_data_inside_a_shard_names_the_file(saved_run, tmp_path):
+def test_unreadable_data_inside_a_shard_names_the_file(loads):
     """Bytes damaged inside one tensor's record (its torch.save header intact): only the load can
     tell, and it names the shard file and the tensor instead of "Please file an issue"."""
-    import shutil
-
-    from megatron_dppo.megatron.dcp_metadata import MetadataUnpickler
-
-    root = tmp_path / "checkpoints"
-    step = root / "step_1000000"
-    shutil.copytree(saved_run["root"] / "step_1000000", step)
-    (root / "latest").write_text("step_1000000\n")
-    model = step / "model_optim"
-    with open(model / ".metadata", "rb") as f:
-        meta = MetadataUnpickler(f).load()
-    rel, offset, fqn = min(
-        (i.relative_path, i.offset, k.fqn)
-        for k, i in meta.storage_data.items()
-        if hasattr(meta.state_dict_metadata[k.fqn], "size") and i.relative_path == "__0_0.distcp"
-    )
-    with open(model / rel, "r+b") as f:
-        f.seek(offset + 8)
-        f.write(os.urandom(400))
-    line = _one_error_line(_load(root))
+    _, blocks, (shard, offset, fqn) = loads
+    line = _one_error_line(blocks["damaged"])
     assert line == (
-        f"CheckpointError: {model / rel} is corrupt: {fqn!r} at byte {offset} cannot be read back (RuntimeError); "
+        f"CheckpointError: {shard} is corrupt: {fqn!r} at byte {offset} cannot be read back (RuntimeError); "
         "resume from another step_* dir of the run, or from a copy of this one"
     ), line
 
 
-def test_resume_prints_no_library_warning(saved_run):
+def test_resume_prints_no_library_warning(loads):
     """Every --resume printed torch's "Please use DTensor instead and we are deprecating
     ShardedTensor" FutureWarning (through our CPU shim's frame, past quiet.py's module filters)."""
-    res = _load(saved_run["root"])
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-    assert "loaded step 1000000" in res.stdout
+    res, blocks, _ = loads
+    assert "loaded step 1000000" in blocks["intact"] and "CheckpointError" not in blocks["intact"], blocks
     during = res.stderr  # the worker resets the warning filters just before loading (phase_load)
     assert "ShardedTensor" not in during and "FutureWarning" not in during, during[-3000:]
 

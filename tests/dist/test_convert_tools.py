@@ -50,7 +50,9 @@ def _make_hf(path: Path, tied: bool) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: cheap to build again on each pytest-xdist worker, and a module fixture
+# would tie all of this file's tests to one worker (tests/conftest.py).
+@pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"tied": _make_hf(root / "tied", True), "untied": _make_hf(root / "untied", False)}
@@ -142,13 +144,23 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
     assert json.loads((trained_hf / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
 
 
+def _ok_quiet(res) -> str:
+    """Issue 24: the tools printed Apex / Transformer Engine warnings from Megatron's imports. Run
+    with a user's warning filters (no PYTHONWARNINGS): stderr stays empty."""
+    out = _ok(res)
+    assert res.stderr.strip() == "", res.stderr[-3000:]
+    assert "wrote" in res.stdout
+    return out
+
+
 @pytest.mark.slow
-def test_tied_pp2_and_roundtrip(hf_models, tmp_path, launch):
+def test_tied_pp2_and_roundtrip_print_no_library_warnings(hf_models, tmp_path, launch):
     hf, mg, back = hf_models["tied"], tmp_path / "mg", tmp_path / "back"
     # PP=2: the last stage holds its own copy of the tied embedding as the output layer.
-    out = _ok(launch(TO_MG, 1, "--hf-dir", hf, "--out-dir", mg, "--pp", 2, "--verify", "--tolerance", 1e-5))
+    args = ("--hf-dir", hf, "--out-dir", mg, "--pp", 2, "--verify", "--tolerance", 1e-5)
+    out = _ok_quiet(launch(TO_MG, 1, *args, user_warnings=True))
     assert "vocab 50 padded to 128" in out and _logit_diff(out) <= 1e-5
-    _ok(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back))
+    _ok_quiet(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back, user_warnings=True))
     assert "lm_head.weight" not in _weights(back)
     _assert_bitwise_roundtrip(hf, back)
     # Negative control: checked against other weights, --verify fails with exit status 1.
@@ -360,18 +372,3 @@ def test_truncated_shard_gets_the_trainers_checkpoint_error(converted_tied_tp2, 
     assert len(err.strip().splitlines()) == 1, err
     assert f"{shard} is" in err and "truncated shard" in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_tools_print_no_library_warnings(hf_models, tmp_path):
-    """Issue 24: the conversion tools printed Apex / Transformer Engine warnings from Megatron's
-    imports. Run as a user would (no PYTHONWARNINGS in the environment): stderr stays empty."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    mg, back = tmp_path / "mg", tmp_path / "back"
-    for cmd in (
-        [TO_MG, "--hf-dir", hf_models["tied"], "--out-dir", mg],
-        [TO_HF, "--megatron-dir", mg, "--out-dir", back],
-    ):
-        res = subprocess.run([sys.executable, *map(str, cmd)], cwd=REPO, env=env, capture_output=True, text=True)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        assert res.stderr.strip() == "", res.stderr[-3000:]
-        assert "wrote" in res.stdout

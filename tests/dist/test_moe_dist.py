@@ -27,7 +27,9 @@ def test_moe_model_matches_transformers_at_ep1_and_ep2(torchrun):
 
 
 # ---- conversion tools and sharded loading at EP=2 and TP=2 --------------------------------------
-@pytest.fixture(scope="module")
+# Session scope, not module: cheap to build again on each pytest-xdist worker, and a module fixture
+# would tie all of this file's tests to one worker (tests/conftest.py).
+@pytest.fixture(scope="session")
 def moe_hf(tmp_path_factory):
     path = tmp_path_factory.mktemp("moe") / "hf"
     _, model = tiny_qwen3_moe_model(5)

@@ -76,4 +76,5 @@ def test_device_bench_smoke(tmp_path):
     for layout in ("packed", "padded"):
         assert m[layout]["tokens_per_s"] > 0 and 0 < m[layout]["mfu"] < 1
     assert m["packed"]["density"] > m["padded"]["density"]
+    assert m["packed"]["micro_batches"] < m["padded"]["micro_batches"]
     assert "all checks passed" in res.stdout

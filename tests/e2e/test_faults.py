@@ -76,17 +76,27 @@ def test_sigkill_during_checkpoint_save_leaves_no_process_behind(tmp_path):
     assert survivors is True, f"still alive 30 s after SIGKILL of the trainer: {survivors}"
 
 
-def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tmp_path, workers):
     """The harness itself (tests/conftest.py): a test that leaves a process running fails the run,
-    and the process is killed; a RewardScorer closed properly leaves nothing."""
+    and the process is killed; so does a worker launch (run_workers) whose child outlives it; a
+    RewardScorer closed properly leaves nothing. In one process and on pytest-xdist's workers
+    (what `make test` runs), where the worker's findings reach the controller."""
+    (tmp_path / "leaky_launch.py").write_text(
+        "import subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(601)'], start_new_session=True)\n"
+    )
     (tmp_path / "test_leaky.py").write_text(
         "import subprocess, sys\n"
+        "from conftest import run_workers\n"
         "from megatron_dppo.rewards import RewardScorer\n"
         "def test_clean():\n"
         "    with RewardScorer('exact', num_workers=1) as s:\n"
         "        assert s.score(['1'], ['1'])[0] == [1.0]\n"
         "def test_leaks():\n"
         "    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "def test_launch_leaks():\n"
+        f"    assert run_workers({str(tmp_path / 'leaky_launch.py')!r}, 1).returncode == 0\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_DPPO_TEST_")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), REPO])
@@ -100,6 +110,7 @@ def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tm
             "conftest",
             "-p",
             "no:cacheprovider",
+            *workers,
             str(tmp_path / "test_leaky.py"),
         ],
         cwd=tmp_path,
@@ -109,10 +120,12 @@ def test_session_end_check_reports_and_kills_processes_that_outlive_the_tests(tm
         timeout=300,
     )
     out = res.stdout + res.stderr
-    assert res.returncode == 1 and "2 passed" in out, out[-3000:]
-    assert "1 process(es) started by the tests outlived them (now killed)" in out and "time.sleep(600)" in out, out
-    pid = int(out.split("outlived them (now killed):")[1].split()[0])
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert res.returncode == 1 and "3 passed" in out, out[-3000:]
+    assert "2 process(es) started by the tests outlived them (now killed)" in out, out[-3000:]
+    assert "time.sleep(600)" in out and "time.sleep(601)" in out, out[-3000:]
+    for line in out.split("outlived them (now killed):")[1].splitlines()[1:3]:
+        pid = int(line.split()[0])
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, line
 
 
 def test_soak_tool_growth_figures_match_an_independent_fit():

@@ -264,11 +264,11 @@ def test_kl_reference_is_the_policy_the_run_started_from(tmp_path):
     assert metrics(tmp_path, "kl-init")[1]["train/kl"] < 1e-7
 
 
-def test_rollouts_depend_on_the_seed_only(tmp_path):
-    same_prompts = ["trainer.max_steps=1", "logging.rollouts=true", "data.train_size=8"]  # one batch: all 8
-    run(train_cmd(tmp_path, "s0", *same_prompts))
-    run(train_cmd(tmp_path, "s0-again", *same_prompts))
-    run(train_cmd(tmp_path, "s1", *same_prompts, "trainer.seed=1"))
+def test_rollouts_depend_on_the_seed_only_and_an_existing_run_dir_needs_resume_or_overwrite(tmp_path):
+    """Two tests' runs in one (each start costs ~30 s): the run "s0" is repeated with --overwrite
+    (after a refused start without a flag) and gives the same step-1 completions, though it stops
+    at 1 step where the first ran 2; seed 1 gives other completions of the same 8 prompts."""
+    same_prompts = ["logging.rollouts=true", "data.train_size=8"]  # one batch: all 8 prompts
 
     def completions(name):
         out = {}
@@ -276,25 +276,27 @@ def test_rollouts_depend_on_the_seed_only(tmp_path):
             out.setdefault(r["id"], []).append((r["index"], r["completion_ids"], r["completion"]))
         return out
 
-    assert completions("s0") == completions("s0-again")
-    a, b = completions("s0"), completions("s1")
-    assert a.keys() == b.keys() and a != b  # same 8 prompts (train_size 8), other samples
-
-
-def test_existing_run_dir_needs_resume_or_overwrite(tmp_path):
-    run(train_cmd(tmp_path, "again", "trainer.max_steps=2"))
-    res = subprocess.run(
-        train_cmd(tmp_path, "again", "trainer.max_steps=1"),
+    run(train_cmd(tmp_path, "s0", "trainer.max_steps=2", *same_prompts))
+    first = completions("s0")
+    refused = subprocess.run(
+        train_cmd(tmp_path, "s0", "trainer.max_steps=1", *same_prompts),
         cwd=REPO,
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert res.returncode == 1 and "--resume" in res.stderr and "--overwrite" in res.stderr, res.stderr[-2000:]
-    run(train_cmd(tmp_path, "again", "trainer.max_steps=1") + ["--overwrite"])
-    assert sorted(metrics(tmp_path, "again")) == [1]
-    assert sorted(os.listdir(tmp_path / "again" / "checkpoints")) == ["latest", "step_000001"]
+    assert refused.returncode == 1 and "--resume" in refused.stderr and "--overwrite" in refused.stderr, refused.stderr[
+        -2000:
+    ]
+    run(train_cmd(tmp_path, "s0", "trainer.max_steps=1", *same_prompts) + ["--overwrite"])
+    assert sorted(metrics(tmp_path, "s0")) == [1]
+    assert sorted(os.listdir(tmp_path / "s0" / "checkpoints")) == ["latest", "step_000001"]
+    assert completions("s0") == first
+
+    run(train_cmd(tmp_path, "s1", "trainer.max_steps=1", *same_prompts, "trainer.seed=1"))
+    other = completions("s1")
+    assert first.keys() == other.keys() and first != other  # same 8 prompts (train_size 8), other samples
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path):
@@ -367,26 +369,47 @@ def test_tiny_run_accuracy_rises(tmp_path):
     assert after > before + 0.03, (before, after)
 
 
-@pytest.mark.parametrize(
-    "override,message",
-    [
-        ("parallel.tp=3", "parallel.tp=3 x parallel.pp=1 must divide the world size 1"),
-        ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
-        ("pruning.r_o=1.0", "pruning.r_o"),
-        ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
-        ("trainer.max_steps=-1", "trainer.max_steps"),
-        ("optim.lr=-1e-5", "optim.lr"),
-        ("rollout.top_p=1.5", "rollout.top_p"),
-        ("parallel.rollout_tp=3", "parallel.rollout_tp=3 must divide"),
-    ],
-)
-def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path, override, message):
-    res = subprocess.run(
-        train_cmd(tmp_path, "bad", override), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+BAD_CONFIGS = [  # (override, what its one-line error must say)
+    ("parallel.tp=3", "parallel.tp=3 x parallel.pp=1 must divide the world size 1"),
+    ("trainer.max_tokens_per_microbatch=16", "trainer.max_tokens_per_microbatch.*rollout.max_model_len \\(32\\)"),
+    ("pruning.r_o=1.0", "pruning.r_o"),
+    ("trainer.prompt_per_step=3", "unknown config key 'trainer.prompt_per_step'"),
+    ("trainer.max_steps=-1", "trainer.max_steps"),
+    ("optim.lr=-1e-5", "optim.lr"),
+    ("rollout.top_p=1.5", "rollout.top_p"),
+    ("parallel.rollout_tp=3", "parallel.rollout_tp=3 must divide"),
+]
+
+# Each bad config through the CLI's main() in ONE process (each of these fails in the config checks,
+# before the trainer starts, and a Python start costs ~10 s): exit status and stderr per config.
+_EACH_BAD_CONFIG = """
+import contextlib, io, json, sys
+from megatron_dppo.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(argv)
+    out.append({"status": status, "stderr": err.getvalue()})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_bad_config_or_layout_fails_at_start_up_naming_what_to_change(tmp_path):
+    argvs = [train_cmd(tmp_path, "bad", override)[3:] for override, _ in BAD_CONFIGS]
+    res = run([sys.executable, "-c", _EACH_BAD_CONFIG, json.dumps(argvs)])
+    results = json.loads(res.stdout.split("RESULT ", 1)[1])
+    for (override, message), got in zip(BAD_CONFIGS, results, strict=True):
+        assert got["status"] == 1, (override, got)
+        assert re.search(message, got["stderr"]), (override, got["stderr"][-2000:])
+        lines = [line for line in got["stderr"].splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (override, got["stderr"][-2000:])
+    # The first one also as a user meets it: a `megatron-dppo train` process, its exit status and stderr.
+    alone = subprocess.run(
+        train_cmd(tmp_path, "bad", BAD_CONFIGS[0][0]), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
     )
-    assert res.returncode == 1
-    assert re.search(message, res.stderr), res.stderr[-2000:]
-    assert "Traceback" not in res.stderr  # one line, naming the key (a traceback only with --debug)
+    assert alone.returncode == 1 and re.search(BAD_CONFIGS[0][1], alone.stderr), alone.stderr[-2000:]
+    assert "Traceback" not in alone.stderr  # one line, naming the key (a traceback only with --debug)
 
 
 def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_path):

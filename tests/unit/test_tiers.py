@@ -6,6 +6,7 @@ import ast
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import TIERS, tier_of
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -56,3 +57,19 @@ def test_the_tier_check_finds_each_kind_of_problem(tmp_path):
         "unit/test_a.py:1: imports test_b (shared helpers live in tests/)",
         "unit/test_a.py:4: test_y uses ['torchrun'] (belongs in tests/dist)",
     ]  # launch in tests/dist is what the tier is for
+
+
+@pytest.fixture(scope="module")
+def built_once_per_module():
+    return object()
+
+
+def test_a_test_with_a_module_fixture_shares_its_files_worker(request, built_once_per_module):
+    """make test's pytest-xdist workers (--dist loadgroup): the tests of a file that use a module
+    fixture are one group, so the fixture is built once; the others go to any free worker."""
+    group = request.node.get_closest_marker("xdist_group")
+    assert group is not None and group.args == ("unit/test_tiers.py",), group
+
+
+def test_a_test_without_one_goes_to_any_worker(request):
+    assert request.node.get_closest_marker("xdist_group") is None

@@ -7,7 +7,9 @@
 --phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
                      with --resume, load the latest checkpoint first (its run continues)
 --phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3);
-                  --other-model: into a model of another shape (hidden 128)
+                  --other-model: into a model of another shape (hidden 128); --then ROOT (repeatable):
+                  load those roots' latest checkpoints too, one after another in this process, each
+                  result under a line "== load ROOT" (exit 3 if any failed)
 --phase save-disk-full  save with every shard write failing as on a full disk; print the OSError (exit 4)
 --phase hold-save start a reward pool with a check hung in it, then save with a shard writer
                   that announces itself (touches --out) and blocks: the test SIGKILLs this process
@@ -60,6 +62,7 @@ def main():
         choices=["full", "killed", "resume", "logprobs", "save-steps", "load", "hold-save", "save-disk-full"],
     )
     ap.add_argument("--other-model", action="store_true")
+    ap.add_argument("--then", action="append", default=[])
     ap.add_argument("--save-steps", default="")
     ap.add_argument("--keep-last", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
@@ -145,13 +148,18 @@ def phase_load(args, policy):
     warnings.resetwarnings()  # as a user's process has them (run_workers sets PYTHONWARNINGS=ignore)
     warnings.simplefilter("default")
     quiet_libraries()  # what the CLI does
-    print("loading", flush=True)
-    try:
-        state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
-    except CheckpointError as e:
-        print(f"CheckpointError: {e}", flush=True)
+    failed = False
+    for root in [args.ckpt, *args.then]:  # one process for several loads: each start costs ~10 s
+        print(f"== load {root}" if args.then else "loading", flush=True)
+        try:
+            state = load_checkpoint(latest_checkpoint(root), policy)
+        except CheckpointError as e:
+            print(f"CheckpointError: {e}", flush=True)
+            failed = True
+            continue
+        print("loaded step", state["step"], "history" if "history_path" in state else "no history", flush=True)
+    if failed:
         sys.exit(3)
-    print("loaded step", state["step"], "history" if "history_path" in state else "no history", flush=True)
 
 
 def phase_save_disk_full(args, policy):
