@@ -1,7 +1,10 @@
 """Worker: after a weight sync, vLLM's log-probs of sampled sequences equal the Megatron
 policy's (fp32, CPU), and before the sync they do not (so the check can fail).
 
-    python sync_check.py [HF_DIR]    (default: examples/tiny/model; the family tests pass theirs)"""
+    python sync_check.py [HF_DIR ...]    (default: examples/tiny/model)
+
+Several dirs (the model families) are checked one after another in this process, each with its own
+policy and engine (a Python start with Megatron and vLLM imported costs ~15 s): RESULT {dir: ...}."""
 
 import json
 import os
@@ -39,9 +42,7 @@ def max_err(policy, seqs):
     return float((ours - theirs).abs().max())
 
 
-def main():
-    hf_dir = sys.argv[1] if len(sys.argv) > 1 else HF_DIR
-    initialize_parallel(1, 1, seed=0)
+def check(hf_dir: str) -> dict:
     cfg = AutoConfig.from_pretrained(hf_dir)
     policy = MegatronPolicy(cfg, OptimConfig(lr=3e-3), AlgorithmConfig(loss_agg="token-mean"))
     load_hf_into_policy(policy, hf_dir)
@@ -61,8 +62,13 @@ def main():
     stats = engine.load_weights(list(policy.hf_state_dict().items()))
     result["after_sync"] = max_err(policy, sampled_sequences(engine, 4))
     result["sync_seconds"] = stats["seconds"]
-    print("RESULT " + json.dumps(result))
     engine.close()
+    return result
+
+
+def main():
+    initialize_parallel(1, 1, seed=0)
+    print("RESULT " + json.dumps({hf_dir: check(hf_dir) for hf_dir in sys.argv[1:] or [HF_DIR]}))
 
 
 if __name__ == "__main__":
