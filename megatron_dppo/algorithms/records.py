@@ -114,6 +114,8 @@ class Group:
                 "prompt_weight": self.prompt_weight,
                 "length": len(c),
                 "truncated": self.truncated[i] if self.truncated else None,
+                # sum of log pi_rollout over the completion's tokens (the engine's, as sampled)
+                "rollout_logprob_sum": sum(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
             }
             for i, c in enumerate(self.completions)
         ]

@@ -266,14 +266,17 @@ class MegatronPolicy:
         """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        corrected = self.algorithm.rollout_correction != "none"  # report the correction's shares
         if self.router_stats is None:
-            return reduce_reports(self._run(self.model, microbatches, "train", denominator=denominator)).as_dict()
+            return reduce_reports(
+                self._run(self.model, microbatches, "train", denominator=denominator), corrected
+            ).as_dict()
         # MoE: the router terms scaled to this update's tokens; their values and the expert load
         # reported beside the policy loss (train/moe_aux_loss, train/moe_z_loss, train/moe_load_imbalance)
         self.router_stats.set_coefficients(microbatches)
         with self.router_stats.recording():
             reports = self._run(self.model, microbatches, "train", denominator=denominator)
-        return {**reduce_reports(reports).as_dict(), **self.router_stats.reduce()}
+        return {**reduce_reports(reports, corrected).as_dict(), **self.router_stats.reduce()}
 
     def optimizer_step(self) -> dict:
         ok, grad_norm, _ = self.optimizer.step()
