@@ -110,6 +110,9 @@ class RolloutConfig:
     # them anyway, and level 1 would first copy them back from pinned host memory (~16 GB a GPU for
     # 32B at TP 4) only to overwrite them. No-op on CPU.
     sleep_level: int = 2
+    # MoE: vLLM returns the experts it routed each token to, and Megatron's log-prob and training
+    # passes route every token to those (docs/algorithm.md section 9). Needs vLLM's Model Runner V2.
+    routing_replay: bool = False
 
 
 @dataclass

@@ -212,6 +212,7 @@ def start_engine(cfg: Config):
         # log-probs of the distribution actually sampled (temperature, top-p/top-k applied): what
         # the Megatron policy's log-probs at the sampling temperature are compared with
         logprobs_mode="processed_logprobs",
+        routing_replay=rc.routing_replay,
     )
     return engine, time.perf_counter() - t0
 
