@@ -103,6 +103,14 @@ def routed_experts_kwargs() -> dict:
     return dict(enable_return_routed_experts=True, enable_prefix_caching=True)
 
 
+def _has_experts(model_dir: str) -> bool:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    return bool(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # transformers 5 writes the latter
+
+
 def request_seed(*parts) -> int:
     """A vLLM request seed from any identifying parts, e.g. (trainer seed, step, round, slot).
 
@@ -208,7 +216,7 @@ class RolloutEngine:
         **llm_kwargs,
     ):
         check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
-        if routing_replay:
+        if routing_replay and _has_experts(model_dir):  # a dense model: nothing to return (a start-up warning)
             llm_kwargs = {**routed_experts_kwargs(), **llm_kwargs}
         on_gpu = torch.cuda.is_available()
         self.context = context or contextlib.nullcontext

@@ -185,6 +185,7 @@ def build_policy(cfg: Config, hf_config):
         recompute=pc.recompute,
         distributed_optimizer=pc.distributed_optimizer,
         gpu_settings=GpuSettings.from_config(pc),
+        routing_replay=cfg.rollout.routing_replay,
     )
 
 

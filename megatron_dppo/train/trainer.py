@@ -496,6 +496,9 @@ def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dic
         )
     out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
     out["train/logprob_gap_vllm"] = train[0]["logprob_gap_vllm"]  # at the first update: the rollout policy
+    if "routing_agreement" in train[0]:  # rollout.routing_replay: routers' own top-k vs vLLM's, at the first update
+        del out["train/routing_agreement"]
+        out["moe/routing_agreement"] = train[0]["routing_agreement"]
     out["pack/density"] = sum(mb.density for mb in minibatches) / len(minibatches)
     out["tokens/trained"] = sum(mb.tokens for mb in minibatches)
     out["tokens/trained_completion"] = sum(mb.completion_tokens for mb in minibatches)

