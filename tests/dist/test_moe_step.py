@@ -39,7 +39,9 @@ def test_moe_gradient_and_router_terms_equal_reference(torchrun, nproc, args):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "nproc,args", [(1, []), (1, ["--recompute", "full"]), (2, ["--ep", "2"])], ids=["ep1", "ep1-full-recompute", "ep2"]
+    "nproc,args",
+    [(1, []), (1, ["--recompute", "full"]), (2, ["--ep", "2"]), (2, ["--pp", "2"])],
+    ids=["ep1", "ep1-full-recompute", "ep2", "pp2"],
 )
 def test_routing_replay_routes_as_given_in_logprob_and_train_passes(torchrun, nproc, args):
     """rollout.routing_replay: Megatron's routers route every token to its routed_experts (pi_old pass,

@@ -140,3 +140,13 @@ def test_forwarded_positions_leave_out_each_sequences_last_token_and_padding():
 
     seq_index = torch.tensor([[0, 0, 0, 1, 1, -1, 2, 2, 2, 2]])
     assert forwarded_positions(seq_index).int().tolist() == [[1, 1, 0, 1, 0, 0, 1, 1, 1, 0]]
+
+
+def test_recompute_under_pipeline_parallelism_is_refused_by_name():
+    """At PP > 1 several micro-batches are in flight: a recomputed router would replay the latest one's."""
+    from megatron_dppo.megatron.routing_replay import check_layout
+
+    check_layout(1, "full")  # PP 1: the micro-batch's backward follows its forward
+    check_layout(2, "none")
+    with pytest.raises(ValueError, match=r"routing_replay with parallel\.recompute=selective at pipeline size 2"):
+        check_layout(2, "selective")
