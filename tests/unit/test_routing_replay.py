@@ -150,3 +150,16 @@ def test_recompute_under_pipeline_parallelism_is_refused_by_name():
     check_layout(2, "none")
     with pytest.raises(ValueError, match=r"routing_replay with parallel\.recompute=selective at pipeline size 2"):
         check_layout(2, "selective")
+
+
+def test_an_empty_data_parallel_slot_replays_its_filler_too():
+    """A rank with fewer packs than slots runs a filler micro-batch; under replay it carries routing."""
+    from megatron_dppo.algorithms.packing import PackLayout
+    from megatron_dppo.train.microbatches import pack_samples
+
+    samples = _group(routed=True).samples(0)[:1]
+    lay = PackLayout(kind="thd", capacity=64, window=4, pad_multiple=1, pad_id=0, dp_rank=1, dp_size=2,
+                     local_attention=True)  # fmt: skip
+    (batch,), _ = pack_samples(samples, lay)
+    assert batch.seq_ids.tolist() == [0] and float(batch.seq_weight.sum()) == 0.0  # the filler
+    assert batch.routed_experts.tolist() == [[[list(range(K))] * LAYERS] * 2]
