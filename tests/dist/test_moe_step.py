@@ -46,7 +46,8 @@ def test_moe_gradient_and_router_terms_equal_reference(torchrun, nproc, args):
 def test_routing_replay_routes_as_given_in_logprob_and_train_passes(torchrun, nproc, args):
     """rollout.routing_replay: Megatron's routers route every token to its routed_experts (pi_old pass,
     training forward, recompute), the log-probs and gradient equal transformers' forced to the same
-    experts (and without replay do not), and routing_agreement equals transformers' own-choice count."""
+    experts (and without replay do not), and routing_agreement equals transformers' own-choice count;
+    in one process, replaying a bf16 transformers rollout's routing shrinks the log-prob gap to it."""
     out = torchrun(REPLAY, nproc, *args)
     assert "ROUTING REPLAY CHECK PASSED" in out and "ok ep=" in out, out[-3000:]
 

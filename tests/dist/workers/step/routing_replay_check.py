@@ -15,12 +15,16 @@ itself disagrees there. Then:
    same experts (weights: the softmax over the k forced logits, norm_topk_prob), and without
    replay they do not (negative control);
 3. moe/routing_agreement equals the fraction of (forwarded token, MoE layer) pairs where
-   transformers' own top-2 set equals the target's (each sequence's last token excluded).
+   transformers' own top-2 set equals the target's (each sequence's last token excluded);
+4. (one process) a bf16 "rollout": transformers in bfloat16 stands in for vLLM (which cannot return
+   routed experts on CPU). Its routing replayed in the fp32 policy shrinks the mean |log-prob gap|
+   to its log-probs, and the agreement reports the routes bf16 flipped.
 Rank 0 prints ROUTING REPLAY CHECK PASSED.
 """
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 
@@ -134,6 +138,38 @@ def check_maps(seen, mbs, per_micro_batch, num_experts, what):
         assert torch.equal(routing_map.cpu(), want), f"{what}: layer {layer} routed other experts"
 
 
+def bf16_rollout(cfg, model, weights, samples, mbs, loss_cfg, args, by_id):
+    """Check 4: the gap to a bf16 transformers rollout with and without replaying its routing."""
+    bf16 = copy.deepcopy(model).bfloat16()
+    with torch.no_grad():
+        rollout_logp = [seq_logp(bf16, torch.as_tensor(s.tokens), s.prompt_len).float() for s in samples]
+    for mb in mbs:  # the micro-batches' routing := the bf16 model's own, position for position
+        k = mb.routed_experts.shape[-1]
+        mb.routed_experts = torch.arange(k, dtype=mb.routed_experts.dtype).expand_as(mb.routed_experts).clone()
+    routing = own_routing(bf16, samples)
+    for mb in mbs:
+        for j, sid in enumerate(mb.seq_ids.tolist()):
+            at = (mb.seq_index[0] == j).nonzero().flatten()
+            mb.routed_experts[0, at] = routing[by_id[sid]].to(torch.int32)
+    gap, agreement = {}, None
+    for replay in (False, True):
+        policy = MegatronPolicy(cfg, OptimConfig(lr=1e-3), loss_cfg, recompute=args.recompute, routing_replay=replay)
+        policy.load_hf_state_dict(weights)
+        diffs = []
+        for mb, lp in zip(mbs, policy.compute_logprobs(mbs)):
+            for j, sid in enumerate(mb.seq_ids.tolist()):
+                at = (mb.seq_index[0] == j) & (mb.loss_mask[0] > 0)
+                diffs.append((lp[0][at] - rollout_logp[by_id[sid]]).abs())
+        gap[replay] = float(torch.cat(diffs).mean())
+        if replay:
+            agreement = policy.forward_backward(mbs, 100.0)["routing_agreement"]
+    assert gap[True] < gap[False] and agreement < 1.0, (gap, agreement)
+    print(
+        f"ok bf16 rollout (transformers): mean |log-prob gap| {gap[False]:.3e} without replay, "
+        f"{gap[True]:.3e} with; routing_agreement {agreement:.4f}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ep", type=int, default=1)
@@ -209,6 +245,8 @@ def main():
             f"transformers {gaps[True]:.2e} (no replay {gaps[False]:.2e}); rel.grad.err {grads[True]:.2e} "
             f"(no replay {grads[False]:.2e}); routing_agreement {got_agreement:.4f} (reference {want_agreement:.4f})"
         )
+    if dp_size == 1 and args.pp == 1:
+        bf16_rollout(cfg, model, weights, samples, mbs, loss_cfg, args, by_id)
     dist.barrier()  # every rank's checks done
     if rank0:
         print("ROUTING REPLAY CHECK PASSED")
