@@ -7,7 +7,7 @@ import os
 import sys
 from typing import get_args
 
-from megatron_dppo.algorithms.choices import AdvantageKind, LossAgg, RatioType
+from megatron_dppo.algorithms.choices import AdvantageKind, LossAgg, RatioType, RolloutCorrection
 
 
 def _verify_unbiased(args) -> int:
@@ -22,7 +22,7 @@ def _verify_unbiased(args) -> int:
     aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
     if args.method:
         return _verify_methods(args, strategies, aggs)
-    all_ok = True
+    all_ok = _verify_rollout_correction(args.seed) if args.rollout_correction != "none" else True
     for strategy in strategies:
         for agg in aggs:
             cfg = CheckConfig(
@@ -42,6 +42,7 @@ def _verify_unbiased(args) -> int:
                 fixed_order=args.fixed_order,
                 overlong_filter=args.overlong_filter,
                 without_prompt_weight=args.without_prompt_weight,
+                rollout_correction=args.rollout_correction,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -52,6 +53,19 @@ def _verify_unbiased(args) -> int:
             all_ok &= result.unbiased
     print("all unbiased" if all_ok else "bias detected beyond Monte Carlo noise")
     return 0 if all_ok else 1
+
+
+def _verify_rollout_correction(seed: int) -> bool:
+    """--rollout-correction: the exact table of megatron_dppo/jobs/verify_rollout.py (untruncated
+    IS unbiased, none biased, each cap and mask's bias); True when every verdict is the expected one."""
+    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_checks
+
+    ok = True
+    for result, expected in run_rollout_checks(RolloutCheckConfig(length=3, seed=seed)):
+        note = "" if expected is None else (" (expected)" if result.unbiased == expected else " (NOT as expected)")
+        print(f"rollout correction: {result.summary()}{note}", flush=True)
+        ok &= expected is None or result.unbiased == expected
+    return ok
 
 
 def _verify_methods(args, strategies, aggs) -> int:
@@ -255,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--without-prompt-weight",
         action="store_true",
         help="negative control: the kept prompts train without their weight w_q (must report BIASED, exit 1)",
+    )
+    v.add_argument(
+        "--rollout-correction",
+        choices=get_args(RolloutCorrection),
+        default="none",
+        help="algorithm.rollout_correction: first its exact check on a toy policy (untruncated IS unbiased, "
+        "none biased, the bias of each cap and mask), then pruning's Monte Carlo check with it on every token",
     )
     v.set_defaults(func=_verify_unbiased)
     return parser

@@ -13,6 +13,10 @@ from typing import Literal
 LossAgg = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"]
 RatioType = Literal["token", "sequence"]  # token: GRPO/DAPO; sequence: GSPO
 KlEstimator = Literal["k1", "k3"]
+# algorithm.rollout_correction (algorithms/losses.rollout_correction, docs/algorithm.md section 8):
+# truncated importance sampling by token or sequence, rejection masks by token or sequence, and
+# a truncation combined with a mask
+RolloutCorrection = Literal["none", "tis", "seq_tis", "mask", "seq_mask", "tis_mask", "tis_seq_mask"]
 AdvantageKind = Literal["grpo", "drgrpo"]
 Dtype = Literal["float32", "bfloat16"]
 AttentionBackend = Literal["auto", "te", "local"]

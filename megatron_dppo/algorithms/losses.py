@@ -12,15 +12,19 @@ split, and its expectation over the pruning masks is the full-batch loss.
 
 from __future__ import annotations
 
+import math
 from typing import get_args
 
 import torch
 
-from megatron_dppo.algorithms.choices import KlEstimator, LossAgg, RatioType
+from megatron_dppo.algorithms.choices import KlEstimator, LossAgg, RatioType, RolloutCorrection
 
 LOSS_AGGS = get_args(LossAgg)
 RATIO_TYPES = get_args(RatioType)
 KL_ESTIMATORS = get_args(KlEstimator)
+ROLLOUT_CORRECTIONS = get_args(RolloutCorrection)
+ROLLOUT_TRUNCATING = ("tis", "seq_tis", "tis_mask", "tis_seq_mask")  # read rollout_correction_cap
+ROLLOUT_MASKING = ("mask", "seq_mask", "tis_mask", "tis_seq_mask")  # read rollout_correction_low / _high
 
 
 def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -29,6 +33,88 @@ def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) 
         0, seq_index, torch.ones_like(values)
     )
     return sums / counts.clamp(min=1)
+
+
+def _segment_sum(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    return torch.zeros(num_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_index, values)
+
+
+def rollout_correction(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    seq_index: torch.Tensor,
+    num_seqs: int,
+    kind: str,
+    *,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, dict]:
+    """The rollout correction's weight of each loss token (docs/algorithm.md section 8), from
+    rho_t = pi_old(o_t) / pi_rollout(o_t): -> (weight [T] float64, no gradient; stats with the bool
+    tensors "truncated" [T] (the weight was cut to cap) and "masked" [T] (the weight is 0), and
+    "masked_seqs", the number of sequences all of whose loss tokens are masked).
+
+    tis           min(rho_t, cap)                            token-level truncated IS
+    seq_tis       min(prod_t rho_t, cap), on every token     sequence level, the PRODUCT (verl's "sequence")
+    mask          1[low <= rho_t <= high]                    token rejection (verl's token RS)
+    seq_mask      1[low <= exp(mean_t log rho_t) <= high]    sequence rejection, geometric mean (verl's "geometric")
+    tis_mask      min(rho_t, cap) * the token mask           (verl token IS + token RS; OpenRLHF's icepop)
+    tis_seq_mask  min(rho_t, cap) * the sequence mask        (NeMo-RL's / OpenRLHF's seq-mask-tis)
+
+    The weight multiplies the token's whole loss; what it divides by is unchanged (a masked
+    token stays in the aggregation's denominator: section 8 says why)."""
+    if kind not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"rollout_correction must be one of {ROLLOUT_CORRECTIONS}, got {kind!r}")
+    with torch.no_grad():
+        log_rho = (old_logp.detach() - rollout_logp.detach()).double()
+        weight = torch.ones_like(log_rho)
+        truncated = torch.zeros_like(log_rho, dtype=torch.bool)
+        keep = torch.ones_like(log_rho, dtype=torch.bool)
+        if kind in ("tis", "tis_mask", "tis_seq_mask"):
+            rho = log_rho.exp()
+            weight, truncated = rho.clamp(max=cap), rho > cap
+        elif kind == "seq_tis":
+            seq_rho = _segment_sum(log_rho, seq_index, num_seqs).exp()[seq_index]
+            weight, truncated = seq_rho.clamp(max=cap), seq_rho > cap
+        if kind in ("mask", "tis_mask"):
+            rho = log_rho.exp()
+            keep = (rho >= low) & (rho <= high)
+        elif kind in ("seq_mask", "tis_seq_mask"):
+            geo = _segment_mean(log_rho, seq_index, num_seqs).exp()[seq_index]
+            keep = (geo >= low) & (geo <= high)
+        weight = torch.where(keep, weight, torch.zeros_like(weight))
+        tokens = _segment_sum(torch.ones_like(log_rho), seq_index, num_seqs)
+        masked = _segment_sum((~keep).double(), seq_index, num_seqs)
+        masked_seqs = ((tokens > 0) & (masked == tokens)).double().sum()
+    return weight, {"truncated": truncated, "masked": ~keep, "masked_seqs": masked_seqs}
+
+
+def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_index: torch.Tensor, num_seqs: int):
+    """How far the rollout policy mu is from pi_old on the sampled loss tokens, as sums for the
+    step's metrics (rho_t = pi_old / mu; every expectation is over mu's samples):
+    rollout_ratio_sum/max/min (rho_t), rollout_kl_k1_sum (log mu - log pi_old: KL(mu || pi_old),
+    unbiased), rollout_kl_k3_sum (rho - 1 - log rho: the same KL, unbiased and >= 0),
+    rollout_chi2_sum (rho^2 - 1: chi^2(pi_old || mu), the token IS weights' variance),
+    rollout_chi2_seq_sum over the sequences that have loss tokens ((prod_t rho_t)^2 - 1) and
+    rollout_seqs, their count. float64 scalars; no host sync (no boolean indexing)."""
+    with torch.no_grad():
+        log_rho = (old_logp.detach() - rollout_logp.detach()).double()
+        rho = log_rho.exp()
+        zero = torch.zeros((), dtype=torch.float64, device=log_rho.device)
+        seq_log_rho = _segment_sum(log_rho, seq_index, num_seqs)
+        present = _segment_sum(torch.ones_like(log_rho), seq_index, num_seqs) > 0
+        seq_chi2 = torch.where(present, (2 * seq_log_rho).exp() - 1, torch.zeros_like(seq_log_rho))
+        return {
+            "rollout_ratio_sum": rho.sum(),
+            "rollout_ratio_max": rho.max() if rho.numel() else zero,
+            "rollout_ratio_min": rho.min() if rho.numel() else zero + math.inf,
+            "rollout_kl_k1_sum": (-log_rho).sum(),
+            "rollout_kl_k3_sum": (rho - 1 - log_rho).sum(),
+            "rollout_chi2_sum": (rho.square() - 1).sum(),
+            "rollout_chi2_seq_sum": seq_chi2.sum(),
+            "rollout_seqs": present.double().sum(),
+        }
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -267,6 +267,8 @@ class Sample:
     old_logp: torch.Tensor | None = None  # [len - prompt_len], one per completion token
     ref_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None  # the sampling engine's log-probs of the completion
+    # rollout.routing_replay: [len(tokens), layers, top-k] experts each position was routed to (sample_routing)
+    routed_experts: torch.Tensor | None = None
     # Which completion tokens carry loss (1) and which do not (0): BPPO's prefix, DAPO's overlong
     # filter. None: all of them. A sequence's "length" in the aggregations is its loss tokens.
     loss_mask: Sequence[float] | None = None
@@ -316,6 +318,9 @@ class ThdBatch:
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
+    # rollout.routing_replay: [rows, row_len, layers, top-k] int32, each position's experts (arange(k)
+    # on padding); Megatron's routers replay them (megatron/routing_replay.py)
+    routed_experts: torch.Tensor | None = None
     token_scale: torch.Tensor | None = None  # ReCo's c_t at each loss position (set after the pi_old pass)
     aux: AuxRows | None = None  # SSOPD pairs: this micro-batch carries the auxiliary loss, not GRPO's
 
@@ -353,10 +358,31 @@ def _as_sample(s, k: int) -> Sample:
                 f"sample {k}: {name} has {len(v)} values, expected one per completion "
                 f"token ({n} - {s.prompt_len} = {n - s.prompt_len})"
             )
+    if s.routed_experts is not None and len(s.routed_experts) != n:
+        raise ValueError(f"sample {k}: routed_experts has {len(s.routed_experts)} rows, expected one per token ({n})")
     return s
 
 
 _PER_COMPLETION_TOKEN = ("old_logp", "ref_logp", "rollout_logp")  # optional, aligned like advantages
+
+
+def sample_routing(routed, n_tokens: int) -> torch.Tensor:
+    """A completion's routed experts from vLLM ([forwarded positions, layers, top-k]) as the
+    [n_tokens, layers, top-k] int32 rows of its sample: cut to the sample's tokens (a BPPO prefix
+    trains fewer), and a row for each position vLLM never forwarded (the last sampled token:
+    no label, so no loss reads its routing) routed to experts 0..k-1."""
+    r = torch.as_tensor(routed).to(torch.int32)
+    if r.dim() != 3 or r.shape[0] < n_tokens - 1:
+        raise ValueError(
+            f"routed experts of shape {tuple(r.shape)}: expected [positions, layers, top-k] with at least "
+            f"{n_tokens - 1} positions (the sample's tokens but the last)"
+        )
+    r = r[:n_tokens]
+    missing = n_tokens - r.shape[0]
+    if missing:
+        fill = torch.arange(r.shape[2], dtype=torch.int32).expand(missing, r.shape[1], r.shape[2])
+        r = torch.cat([r, fill])
+    return r
 
 
 def _build(samples, rows: int, row_len: int, pad_id: int, segment):
@@ -367,6 +393,7 @@ def _build(samples, rows: int, row_len: int, pad_id: int, segment):
         if any(have) and not all(have):
             raise ValueError(f"{name} must be given for all samples or for none")
         opt[name] = torch.zeros(rows, row_len) if samples and all(have) else None
+    routed = _routing_buffer(samples, rows, row_len)
     b = dict(
         tokens=torch.full((rows, row_len), pad_id, dtype=torch.long),
         position_ids=torch.zeros(rows, row_len, dtype=torch.long),
@@ -389,13 +416,31 @@ def _build(samples, rows: int, row_len: int, pad_id: int, segment):
         for name, t in opt.items():
             if t is not None:
                 segment(t, i)[p0 - 1 : n - 1] = torch.as_tensor(getattr(s, name), dtype=torch.float32)
+        if routed is not None:
+            segment(routed, i)[:n] = s.routed_experts
     return dict(
         **b,
         **opt,
+        routed_experts=routed,
         seq_weight=torch.tensor([float(s.weight) for s in samples], dtype=torch.float32),
         seq_len=torch.tensor([_loss_tokens(s) for s in samples], dtype=torch.long),
         seq_ids=torch.tensor([int(s.seq_id) for s in samples], dtype=torch.long),
     )
+
+
+def _routing_buffer(samples, rows: int, row_len: int) -> torch.Tensor | None:
+    """[rows, row_len, layers, top-k] int32 for the samples' routed experts, every position routed to
+    experts 0..k-1 until filled (padding's routing changes no real token); None without them."""
+    have = [s.routed_experts is not None for s in samples]
+    if not samples or not any(have):
+        return None
+    if not all(have):
+        raise ValueError("routed_experts must be given for all samples or for none")
+    shapes = {tuple(s.routed_experts.shape[1:]) for s in samples}
+    if len(shapes) != 1:
+        raise ValueError(f"routed_experts: the samples' [layers, top-k] differ: {sorted(shapes)}")
+    (layers, k) = shapes.pop()
+    return torch.arange(k, dtype=torch.int32).expand(rows, row_len, layers, k).clone()
 
 
 def _loss_tokens(s: Sample) -> int:

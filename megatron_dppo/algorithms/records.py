@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dppo.algorithms.packing import Sample
+from megatron_dppo.algorithms.packing import Sample, sample_routing
 from megatron_dppo.data.prompts import PromptRecord
 
 
@@ -35,6 +35,9 @@ class Group:
     completion_weights: list[float] = field(default_factory=list)  # w_o; 0 = not trained
     truncated: list[bool] = field(default_factory=list)  # stopped by max_new_tokens, not by eos/stop
     sampling_logprobs: list[list[float]] = field(default_factory=list)  # vLLM's, per sampled token
+    # rollout.routing_replay: vLLM's routed experts per completion, [positions, layers, top-k] ints
+    # over prompt + completion (routing.sample_routing says which positions); empty: off
+    routed_experts: list = field(default_factory=list)
     reward_extras: list[dict] = field(default_factory=list)  # a reward's extra numbers, per completion
     # How many leading completion tokens carry loss, per completion (BPPO's prefix; 0 under DAPO's
     # overlong filter); empty: all of them. Set by the step's planning (algorithms/batch.py).
@@ -53,6 +56,7 @@ class Group:
         self.rewards += more.rewards
         self.truncated += more.truncated
         self.sampling_logprobs += more.sampling_logprobs
+        self.routed_experts += more.routed_experts
         self.reward_extras += more.reward_extras
 
     def completion_lengths(self) -> list[int]:
@@ -88,9 +92,14 @@ class Group:
                     weight=self.train_weight * w,
                     seq_id=first_seq_id + i,
                     rollout_logp=torch.tensor(self.sampling_logprobs[i][:n]) if self.sampling_logprobs else None,
+                    routed_experts=self._routing(i, n),
                 )
             )
         return out
+
+    def _routing(self, i: int, n: int) -> torch.Tensor | None:
+        """Completion i's routed experts over its sample's tokens (prompt + its first n), if carried."""
+        return sample_routing(self.routed_experts[i], len(self.prompt_ids) + n) if self.routed_experts else None
 
     def rollout_rows(self, decode) -> list[dict]:
         """logging.rollouts rows, one per completion; decode(token ids) -> text. A completion that
@@ -114,6 +123,8 @@ class Group:
                 "prompt_weight": self.prompt_weight,
                 "length": len(c),
                 "truncated": self.truncated[i] if self.truncated else None,
+                # sum of log pi_rollout over the completion's tokens (the engine's, as sampled)
+                "rollout_logprob_sum": sum(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
             }
             for i, c in enumerate(self.completions)
         ]

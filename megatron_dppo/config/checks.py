@@ -44,6 +44,13 @@ def validate(cfg: Config) -> Config:
         ("algorithm.clip_low", 0 <= a.clip_low < 1, "a number in [0, 1)"),
         ("algorithm.clip_high", a.clip_high >= 0, "a number >= 0"),
         ("algorithm.kl_coef", a.kl_coef >= 0, "a number >= 0"),
+        ("algorithm.rollout_correction_cap", a.rollout_correction_cap >= 1, "a number >= 1 (the largest weight)"),
+        ("algorithm.rollout_correction_low", 0 <= a.rollout_correction_low <= 1, "a number in [0, 1]"),
+        (
+            "algorithm.rollout_correction_high",
+            a.rollout_correction_high >= 1,
+            "a number >= 1 (ratios above it are masked)",
+        ),
         ("algorithm.max_resample_rounds", a.max_resample_rounds >= 0, "an integer >= 0"),
         ("algorithm.moe_aux_loss_coeff", a.moe_aux_loss_coeff >= 0, "a number >= 0 (0 = off)"),
         ("algorithm.moe_z_loss_coeff", a.moe_z_loss_coeff >= 0, "a number >= 0 (0 = off)"),
@@ -169,6 +176,22 @@ def _eval_checks(c: Config) -> list[tuple[str, bool, str]]:
     ]
 
 
+def _inert_rollout_correction_keys(kind: str) -> dict[str, str]:
+    """The rollout correction's bounds that its kind does not read: the cap without a truncation,
+    the mask's bounds without a mask (algorithms/losses.rollout_correction)."""
+    from megatron_dppo.algorithms.losses import ROLLOUT_MASKING, ROLLOUT_TRUNCATING
+
+    out = {}
+    if kind not in ROLLOUT_TRUNCATING:
+        out["algorithm.rollout_correction_cap"] = (
+            f"algorithm.rollout_correction={kind} truncates no weight (kinds that do: {', '.join(ROLLOUT_TRUNCATING)})"
+        )
+    if kind not in ROLLOUT_MASKING:
+        why = f"algorithm.rollout_correction={kind} masks nothing (kinds that do: {', '.join(ROLLOUT_MASKING)})"
+        out["algorithm.rollout_correction_low"] = out["algorithm.rollout_correction_high"] = why
+    return out
+
+
 def inert_keys(cfg: Config) -> dict[str, str]:
     """Keys (or whole sections) that this config's method does not read -> why, the one rule of
     "does this key matter here": the saved config leaves them out (so it shows what ran: a GRPO
@@ -195,6 +218,7 @@ def inert_keys(cfg: Config) -> dict[str, str]:
         )
     if a.kl_coef == 0:
         out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
+    out.update(_inert_rollout_correction_keys(a.rollout_correction))
     out.update(registry.inert_keys(cfg))  # each method names its own
     if cfg.data.prompt_mode == "raw":
         out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"

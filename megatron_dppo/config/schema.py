@@ -16,6 +16,7 @@ from megatron_dppo.algorithms.choices import (
     PromptMode,
     RatioType,
     Recompute,
+    RolloutCorrection,
     ThdAttention,
     WandbMode,
 )
@@ -109,6 +110,9 @@ class RolloutConfig:
     # them anyway, and level 1 would first copy them back from pinned host memory (~16 GB a GPU for
     # 32B at TP 4) only to overwrite them. No-op on CPU.
     sleep_level: int = 2
+    # MoE: vLLM returns the experts it routed each token to, and Megatron's log-prob and training
+    # passes route every token to those (docs/algorithm.md section 9). Needs vLLM's Model Runner V2.
+    routing_replay: bool = False
 
 
 @dataclass
@@ -120,6 +124,12 @@ class AlgorithmConfig:
     ratio_type: RatioType = "token"  # sequence = GSPO
     kl_coef: float = 0.0
     kl_estimator: KlEstimator = "k3"
+    # The rollout policy (vLLM: its kernels, its dtype) is not the trained one: weight or mask each
+    # token by rho = pi_old / pi_rollout (docs/algorithm.md section 8). none = train as sampled.
+    rollout_correction: RolloutCorrection = "none"
+    rollout_correction_cap: float = 2.0  # tis / seq_tis / tis_*: the weight is min(rho, cap)
+    rollout_correction_low: float = 0.5  # mask / seq_mask / tis_*mask: tokens (sequences) with rho
+    rollout_correction_high: float = 2.0  # (their geometric mean) outside [low, high] get no loss
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3

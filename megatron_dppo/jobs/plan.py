@@ -269,6 +269,7 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     train["activations"] = (in_flight * kept + work) * T * pbytes
     if any(arch.is_sparse(i) for i in layers):  # one layer's dispatch send + receive in flight
         train["all_to_all"] = (1 + MOE_IMBALANCE) * arch.experts_per_tok * arch.hidden * T * pbytes / (tp if sp else 1)
+    train["routing_replay"] = routing_replay_bytes(cfg, arch, layers, sp)
     last = stage in ("only", "last")
     train["logits"] = logits_bytes(T, padded_vocab_size(arch.vocab, tp) // tp, pbytes) if last else 0
     train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
@@ -287,6 +288,18 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
         "train_total": sum(train.values()),
         "generate_total": sum(gen.values()),
     }
+
+
+def routing_replay_bytes(cfg, arch: Arch, layers: range, sequence_parallel: bool) -> int:
+    """rollout.routing_replay: each router of the stage holds its micro-batch's replayed experts on
+    the GPU, tokens (this rank's, under sequence parallelism) x k int64 (megatron/routing_replay.py
+    keeps one micro-batch's at a time); the [T, layers, k] int32 buffer of the micro-batch stays on
+    the host. 0 when off or dense."""
+    if not cfg.rollout.routing_replay:
+        return 0
+    sparse = sum(1 for i in layers if arch.is_sparse(i))
+    tokens = cfg.trainer.max_tokens_per_microbatch // (cfg.parallel.tp if sequence_parallel else 1)
+    return sparse * tokens * arch.experts_per_tok * 8
 
 
 def logits_bytes(tokens: int, partition_vocab: int, pbytes: int, block: int = LOGPROB_BLOCK) -> int:
@@ -564,6 +577,7 @@ def format_plan(plan: dict) -> str:
         ("reference model", "reference"),
         ("activations", "activations"),
         ("all-to-all buffers (MoE dispatch)", "all_to_all"),
+        ("routing replay (experts per token)", "routing_replay"),
         ("logits (loss)", "logits"),
         ("vLLM (weights+runtime+KV)", "vllm"),
         ("weight sync (largest unit in flight)", "weight_sync"),

@@ -55,6 +55,10 @@ class CheckConfig:
     max_len: int = 16
     overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
     method: str = "grpo"  # verify_methods.run_method_check: bppo | reco | adaprefix | ssopd
+    # algorithm.rollout_correction on every token's loss, its rollout log-probs old_logp + noise of
+    # this std (verify_rollout.py checks the correction itself; here DPPO must stay unbiased for it)
+    rollout_correction: str = "none"
+    rollout_noise: float = 0.3
     without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
@@ -180,6 +184,10 @@ def _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=None):
         return loss
 
     J = torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
+    if cfg.rollout_correction != "none":  # the trainer's composition: coef_t * weight_t (megatron/loss.py)
+        rollout_logp = old_logp + cfg.rollout_noise * torch.randn(T, generator=gen, dtype=torch.float64)
+        weight, _ = losses.rollout_correction(old_logp, rollout_logp, seq_index, S, cfg.rollout_correction)
+        J = J * weight[:, None]
     return J, seq_index, seq_len
 
 

@@ -7,6 +7,7 @@ summing micro-batches, stages and ranks gives the same number whatever the split
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -20,7 +21,7 @@ from megatron_dppo.algorithms.methods.ssopd import rules as ssopd
 from megatron_dppo.megatron.logprobs import entropy_sum, token_logprobs, token_logprobs_detached_entropy
 from megatron_dppo.megatron.model import current_device
 
-# What each micro-batch reports, summed over its loss tokens (ratio_dev_max is a max instead).
+# What each micro-batch reports, summed over its loss tokens (MAXED are maxima instead).
 SUMMED = (
     "loss",
     "tokens",
@@ -31,10 +32,21 @@ SUMMED = (
     "entropy_sum",
     "rollout_gap_sum",
     "rollout_gap_tokens",
+    "rollout_ratio_sum",  # the rollout mismatch (losses.rollout_mismatch), over the same tokens
+    "rollout_kl_k1_sum",
+    "rollout_kl_k3_sum",
+    "rollout_chi2_sum",
+    "rollout_chi2_seq_sum",
+    "rollout_seqs",
+    "rollout_truncated",  # the rollout correction's (losses.rollout_correction): tokens, and
+    "rollout_masked",  # sequences with every loss token masked
+    "rollout_masked_seqs",
     "aux_loss",
     "aux_div_sum",
     "aux_positions",
 )
+# The minimum ratio is reduced as the maximum of its negative.
+MAXED = ("ratio_dev_max", "rollout_ratio_max", "rollout_ratio_neg_min")
 
 
 @dataclass
@@ -52,19 +64,54 @@ class TrainReport:
     # mean |log pi_theta - log pi_vllm| of the sampled tokens (NaN without the engine's log-probs):
     # at the first update of a step pi_theta is the rollout policy, so this is the engines' mismatch
     logprob_gap_vllm: float
+    # rho_t = pi_old / pi_rollout of the sampled tokens (NaN without the engine's log-probs): its
+    # mean / max / min, KL(rollout || pi_old) by the k1 and k3 estimators, chi^2(pi_old || rollout)
+    # of the token ratios and of the sequences' products (docs/algorithm.md section 8)
+    rollout_ratio_mean: float
+    rollout_ratio_max: float
+    rollout_ratio_min: float
+    rollout_kl_k1: float
+    rollout_kl_k3: float
+    rollout_chi2_token: float
+    rollout_chi2_seq: float
     aux_loss: float  # SSOPD: lambda * L_aux, the auxiliary term in the loss (0 without it)
     aux_divergence: float  # SSOPD: mean d_t over the distilled positions (NaN without any)
+    # Under algorithm.rollout_correction only (None otherwise: not reported): the share of loss
+    # tokens whose weight was cut to the cap, of those masked, of sequences masked whole
+    rollout_truncated_frac: float | None = None
+    rollout_masked_token_frac: float | None = None
+    rollout_masked_seq_frac: float | None = None
 
     @classmethod
-    def from_sums(cls, sums: dict, ratio_dev_max: float) -> TrainReport:
+    def from_sums(cls, sums: dict, maxima: dict, corrected: bool = False) -> TrainReport:
         n = max(sums["tokens"], 1)
+        rollout_n, seqs = sums["rollout_gap_tokens"], sums["rollout_seqs"]
+
+        def per_token(key):
+            return sums[key] / rollout_n if rollout_n else float("nan")
+
+        correction = {}
+        if corrected:
+            correction = dict(
+                rollout_truncated_frac=per_token("rollout_truncated"),
+                rollout_masked_token_frac=per_token("rollout_masked"),
+                rollout_masked_seq_frac=sums["rollout_masked_seqs"] / seqs if seqs else float("nan"),
+            )
         return cls(
+            **correction,
+            rollout_ratio_mean=per_token("rollout_ratio_sum"),
+            rollout_ratio_max=maxima["rollout_ratio_max"] if rollout_n else float("nan"),
+            rollout_ratio_min=-maxima["rollout_ratio_neg_min"] if rollout_n else float("nan"),
+            rollout_kl_k1=per_token("rollout_kl_k1_sum"),
+            rollout_kl_k3=per_token("rollout_kl_k3_sum"),
+            rollout_chi2_token=per_token("rollout_chi2_sum"),
+            rollout_chi2_seq=sums["rollout_chi2_seq_sum"] / seqs if seqs else float("nan"),
             loss=sums["loss"],
             tokens=sums["tokens"],
             clip_frac=sums["clip_frac_sum"] / n,
             kl=sums["kl_sum"] / n,
             ratio_dev_mean=sums["ratio_dev_sum"] / n,
-            ratio_dev_max=ratio_dev_max,
+            ratio_dev_max=maxima["ratio_dev_max"],
             approx_kl=sums["approx_kl_sum"] / n,
             entropy=sums["entropy_sum"] / n,
             logprob_gap_vllm=sums["rollout_gap_sum"] / sums["rollout_gap_tokens"]
@@ -75,7 +122,7 @@ class TrainReport:
         )
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 def micro_batch_loss(
@@ -117,15 +164,61 @@ def micro_batch_loss(
     token_loss, stats = _token_loss(algorithm, reweighting, lp, old_logp, batch, picked, seq_index)
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, algorithm.loss_agg, denominator)
+    rollout_logp = picked(batch.rollout_logp) if batch.rollout_logp is not None else None
+    correction = _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, batch.num_seqs)
+    if correction is not None:  # rho's weight on each token's loss; the denominator stays
+        coef = coef * correction[0]
     loss = losses.aggregate(token_loss, coef)
     report = _report(loss, n_tokens, lp, old_logp, stats)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     report.update(aux_loss=zero, aux_div_sum=zero, aux_positions=zero)
-    gap = (lp.detach() - picked(batch.rollout_logp)).abs() if batch.rollout_logp is not None else None
-    report["rollout_gap_sum"] = gap.double().sum() if gap is not None else zero
-    report["rollout_gap_tokens"] = n_tokens.double() if gap is not None else zero
+    report.update(_rollout_report(lp, old_logp, rollout_logp, seq_index, batch.num_seqs, correction, n_tokens))
     report["entropy_sum"] = entropy_sum(entropy, index)
     return loss, n_tokens, report
+
+
+def _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, num_seqs):
+    """(weight [T], stats) of algorithm.rollout_correction (losses.rollout_correction); None when off."""
+    kind = algorithm.rollout_correction
+    if kind == "none":
+        return None
+    if rollout_logp is None:
+        raise ValueError(
+            f"algorithm.rollout_correction={kind} needs the rollout engine's log-probs of every trained "
+            "token, and this micro-batch carries none (Sample.rollout_logp)"
+        )
+    return losses.rollout_correction(
+        old_logp,
+        rollout_logp,
+        seq_index,
+        num_seqs,
+        kind,
+        cap=algorithm.rollout_correction_cap,
+        low=algorithm.rollout_correction_low,
+        high=algorithm.rollout_correction_high,
+    )
+
+
+def _rollout_report(lp, old_logp, rollout_logp, seq_index, num_seqs, correction, n_tokens) -> dict:
+    """The micro-batch's rollout-mismatch sums (zeros, and no maximum, without the engine's log-probs)."""
+    zero = torch.zeros((), dtype=torch.float64, device=lp.device)
+    out = {k: zero for k in SUMMED if k.startswith("rollout_")}
+    out.update(rollout_ratio_max=zero, rollout_ratio_neg_min=zero - math.inf)
+    if rollout_logp is None:
+        return out
+    out["rollout_gap_sum"] = (lp.detach() - rollout_logp).abs().double().sum()
+    out["rollout_gap_tokens"] = n_tokens.double()
+    mismatch = losses.rollout_mismatch(old_logp, rollout_logp, seq_index, num_seqs)
+    out["rollout_ratio_neg_min"] = -mismatch.pop("rollout_ratio_min")
+    out.update(mismatch)
+    if correction is not None:
+        flags = correction[1]
+        out.update(
+            rollout_truncated=flags["truncated"].double().sum(),
+            rollout_masked=flags["masked"].double().sum(),
+            rollout_masked_seqs=flags["masked_seqs"],
+        )
+    return out
 
 
 def loss_positions(loss_mask) -> torch.Tensor:
@@ -193,7 +286,7 @@ def _aux_loss(batch, logits, cfg, vocab_size: int):
     report.update(
         aux_loss=loss.detach().double(), aux_div_sum=d.detach().double().sum(), aux_positions=zero + d.numel()
     )
-    report["ratio_dev_max"] = zero
+    report.update({k: zero for k in MAXED}, rollout_ratio_neg_min=zero - math.inf)
     return loss, torch.zeros((), dtype=torch.int, device=dev), report
 
 
@@ -214,16 +307,19 @@ def _report(loss, n_tokens, logp, old_logp, stats) -> dict:
     }
 
 
-def reduce_reports(reports: list[dict]) -> TrainReport:
+def reduce_reports(reports: list[dict], corrected: bool = False) -> TrainReport:
     """Sum the last stages' micro-batch reports over DP (TP rank 0 only: TP ranks repeat them);
-    the max |ratio - 1| is reduced with a max. Collective over the world."""
+    MAXED are reduced with a max. Collective over the world. corrected: algorithm.rollout_correction
+    is on, so its shares are reported."""
     dev = current_device()
     sums = torch.zeros(len(SUMMED), dtype=torch.float64, device=dev)
-    dev_max = torch.zeros(1, dtype=torch.float64, device=dev)
+    maxima = torch.full((len(MAXED),), -math.inf, dtype=torch.float64, device=dev)
     if parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0:
         for r in reports:
             sums += torch.stack([r[k].to(dev) for k in SUMMED])
-            dev_max = torch.maximum(dev_max, r["ratio_dev_max"].to(dev))
+            maxima = torch.maximum(maxima, torch.stack([r[k].to(dev) for k in MAXED]))
     dist.all_reduce(sums)
-    dist.all_reduce(dev_max, op=dist.ReduceOp.MAX)
-    return TrainReport.from_sums(dict(zip(SUMMED, sums.tolist())), float(dev_max))
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    maxima = dict(zip(MAXED, maxima.tolist()))
+    maxima["ratio_dev_max"] = max(maxima["ratio_dev_max"], 0.0)  # 0 when nothing was trained, as before
+    return TrainReport.from_sums(dict(zip(SUMMED, sums.tolist())), maxima, corrected)

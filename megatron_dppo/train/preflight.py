@@ -46,6 +46,11 @@ def input_warnings(cfg, tokenizer, hf_config, data_sources) -> list[str]:
                     f"warning: algorithm.{key}={getattr(a, key):g} is ignored: model.hf_dir {cfg.model.hf_dir} is a "
                     "dense model (no router)"
                 )
+        if cfg.rollout.routing_replay:
+            out.append(
+                f"warning: rollout.routing_replay=true is ignored: model.hf_dir {cfg.model.hf_dir} is a dense model "
+                "(no router)"
+            )
     read = template_variables(tokenizer.chat_template) if cfg.data.prompt_mode == "chat" else None
     if cfg.data.chat_template_kwargs and read is not None:
         for key in sorted(set(cfg.data.chat_template_kwargs) - read):

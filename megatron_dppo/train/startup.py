@@ -185,6 +185,7 @@ def build_policy(cfg: Config, hf_config):
         recompute=pc.recompute,
         distributed_optimizer=pc.distributed_optimizer,
         gpu_settings=GpuSettings.from_config(pc),
+        routing_replay=cfg.rollout.routing_replay,
     )
 
 
@@ -212,6 +213,7 @@ def start_engine(cfg: Config):
         # log-probs of the distribution actually sampled (temperature, top-p/top-k applied): what
         # the Megatron policy's log-probs at the sampling temperature are compared with
         logprobs_mode="processed_logprobs",
+        routing_replay=rc.routing_replay,
     )
     return engine, time.perf_counter() - t0
 

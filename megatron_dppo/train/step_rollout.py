@@ -45,6 +45,17 @@ class EnginePlace:
         return cls(rank // rollout_tp, world // rollout_tp, rank % rollout_tp == 0)
 
 
+def routed_experts(completion):
+    """A completion's routed experts under rollout.routing_replay; a named error when the engine
+    returned none (a dense model has no routers: vLLM refuses the option there)."""
+    if completion.routed_experts is None:
+        raise ValueError(
+            "rollout.routing_replay=true but vLLM returned no routed experts with a completion "
+            "(enable_return_routed_experts needs an MoE model and vLLM's Model Runner V2)"
+        )
+    return completion.routed_experts
+
+
 def rollout_seed(seed: int, step: int, rnd: int, slot: int) -> int:
     """A prompt's sampling seed: from (trainer.seed, step, round, its slot in the draw) only, so a
     completion is the same whatever rank or engine generates it (completion k adds k in vLLM)."""
@@ -177,6 +188,7 @@ class StepRollout:
                 prompt_weight=w_q,
                 truncated=[c.finish_reason == "length" for c in group],
                 sampling_logprobs=[list(c.logprobs) for c in group],
+                routed_experts=[routed_experts(c) for c in group] if rc.routing_replay else [],
                 reward_extras=extras[starts[q] : starts[q + 1]],
                 prefix_len=prefix_lens[q],
             )

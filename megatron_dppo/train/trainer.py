@@ -409,6 +409,11 @@ class Trainer:
         with stop_on_signals() as stop:
             for step in range(self.first_step, tc.max_steps + 1):
                 m = self.step(step)
+                gap_line = (
+                    rollout_gap_warning(m, self.cfg.algorithm.rollout_correction) if step == self.first_step else None
+                )
+                if gap_line and self.is_main:
+                    self.logger.message(gap_line)
                 self.last_step = step
                 out_of_time = bool(tc.max_time_s and time.perf_counter() - t0 > tc.max_time_s)
                 signalled = mdist.all_reduce_max([stop.requested])[0] > 0  # any rank's signal stops all
@@ -459,16 +464,41 @@ class Trainer:
         destroy_parallel()
 
 
+# KL(rollout || trained) per token above which a run without a rollout correction is told about
+# it: fp32 vLLM against fp32 Megatron measured ~3e-13; a bf16 rollout of the tiny model ~1e-4
+# (docs/algorithm.md section 8, README "bf16 and MoE runs").
+ROLLOUT_KL_WARN = 1e-6
+
+
+def rollout_gap_warning(metrics: dict, correction: str) -> str | None:
+    """The line for the first step's log when the rollout policy is measurably not the trained one
+    and algorithm.rollout_correction is off; None otherwise."""
+    kl = metrics.get("train/rollout_kl_k3", math.nan)
+    if correction != "none" or not kl > ROLLOUT_KL_WARN:
+        return None
+    return (
+        f"warning: the rollout policy is not the trained one: KL(rollout || trained) = {kl:.3g} a token "
+        f"(k3; > {ROLLOUT_KL_WARN:g}), max ratio {metrics.get('train/rollout_ratio_max', math.nan):.3g}, mean "
+        f"|log-prob gap| {metrics.get('train/logprob_gap_vllm', math.nan):.3g}, and algorithm.rollout_correction=none: "
+        "consider algorithm.rollout_correction=tis (docs/algorithm.md section 8)"
+    )
+
+
 def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dict:
-    """Optimizer-step metrics averaged over the step's updates (max for the max), and the packing."""
+    """Optimizer-step metrics averaged over the step's updates (max for a max, min for a min), and the packing."""
     out = {"train/optimizer_steps": len(train)}
     if not train:  # nothing was trained this step (every group uninformative)
         return {**out, "train/loss": 0.0, "train/grad_norm": 0.0, "pack/density": 0.0, "tokens/trained": 0}
     for key in train[0]:
         vals = [m[key] for m in train]
-        out[f"train/{key}"] = max(vals) if key.endswith("_max") else sum(vals) / len(vals)
+        out[f"train/{key}"] = (
+            max(vals) if key.endswith("_max") else min(vals) if key.endswith("_min") else sum(vals) / len(vals)
+        )
     out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
     out["train/logprob_gap_vllm"] = train[0]["logprob_gap_vllm"]  # at the first update: the rollout policy
+    if "routing_agreement" in train[0]:  # rollout.routing_replay: routers' own top-k vs vLLM's, at the first update
+        del out["train/routing_agreement"]
+        out["moe/routing_agreement"] = train[0]["routing_agreement"]
     out["pack/density"] = sum(mb.density for mb in minibatches) / len(minibatches)
     out["tokens/trained"] = sum(mb.tokens for mb in minibatches)
     out["tokens/trained_completion"] = sum(mb.completion_tokens for mb in minibatches)

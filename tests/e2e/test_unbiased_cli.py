@@ -43,3 +43,15 @@ def test_cli_dynamic_sampling_exit_codes():
     bad = subprocess.run(base + ["--refill-by", "count"], capture_output=True, text=True)
     assert bad.returncode == 1 and "refill by count" in bad.stdout and "BIASED" in bad.stdout, bad.stdout + bad.stderr
     assert "total weight 8.000" not in bad.stdout
+
+
+def test_cli_rollout_correction():
+    """The wiring of --rollout-correction (the exact verdicts are tested in process,
+    tests/unit/test_rollout_correction.py): the toy table with its negative control, then DPPO's check
+    with the correction on every token."""
+    cmd = [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--rollout-correction", "tis"]
+    ok = subprocess.run(cmd + ["--draws", "300"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "rollout correction: none" in ok.stdout and "BIASED (expected)" in ok.stdout
+    assert "tis          no cap   length 1: relative bias" in ok.stdout and "UNBIASED (expected)" in ok.stdout
+    assert "NOT as expected" not in ok.stdout and "all unbiased" in ok.stdout

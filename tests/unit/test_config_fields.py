@@ -106,6 +106,11 @@ INERT = [
     (("algorithm.selection=bppo",), "algorithm.bppo.wave_size"),  # schedule off
     (("algorithm.aux=ssopd",), "algorithm.ssopd.jsd_beta"),  # div fkl_clip
     (("algorithm.aux=ssopd", "algorithm.ssopd.div=jsd"), "algorithm.ssopd.tau"),
+    ((), "algorithm.rollout_correction_cap"),  # rollout_correction none
+    ((), "algorithm.rollout_correction_low"),
+    ((), "algorithm.rollout_correction_high"),
+    (("algorithm.rollout_correction=tis",), "algorithm.rollout_correction_low"),  # a truncation, no mask
+    (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_cap"),  # a mask, no truncation
 ]
 
 

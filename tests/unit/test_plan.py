@@ -392,6 +392,10 @@ def test_expert_state_is_per_ep_rank_and_sharded_over_expert_dp():
     assert first["train"]["optimizer"] == 12 * (dense / 8 + first["expert_params"] / 1)
     assert first["train"]["gradients"] == 4 * first["params"]
     assert "all_to_all" in first["train"] and first["train"]["all_to_all"] > 0
+    assert first["train"]["routing_replay"] == 0  # rollout.routing_replay off
+    replay = memory_plan(_cfg(A3B, "rollout.routing_replay=true"))["stages"]["first"]["train"]["routing_replay"]
+    T = cfg.trainer.max_tokens_per_microbatch // (cfg.parallel.tp if lay["sequence_parallel"] else 1)
+    assert replay == 24 * T * 8 * 8  # 24 sparse layers on the stage, top-8, int64
     # at EP 16 on the same 16 GPUs (PP 1) each GPU holds 8 experts of all 48 layers
     wide = memory_plan(_cfg(A3B, "parallel.pp=1", "parallel.ep=16"))["stages"]["only"]
     assert wide["expert_params"] == 48 * 8 * per_expert

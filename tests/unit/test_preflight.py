@@ -168,6 +168,17 @@ def test_router_coefficients_on_a_dense_model_are_warned_about():
     assert input_warnings(cfg, tok, hf, [""]) == []
 
 
+def test_routing_replay_on_a_dense_model_is_warned_about():
+    from megatron_dppo.train.preflight import input_warnings
+
+    cfg, tok, hf = _inputs("rollout.routing_replay=true")
+    assert input_warnings(cfg, tok, hf, [""]) == [
+        f"warning: rollout.routing_replay=true is ignored: model.hf_dir {TINY} is a dense model (no router)"
+    ]
+    hf.num_experts = 4  # a MoE model replays its routing
+    assert input_warnings(cfg, tok, hf, [""]) == []
+
+
 def test_chat_template_kwargs_the_template_never_reads_are_warned_about():
     """Judged by the variables the jinja template references (the tiny template reads
     enable_thinking): a misspelt one renders the same prompt as none, and is named."""
