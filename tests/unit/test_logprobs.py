@@ -4,6 +4,7 @@ plain log_softmax (values, gradients), and the peak memory it saves (measured on
 import pytest
 import torch
 import torch.distributed as dist
+from loss_batches import three_sequence_batch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -188,28 +189,6 @@ def _count_syncing_ops(fn):
     return out, seen
 
 
-def _loss_batch():
-    from megatron_dppo.algorithms import packing
-
-    g = torch.Generator().manual_seed(5)
-    samples = []
-    for i, (n, p) in enumerate([(9, 4), (7, 3), (11, 6)]):
-        c = n - p
-        samples.append(
-            packing.Sample(
-                tokens=torch.randint(0, VOCAB, (n,), generator=g).tolist(),
-                prompt_len=p,
-                advantage=float(i) - 1.0,
-                seq_id=i,
-                old_logp=-torch.rand(c, generator=g),
-                ref_logp=-torch.rand(c, generator=g),
-                rollout_logp=-torch.rand(c, generator=g),
-                loss_mask=[1.0] * (c - 1) + [0.0],
-            )
-        )
-    return packing.build_thd_batch(samples, pad_multiple=4)
-
-
 def test_loss_gathers_its_tokens_without_a_host_sync(tp1, monkeypatch):
     """The loss tokens' positions come from the host mask (loss_positions, computed here before
     the count); the loss itself indexes with them: no boolean-mask gather on the device. Its
@@ -217,7 +196,7 @@ def test_loss_gathers_its_tokens_without_a_host_sync(tp1, monkeypatch):
     from megatron_dppo.config import AlgorithmConfig
     from megatron_dppo.megatron import loss as loss_mod
 
-    batch = _loss_batch()
+    batch = three_sequence_batch()
     host_index = loss_mod.loss_positions(batch.loss_mask)
     monkeypatch.setattr(loss_mod, "loss_positions", lambda mask: host_index)
     logits = _logits(tuple(batch.labels.shape), torch.float32, seed=6).requires_grad_()

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from loss_batches import three_sequence_batch
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, load_config
@@ -98,30 +99,6 @@ def test_mismatch_metrics_are_the_estimators():
 VOCAB, PADDED = 50, 64
 
 
-def _loss_batch():
-    """A packed batch of three sequences with old, reference and rollout log-probs, the last token
-    of each without loss."""
-    from megatron_dppo.algorithms import packing
-
-    g = torch.Generator().manual_seed(5)
-    samples = []
-    for i, (n, p) in enumerate([(9, 4), (7, 3), (11, 6)]):
-        c = n - p
-        samples.append(
-            packing.Sample(
-                tokens=torch.randint(0, VOCAB, (n,), generator=g).tolist(),
-                prompt_len=p,
-                advantage=float(i) - 1.0,
-                seq_id=i,
-                old_logp=-torch.rand(c, generator=g),
-                ref_logp=-torch.rand(c, generator=g),
-                rollout_logp=-torch.rand(c, generator=g),
-                loss_mask=[1.0] * (c - 1) + [0.0],
-            )
-        )
-    return packing.build_thd_batch(samples, pad_multiple=4)
-
-
 def _logits(batch):
     """Logits over a padded vocabulary (the padding columns are masked by the log-prob code)."""
     return 3 * torch.randn(*batch.labels.shape, PADDED, generator=torch.Generator().manual_seed(6))
@@ -133,7 +110,7 @@ def test_micro_batch_loss_weighs_each_token_by_the_correction(tp1):
     are those of the same tokens; none leaves the loss as it was."""
     from megatron_dppo.megatron import loss as loss_mod
 
-    batch = _loss_batch()
+    batch = three_sequence_batch()
     logits = _logits(batch)
     index = loss_mod.loss_positions(batch.loss_mask)
     old, rollout = batch.old_logp.flatten()[index], batch.rollout_logp.flatten()[index]
@@ -172,7 +149,7 @@ def test_micro_batch_loss_weighs_each_token_by_the_correction(tp1):
 def test_a_correction_without_rollout_logprobs_is_refused(tp1):
     from megatron_dppo.megatron import loss as loss_mod
 
-    batch = _loss_batch()
+    batch = three_sequence_batch()
     batch.rollout_logp = None
     with pytest.raises(ValueError, match="algorithm.rollout_correction=tis needs the rollout engine's log-probs"):
         loss_mod.micro_batch_loss(
