@@ -27,6 +27,17 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
     return Qwen3Config(**{**SHAPE, "architectures": ["Qwen3ForCausalLM"], **overrides})
 
 
+def hf_reference(hf, seqs):
+    """Per-sequence log-probs of transformers, and its gradients of their sum (checkpoint names)."""
+    hf.zero_grad(set_to_none=True)
+    out = []
+    for s in seqs:
+        logp = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(1, s[1:, None])[:, 0]
+        logp.sum().backward()
+        out.append(logp.detach())
+    return out, hf_checkpoint_tensors(hf, grads=True)
+
+
 def _perturb_norms(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import common  # noqa: E402
-from tiny_models import LLAMA3_ROPE, hf_checkpoint_tensors, tiny_family_model  # noqa: E402
+from tiny_models import LLAMA3_ROPE, hf_checkpoint_tensors, hf_reference, tiny_family_model  # noqa: E402
 
 from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.jobs import plan  # noqa: E402
@@ -39,17 +39,6 @@ VARIANTS = {
     "qwen2 untied": ("qwen2", dict(tie_word_embeddings=False)),
 }
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp)
-
-
-def hf_reference(hf, seqs):
-    """Per-sequence log-probs of transformers, and its gradients of their sum (checkpoint names)."""
-    hf.zero_grad(set_to_none=True)
-    out = []
-    for s in seqs:
-        logp = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(1, s[1:, None])[:, 0]
-        logp.sum().backward()
-        out.append(logp.detach())
-    return out, hf_checkpoint_tensors(hf, grads=True)
 
 
 def megatron_run(model, seqs):

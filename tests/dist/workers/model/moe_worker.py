@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 import common  # noqa: E402
-from tiny_models import hf_checkpoint_tensors, tiny_qwen3_moe_model  # noqa: E402
+from tiny_models import hf_checkpoint_tensors, hf_reference, tiny_qwen3_moe_model  # noqa: E402
 
 from megatron_dppo.algorithms.packing import Sample, build_thd_batch  # noqa: E402
 from megatron_dppo.jobs import plan  # noqa: E402
@@ -31,17 +31,6 @@ from megatron_dppo.model.arch import Arch  # noqa: E402
 
 TOL = 1e-5
 LENGTHS = ((7, 19, 3, 12), (5, 11, 16))  # one batch per rank at EP=2
-
-
-def hf_reference(hf, seqs):
-    """Per-sequence log-probs of transformers, and its gradients of their sum (checkpoint names)."""
-    hf.zero_grad(set_to_none=True)
-    out = []
-    for s in seqs:
-        logp = torch.log_softmax(hf(s[None]).logits[0, :-1].float(), -1).gather(1, s[1:, None])[:, 0]
-        logp.sum().backward()
-        out.append(logp.detach())
-    return out, hf_checkpoint_tensors(hf, grads=True)
 
 
 def megatron_run(model, seqs):
