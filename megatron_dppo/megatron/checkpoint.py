@@ -156,7 +156,10 @@ def _write_text_atomic(path: str, text: str) -> None:
 
 def _sharded_state(policy, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    with contextlib.nullcontext() if is_loading else _initial_adam_state(policy):
+        # (the state dict holds the saved tensors: the state may go once it is built)
+        optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return {"model": model_sd, "optimizer": optimizer_sd}
 
 
 # ---- Adam before its first update -------------------------------------------------------------
@@ -164,16 +167,17 @@ def _sharded_state(policy, is_loading: bool) -> dict:
 # Megatron's load asks for every parameter's moments (sharded_state_dict(is_loading=True) runs the
 # optimizer's init_state_fn): a run whose steps all skipped the update (no group with a non-zero
 # advantage) saved checkpoints that could not be loaded. So the save writes, for a parameter
-# without state, what Megatron's load builds (init_state_fn: zero moments, no step) and takes it
-# away again; the load removes the state that carries no step, so the resumed optimizer starts its
-# first update from nothing, exactly as the uninterrupted one does.
+# without state, what Megatron's load builds (init_state_fn: zero moments, no step), taken away
+# again once the state dict to save is built; the load removes the state that carries no step, so
+# the resumed optimizer starts its first update from nothing, exactly as the uninterrupted one does.
 def _megatron_optimizers(policy) -> list:
     return list(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]))
 
 
 @contextlib.contextmanager
 def _initial_adam_state(policy):
-    """While saving: every parameter without optimizer state has the state Megatron's load asks for."""
+    """While the state dict to save is built: every parameter without optimizer state has the state
+    Megatron's load asks for."""
     created = []
     for megatron_opt in _megatron_optimizers(policy):
         opt = megatron_opt.optimizer
@@ -382,8 +386,7 @@ def _save_checkpoint(root, step, policy, trainer_state, history, keep_last, extr
         os.makedirs(os.path.join(tmp, MODEL_DIR))
         os.makedirs(os.path.join(tmp, "rng"))
     barrier()
-    with _initial_adam_state(policy):
-        save_sharded(_sharded_state(policy, is_loading=False), os.path.join(tmp, MODEL_DIR))
+    save_sharded(_sharded_state(policy, is_loading=False), os.path.join(tmp, MODEL_DIR))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state().cpu()
