@@ -16,6 +16,10 @@ saving process (_InProcessTorchDistSave), not by the writer processes Megatron-C
 child forked from the multi-threaded trainer can block on a lock held at fork time, and forked
 writers outlive a killed trainer. A full disk is one OSError naming the path.
 
+Before the first update (every step so far skipped it) Adam has no state yet; the save writes the
+zero moments Megatron's load asks for, and the load takes them away again, so such a checkpoint
+resumes exactly (see _initial_adam_state).
+
 Keep: pruning (keep_last) deletes only checkpoints that carry this run's run_id (new_run_id for
 a new run, the loaded checkpoint's for a resumed one) at or below the step just saved, ordered
 by step number, so another run's checkpoints in the same dir are never deleted or outranked.
@@ -152,7 +156,55 @@ def _write_text_atomic(path: str, text: str) -> None:
 
 def _sharded_state(policy, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    with contextlib.nullcontext() if is_loading else _initial_adam_state(policy):
+        # (the state dict holds the saved tensors: the state may go once it is built)
+        optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return {"model": model_sd, "optimizer": optimizer_sd}
+
+
+# ---- Adam before its first update -------------------------------------------------------------
+# torch's Adam creates a parameter's state (exp_avg, exp_avg_sq, step) at its first update, but
+# Megatron's load asks for every parameter's moments (sharded_state_dict(is_loading=True) runs the
+# optimizer's init_state_fn): a run whose steps all skipped the update (no group with a non-zero
+# advantage) saved checkpoints that could not be loaded. So the save writes, for a parameter
+# without state, what Megatron's load builds (init_state_fn: zero moments, no step), taken away
+# again once the state dict to save is built; the load removes the state that carries no step, so
+# the resumed optimizer starts its first update from nothing, exactly as the uninterrupted one does.
+def _megatron_optimizers(policy) -> list:
+    return list(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer]))
+
+
+@contextlib.contextmanager
+def _initial_adam_state(policy):
+    """While the state dict to save is built: every parameter without optimizer state has the state
+    Megatron's load asks for."""
+    created = []
+    for megatron_opt in _megatron_optimizers(policy):
+        opt = megatron_opt.optimizer
+        empty = [p for group in opt.param_groups for p in group["params"] if not opt.state.get(p)]
+        if empty:
+            megatron_opt.init_state_fn(opt, megatron_opt.config)
+            created += [(opt, p) for p in empty]
+    try:
+        yield
+    finally:
+        for opt, p in created:
+            del opt.state[p]
+
+
+def _without_unstepped_state(optimizer_sd) -> None:
+    """Before loading: per-parameter state without a step (saved by _initial_adam_state; Megatron
+    also saves the common step only when it is non-zero) is the state of a parameter that never took
+    a step, and torch's Adam refuses it (KeyError 'step'): it is removed from the loaded state dict
+    (from every chained optimizer's), and Adam creates it at its first update."""
+    if not isinstance(optimizer_sd, dict):
+        return
+    state = optimizer_sd.get("state")
+    if isinstance(state, dict) and "common_step" not in state:
+        for key in [k for k, v in state.items() if isinstance(v, dict) and "exp_avg" in v and "step" not in v]:
+            del state[key]
+    for value in optimizer_sd.values():
+        _without_unstepped_state(value)
 
 
 # ---- run identity (pruning touches only this run's checkpoints) -----------------------------
@@ -644,6 +696,7 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
             raise _load_error(e, model_dir) from None
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:
+        _without_unstepped_state(loaded["optimizer"])
         policy.optimizer.load_state_dict(loaded["optimizer"])
         policy.scheduler.load_state_dict(state["scheduler"])
     else:

@@ -469,3 +469,19 @@ def test_saving_swaps_megatrons_results_queue_only_while_it_saves():
     with _no_results_manager():
         assert type(getattr(filesystem_async, _RESULTS_QUEUE_FACTORY)()) is queue.Queue
     assert getattr(filesystem_async, _RESULTS_QUEUE_FACTORY) is original
+
+
+UNSTEPPED_WORKER = os.path.join(os.path.dirname(__file__), "workers", "step", "ckpt_unstepped.py")
+
+
+def test_a_checkpoint_before_the_first_update_resumes_bit_for_bit(tmp_path, launch):
+    """A run whose steps all skipped the update (every reward 0) saved checkpoints without Adam's
+    moments (torch creates them at the first update): the load failed ("lacks 20 key(s) the model
+    asks for"). Saved before any update, the
+    checkpoint loads, and the resumed policy's next updates (loss, grad norm, lr, weights, Adam's
+    moments and step) equal those of a run that never saved and of the saving run going on."""
+    out = tmp_path / "out.json"
+    res = launch(UNSTEPPED_WORKER, 1, "--ckpt", str(tmp_path / "ckpt"), "--out", str(out))
+    _ok(res)
+    result = json.loads(out.read_text())
+    assert result["ok"], result["diffs"][:8]
