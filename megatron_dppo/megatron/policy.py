@@ -183,7 +183,10 @@ class MegatronPolicy:
             self.reference.requires_grad_(False)
             self.reference.eval()
         # each model's own routers (Megatron's global replay list holds every model's)
-        self._routers = {id(m): routers(m) for m in (self.model, self.reference) if m is not None}
+        # Each model's own routers (replay only: a policy without it needs nothing of its model here)
+        self._routers = (
+            {id(m): routers(m) for m in (self.model, self.reference) if m is not None} if self.routing_replay else {}
+        )
         self.routing_agreement = RoutingAgreement(self._routers[id(self.model)]) if self.routing_replay else None
 
     # ---- weights (megatron/weights.py) -----------------------------------------------------------

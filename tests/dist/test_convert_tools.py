@@ -197,7 +197,7 @@ def _error(capsys, tool, *argv) -> str:
 def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
     to_mg, to_hf = _tool(TO_MG), _tool(TO_HF)
     out = tmp_path / "out"
-    for arch, model_type in [("LlamaForCausalLM", "llama"), ("Qwen2ForCausalLM", "qwen2")]:
+    for arch, model_type in [("MistralForCausalLM", "mistral"), ("GemmaForCausalLM", "gemma")]:  # not supported
         bad = tmp_path / model_type
         shutil.copytree(hf_models["tied"], bad)
         cfg = json.loads((bad / "config.json").read_text())

@@ -162,13 +162,25 @@ def test_input_validation(call, msg):
         call()
 
 
-def test_pack_is_fast_for_10k_sequences():
+def test_pack_scales_near_linearly_to_10k_sequences():
+    """Packing 10k sequences costs about 10x packing 1k (a quadratic packer: ~100x), at both search
+    windows. A ratio measured side by side, not a wall-clock limit: a loaded machine (make test's
+    two workers) slows both sides alike."""
     lengths = _rl_lengths(random.Random(5), prompts=2500)
     assert len(lengths) == 10000
-    for w in (64, len(lengths)):
-        t0 = time.perf_counter()
-        _check_partition(pack(lengths, 8192, w), lengths, 8192)
-        assert time.perf_counter() - t0 < 2.0
+    small = lengths[:1000]
+
+    def best_of_3(seqs, window):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            _check_partition(pack(seqs, 8192, window), seqs, 8192)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for window in (64, None):
+        ratio = best_of_3(lengths, window or len(lengths)) / best_of_3(small, window or len(small))
+        assert ratio < 30, (window, ratio)
 
 
 def test_packing_module_does_not_import_megatron():

@@ -223,7 +223,11 @@ def test_always_hanging_verifier_costs_one_call_budget_not_a_timeout_per_complet
     assert rewards == [0.0] * n and info["failed"] == n
     assert info["budget_s"] == 2 * timeout
     kinds = info["failures_by_kind"]
-    assert set(kinds) <= {"timeout", "deadline"} and kinds["timeout"] <= workers and kinds["deadline"] >= n - workers
+    # The budget is 2 x timeout: one round of hung checks times out, a second one may start before
+    # the budget runs out and time out at it (seen under make test's load); the rest are cut.
+    rounds = 2
+    assert set(kinds) <= {"timeout", "deadline"}, kinds
+    assert kinds["timeout"] <= rounds * workers and kinds["deadline"] >= n - rounds * workers, kinds
     assert elapsed < per_completion_cost / 2, (elapsed, per_completion_cost)
 
 
