@@ -630,6 +630,21 @@ def _check_global_shapes(sharded: dict, model_dir: str) -> None:
         )
 
 
+def _check_optimizer_kind(policy, model_dir: str) -> None:
+    """The optimizer state was saved by the kind of optimizer this run uses: the distributed one's
+    (keys optimizer.distributed.*, sharded over DP) and plain Adam's (one tensor per parameter) do
+    not load into each other; named here rather than as a list of missing keys."""
+    saved = [key for key in read_dcp_metadata(model_dir).state_dict_metadata if key.startswith("optimizer.")]
+    saved_distributed = any(key.startswith("optimizer.distributed.") for key in saved)
+    distributed = policy.model.ddp_config.use_distributed_optimizer
+    if saved and saved_distributed != distributed:
+        kind = {True: "the distributed optimizer", False: "plain Adam (no distributed optimizer)"}
+        raise CheckpointError(
+            f"{model_dir}: its optimizer state was saved by {kind[saved_distributed]}, but this run uses "
+            f"{kind[distributed]}: set parallel.distributed_optimizer={str(saved_distributed).lower()} to resume it"
+        )
+
+
 def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
     """One line for a failed dist_checkpointing.load: the first failing rank's own exception (a
     CheckpointException holds them with their tracebacks), and for unreadable data the shard file."""
@@ -690,6 +705,8 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     model_dir = os.path.join(path, MODEL_DIR)
     with _quiet_load_warnings():
         try:
+            if load_optimizer:
+                _check_optimizer_kind(policy, model_dir)
             fitted = fit_to_checkpoint(sharded, model_dir)
             _check_global_shapes(fitted, model_dir)
             loaded = dist_checkpointing.load(fitted, model_dir)

@@ -76,6 +76,12 @@ def test_distributed_optimizer_checkpoints_resume_bit_for_bit_and_load_at_anothe
         want = record["full"][step]
         assert loss == pytest.approx(want[0], abs=1e-6) and grad_norm == pytest.approx(want[1], rel=1e-5)
         assert lr == want[2], (step, lr, want[2])
+    plain = launch(WORKER, 1, "--phase", "load", "--ckpt", ckpt)  # into plain Adam: named, not a key list
+    assert plain.returncode == 3 and re.search(
+        r"step_000003/model_optim: its optimizer state was saved by the distributed optimizer, but this run uses "
+        r"plain Adam .*: set parallel\.distributed_optimizer=true to resume it",
+        plain.stdout,
+    ), plain.stdout[-2000:]
 
 
 def test_interrupted_save_keeps_latest_and_is_cleaned_up(tmp_path, monkeypatch):
