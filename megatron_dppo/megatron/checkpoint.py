@@ -154,11 +154,23 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+# The distributed optimizer's checkpoint format, on save and load: one ShardedTensor per DP shard
+# of its buffers (Megatron-LM's default, training/checkpointing.py), loadable at another DP size
+# only. Megatron-Core's own default, "fully_sharded_model_space", saves flattened ranges, which its
+# dist_checkpointing no longer accepts (CheckpointingException: ShardedTensor.flattened_range is
+# not supported): no checkpoint could be saved.
+_DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _sharded_state(policy, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
+    metadata = None  # plain Adam: its checkpoints keep their keys
+    if policy.model.ddp_config.use_distributed_optimizer:
+        metadata = _DISTRIBUTED_OPTIMIZER_FORMAT
+        _create_missing_adam_state(policy.optimizer)
     with contextlib.nullcontext() if is_loading else _initial_adam_state(policy):
         # (the state dict holds the saved tensors: the state may go once it is built)
-        optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optimizer_sd}
 
 
@@ -205,6 +217,48 @@ def _without_unstepped_state(optimizer_sd) -> None:
             del state[key]
     for value in optimizer_sd.values():
         _without_unstepped_state(value)
+
+
+def _create_missing_adam_state(optimizer) -> None:
+    """Creates, for each parameter of the distributed optimizer's torch Adam that has no state yet,
+    the state torch's Adam creates at its first step: step 0 and zero moments. The distributed
+    optimizer's state_dict() (with torch's Adam, no TE/Apex) reads the step from that state, so a
+    never-stepped optimizer fails there (`assert len(steps) == 1`): saved before its first update,
+    or loaded into while fresh. The next step is the same as with the lazily created state."""
+    scalar_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(opt, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):  # AdamW is one; TE's/Apex's FusedAdam keep the step apart
+            continue
+        for group in adam.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                if adam.state[p]:
+                    continue
+                state = adam.state[p]
+                state["step"] = torch.zeros((), dtype=scalar_dtype, device=p.device if on_device else "cpu")
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Sets each parameter's Adam step, one tensor per parameter, to the loaded checkpoint's step.
+    The distributed optimizer's load (with torch's Adam, no TE/Apex) gets it wrong twice: its
+    load_state_dict gives every parameter the SAME step tensor (which torch's Adam then increments
+    once per parameter at each update), and its dp_reshardable load then copies into it the step of
+    the state the optimizer held before the load (0 for a fresh one; the format saves no per-parameter
+    step). The checkpoint's step survives in each param group ("step", from the saved param_groups)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(opt, "optimizer", None)
+        if not isinstance(adam, torch.optim.Adam):
+            continue
+        for group in adam.param_groups:
+            for p in group["params"]:
+                step = adam.state[p].get("step")
+                if torch.is_tensor(step) and "step" in group:
+                    adam.state[p]["step"] = torch.full_like(step, float(group["step"]))
 
 
 # ---- run identity (pruning touches only this run's checkpoints) -----------------------------
@@ -627,6 +681,21 @@ def _check_global_shapes(sharded: dict, model_dir: str) -> None:
         )
 
 
+def _check_optimizer_kind(policy, model_dir: str) -> None:
+    """The optimizer state was saved by the kind of optimizer this run uses: the distributed one's
+    (keys optimizer.distributed.*, sharded over DP) and plain Adam's (one tensor per parameter) do
+    not load into each other; named here rather than as a list of missing keys."""
+    saved = [key for key in read_dcp_metadata(model_dir).state_dict_metadata if key.startswith("optimizer.")]
+    saved_distributed = any(key.startswith("optimizer.distributed.") for key in saved)
+    distributed = policy.model.ddp_config.use_distributed_optimizer
+    if saved and saved_distributed != distributed:
+        kind = {True: "the distributed optimizer", False: "plain Adam (no distributed optimizer)"}
+        raise CheckpointError(
+            f"{model_dir}: its optimizer state was saved by {kind[saved_distributed]}, but this run uses "
+            f"{kind[distributed]}: set parallel.distributed_optimizer={str(saved_distributed).lower()} to resume it"
+        )
+
+
 def _load_error(e: BaseException, model_dir: str) -> CheckpointError:
     """One line for a failed dist_checkpointing.load: the first failing rank's own exception (a
     CheckpointException holds them with their tracebacks), and for unreadable data the shard file."""
@@ -687,6 +756,8 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     model_dir = os.path.join(path, MODEL_DIR)
     with _quiet_load_warnings():
         try:
+            if load_optimizer:
+                _check_optimizer_kind(policy, model_dir)
             fitted = fit_to_checkpoint(sharded, model_dir)
             _check_global_shapes(fitted, model_dir)
             loaded = dist_checkpointing.load(fitted, model_dir)
@@ -697,7 +768,12 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     policy.model.module.load_state_dict(loaded["model"])
     if load_optimizer:
         _without_unstepped_state(loaded["optimizer"])
-        policy.optimizer.load_state_dict(loaded["optimizer"])
+        # The distributed optimizer copies the loaded state into its fp32 main params, which are
+        # views of the model's leaf parameters: in place, so outside autograd.
+        with torch.no_grad():
+            policy.optimizer.load_state_dict(loaded["optimizer"])
+        if policy.model.ddp_config.use_distributed_optimizer:
+            _restore_adam_steps(policy.optimizer)
         policy.scheduler.load_state_dict(state["scheduler"])
     else:
         policy.optimizer.reload_model_params()

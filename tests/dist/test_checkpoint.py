@@ -45,6 +45,45 @@ def test_kill_after_save_then_resume_reproduces_losses_and_other_layouts_load(tm
             assert torch.allclose(x, y, atol=1e-5), (name, (x - y).abs().max())
 
 
+@pytest.mark.slow
+def test_distributed_optimizer_checkpoints_resume_bit_for_bit_and_load_at_another_dp(tmp_path, launch):
+    """DP=2 with the distributed optimizer (the default with CUDA): a run saving at step 0 (never
+    stepped: no Adam state yet) and at step 3; resuming either at DP=2 reproduces its losses, its
+    weights and each rank's Adam shard (moments and step) bit for bit; step 3 also loads at DP=1."""
+    dist_opt = ["--distributed-optimizer"]
+    ckpt, ckpt0 = tmp_path / "ckpt", tmp_path / "ckpt0"
+    runs = {
+        "full": ["--phase", "full", "--ckpt", ckpt, "--unstepped-ckpt", ckpt0],
+        "from0": ["--phase", "resume", "--ckpt", ckpt0],
+        "from3": ["--phase", "resume", "--ckpt", ckpt],
+    }
+    for name, args in runs.items():
+        _ok(launch(WORKER, 2, *args, *dist_opt, "--out", tmp_path / f"{name}.json", "--state-out", tmp_path / name))
+    _ok(launch(WORKER, 1, *runs["from3"], *dist_opt, "--out", tmp_path / "dp1.json"))
+    record = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in [*runs, "dp1"]}
+    assert sorted(record["from0"]) == ["1", "2", "3", "4", "5", "6"] and sorted(record["from3"]) == ["4", "5", "6"]
+    for name in ("from0", "from3"):
+        for step, got in record[name].items():  # loss, grad norm and learning rate
+            assert got == record["full"][step], (name, step, got, record["full"][step])
+        for rank in (0, 1):
+            want, got = (torch.load(tmp_path / f"{run}.rank{rank}.pt", weights_only=True) for run in ("full", name))
+            for part in ("weights", "adam"):
+                assert want[part].keys() == got[part].keys() and want[part], (name, rank, part)
+                for key, tensor in want[part].items():
+                    assert torch.equal(tensor, got[part][key]), (name, rank, part, key)
+            assert torch.load(tmp_path / f"full.rank{rank}.pt", weights_only=True)["adam"]["0.0.0.step"] == 6
+    for step, (loss, grad_norm, lr) in record["dp1"].items():  # DP=1 sums the gradients in another order
+        want = record["full"][step]
+        assert loss == pytest.approx(want[0], abs=1e-6) and grad_norm == pytest.approx(want[1], rel=1e-5)
+        assert lr == want[2], (step, lr, want[2])
+    plain = launch(WORKER, 1, "--phase", "load", "--ckpt", ckpt)  # into plain Adam: named, not a key list
+    assert plain.returncode == 3 and re.search(
+        r"step_000003/model_optim: its optimizer state was saved by the distributed optimizer, but this run uses "
+        r"plain Adam .*: set parallel\.distributed_optimizer=true to resume it",
+        plain.stdout,
+    ), plain.stdout[-2000:]
+
+
 def test_interrupted_save_keeps_latest_and_is_cleaned_up(tmp_path, monkeypatch):
     from megatron_dppo.megatron import checkpoint
 

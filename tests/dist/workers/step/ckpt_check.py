@@ -3,6 +3,9 @@
 --phase full      train steps 1..N, write losses to --out
 --phase killed    train steps 1..K, save at K, then SIGKILL itself (no clean exit)
 --phase resume    load the latest checkpoint, train K+1..N, write losses to --out
+  --distributed-optimizer  (full, resume) Adam state sharded over DP; --state-out PREFIX: each
+                    rank writes PREFIX.rank<r>.pt: its weights and Adam state after the last step
+  --unstepped-ckpt ROOT  (full) also save step 0 there, before the first update (no Adam state)
 --phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
 --phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
                      with --resume, load the latest checkpoint first (its run continues)
@@ -72,6 +75,9 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-at", type=int, default=3)
+    ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--state-out")
+    ap.add_argument("--unstepped-ckpt", help="(full) also save step 0, before the first update, under this root")
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
@@ -86,6 +92,7 @@ def main():
         cfg,
         OptimConfig(lr=3e-3, warmup_steps=2, decay_steps=10, decay_style="cosine"),
         AlgorithmConfig(loss_agg="token-mean", clip_high=0.28),
+        distributed_optimizer=args.distributed_optimizer,
     )
     policy.load_hf_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
 
@@ -108,6 +115,8 @@ def main():
         state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
         first = state["step"] + 1
     last = args.save_at if args.phase == "killed" else args.steps
+    if args.unstepped_ckpt:
+        save_checkpoint(args.unstepped_ckpt, 0, policy, {"note": "test"}, run_id=new_run_id())
     record = {}
     for step in range(first, last + 1):
         mbs, denom = batch_for_step(model, step, dp_rank, dp_size)
@@ -120,7 +129,22 @@ def main():
     if dist.get_rank() == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump(record, f)
+    if args.state_out:
+        torch.save(trained_state(policy), f"{args.state_out}.rank{dist.get_rank()}.pt")
     destroy_parallel()
+
+
+def trained_state(policy) -> dict:
+    """This rank's model weights and its Adam state (exp_avg, exp_avg_sq, step of each parameter
+    the inner torch optimizer holds: a DP shard of each under the distributed optimizer)."""
+    adam = {}
+    for c, opt in enumerate(getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                for name, value in opt.optimizer.state.get(p, {}).items():
+                    adam[f"{c}.{g}.{i}.{name}"] = torch.as_tensor(value).detach().cpu().clone()
+    weights = {k: v.detach().cpu().clone() for k, v in policy.model.module.state_dict().items() if torch.is_tensor(v)}
+    return {"weights": weights, "adam": adam}
 
 
 def phase_save_steps(args, policy):
