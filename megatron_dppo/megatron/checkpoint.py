@@ -1,5 +1,7 @@
 """Resumable checkpoints: Megatron dist checkpoints (torch_dist), written atomically, checked
-before use, loadable at any TP/PP.
+before use; the weights load at any TP/PP. With the distributed optimizer (the default on GPUs) its
+Adam state is saved as "dp_reshardable" (_DISTRIBUTED_OPTIMIZER_FORMAT): it resumes at another DP
+size, not at another TP/PP (untested); resuming with the other kind of optimizer is a named error.
 
     <root>/step_000012/         one complete checkpoint
         model_optim/            megatron.core.dist_checkpointing: model + optimizer shards
