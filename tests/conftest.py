@@ -268,3 +268,17 @@ def family_hf_models(tmp_path_factory):
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(REPO / "examples" / "tiny" / "model" / name, root / family / name)
     return {"llama": root / "llama", "qwen2": root / "qwen2"}
+
+
+@pytest.fixture(scope="module")
+def tp1():
+    """A 1-rank gloo world with Megatron's groups (TP = PP = 1), torn down after the module: for
+    unit tests of the Megatron log-prob and loss code in the pytest process."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

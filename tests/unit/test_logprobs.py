@@ -3,25 +3,13 @@ plain log_softmax (values, gradients), and the peak memory it saves (measured on
 
 import pytest
 import torch
-import torch.distributed as dist
 from loss_batches import three_sequence_batch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from megatron_dppo.jobs import plan
 from megatron_dppo.megatron import logprobs
 
 VOCAB, PADDED = 50, 64
-
-
-@pytest.fixture(scope="module")
-def tp1():
-    """A 1-rank gloo world with Megatron's groups (TP = PP = 1), torn down after the module."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _old_token_logprobs(logits, labels, temperature):

@@ -19,19 +19,6 @@ from megatron_dppo.train.trainer import _train_metrics, rollout_gap_warning
 CAP, LOW, HIGH = 1.5, 0.8, 1.25
 
 
-@pytest.fixture(scope="module")
-def tp1():
-    """A 1-rank gloo world with Megatron's groups (TP = PP = 1), torn down after the module."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _rho_batch():
     """Three sequences of 4, 3 and 5 tokens with ratios on both sides of every bound."""
     log_rho = torch.tensor(
