@@ -38,6 +38,20 @@ def hf_reference(hf, seqs):
     return out, hf_checkpoint_tensors(hf, grads=True)
 
 
+def shard_and_merge(full: dict, layout, tp: int, pp: int) -> tuple[dict, dict]:
+    """Megatron tensors cut into every (tp rank, pp stage)'s shard, then merged back under global
+    names -> (shards by (t, p), rebuilt): what the converters do, in one process."""
+    from megatron_dppo.model import qwen3
+
+    shards = {(t, p): qwen3.shard_for_rank(full, layout, t, tp, p, pp) for t in range(tp) for p in range(pp)}
+    rebuilt = {}
+    for p in range(pp):
+        for local in shards[(0, p)]:
+            name = qwen3.to_global_name(local, p, pp, layout.num_layers)
+            rebuilt[name] = qwen3.tp_merge(name, [shards[(t, p)][local] for t in range(tp)])
+    return shards, rebuilt
+
+
 def _perturb_norms(model) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():

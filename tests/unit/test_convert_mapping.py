@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_qwen3_model
+from tiny_models import shard_and_merge, tiny_qwen3_model
 
 from megatron_dppo.model import qwen3
 from megatron_dppo.model.vocab import padded_vocab_size
@@ -44,12 +44,7 @@ def test_shard_then_merge_recovers_full(tp, pp):
     cfg, sd = _hf(False)
     layout = qwen3.layout_from_hf_config(cfg, padded_vocab=padded_vocab_size(50, tp, 8))
     full = qwen3.hf_to_megatron(sd, layout)
-    shards = {(t, p): qwen3.shard_for_rank(full, layout, t, tp, p, pp) for t in range(tp) for p in range(pp)}
-    rebuilt = {}
-    for p in range(pp):
-        for local in shards[(0, p)]:
-            name = qwen3.to_global_name(local, p, pp, layout.num_layers)
-            rebuilt[name] = qwen3.tp_merge(name, [shards[(t, p)][local] for t in range(tp)])
+    shards, rebuilt = shard_and_merge(full, layout, tp, pp)
     assert rebuilt.keys() == full.keys()
     for k in full:
         assert torch.equal(rebuilt[k], full[k]), k

@@ -10,7 +10,7 @@ import types
 
 import pytest
 import torch
-from tiny_models import LLAMA3_ROPE, hf_checkpoint_tensors, tiny_family_config, tiny_family_model
+from tiny_models import LLAMA3_ROPE, hf_checkpoint_tensors, shard_and_merge, tiny_family_config, tiny_family_model
 
 from megatron_dppo.model import families, qwen3
 from megatron_dppo.model.arch import Arch
@@ -56,12 +56,7 @@ def test_qkv_bias_shards_with_its_kv_groups(tp, pp):
     layout = qwen3.layout_from_hf_config(cfg, padded_vocab=128 * tp)
     full = qwen3.hf_to_megatron(hf_checkpoint_tensors(model), layout)
     assert qwen3.tp_split_kind("decoder.layers.0.self_attention.linear_qkv.bias") == "column"
-    shards = {(t, p): qwen3.shard_for_rank(full, layout, t, tp, p, pp) for t in range(tp) for p in range(pp)}
-    rebuilt = {}
-    for p in range(pp):
-        for local in shards[(0, p)]:
-            name = qwen3.to_global_name(local, p, pp, layout.num_layers)
-            rebuilt[name] = qwen3.tp_merge(name, [shards[(t, p)][local] for t in range(tp)])
+    shards, rebuilt = shard_and_merge(full, layout, tp, pp)
     assert rebuilt.keys() == full.keys()
     for k in full:
         assert torch.equal(rebuilt[k], full[k]), k
