@@ -286,3 +286,73 @@ def test_launch_script_names_a_bad_variable(tmp_path, change, message):
     )
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "torch.distributed.run" not in proc.stdout
+
+
+# The founding paper's Table 9 presets (Qwen2.5 / Llama 3.2, GRPO and DAPO with DPPO) through the
+# same script, unchanged: preset -> (architecture dir, NNODES; None: the script's default of 4).
+TABLE9 = {
+    "qwen2.5_7b_grpo": ("qwen2.5_configs/7B-Instruct", "1"),
+    "qwen2.5_7b_dapo": ("qwen2.5_configs/7B-Instruct", "1"),
+    "llama3.2_3b_grpo": ("llama3.2_configs/3B-Instruct", "1"),
+    "llama3.2_3b_dapo": ("llama3.2_configs/3B-Instruct", "1"),
+    "qwen2.5_32b_grpo": ("qwen2.5_configs/32B-Instruct", None),
+    "qwen2.5_32b_dapo": ("qwen2.5_configs/32B-Instruct", None),
+}
+
+
+@pytest.mark.parametrize("preset", TABLE9)
+def test_launch_script_runs_the_table9_presets(tmp_path, preset):
+    """launch_torchrun.sh with CONFIG=<preset>, as its header says: the real `plan` pre-check
+    accepts the layout (exit 0, FITS), and the torchrun command it then starts (PYTHON is a
+    stand-in that runs `plan` and records any other command instead of running it) carries the
+    preset and the environment's overrides, which the trainer's config and layout checks accept at
+    the world size torchrun would make. The last node is the one started (for 32B, node 3 of 4,
+    not the rendezvous host)."""
+    hf_dir, nnodes = TABLE9[preset]
+    record = tmp_path / "torchrun.argv"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        "#!/bin/bash\n"
+        f'if [[ "$1 $2" == "-m megatron_dppo.jobs.plan" ]]; then exec {shlex.quote(sys.executable)} "$@"; fi\n'
+        f'printf "%s\\0" "$@" > {shlex.quote(str(record))}\n'
+    )
+    stand_in.chmod(0o755)
+    nodes = int(nnodes or 4)
+    env = _clean_env(
+        MASTER_ADDR="127.0.0.1",
+        NODE_RANK=str(nodes - 1),
+        HF_DIR=str(REPO / "examples" / hf_dir),
+        TRAIN_DATA="/data/math_train.jsonl",
+        CONFIG=f"examples/presets/{preset}.yaml",
+        PYTHON=str(stand_in),
+        **({"NNODES": nnodes} if nnodes else {}),
+    )
+    proc = subprocess.run(
+        ["bash", str(EXAMPLE / "launch_torchrun.sh"), "trainer.max_steps=3"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FITS" in proc.stdout, proc.stdout  # the pre-check ran and accepted the layout
+    dash_m, module, *rest = record.read_text().split("\0")[:-1]  # the stand-in's arguments
+    assert (dash_m, module) == ("-m", "torch.distributed.run")
+    cut = rest.index("-m")
+    flags = dict(zip(rest[:cut:2], rest[1:cut:2]))
+    assert rest[cut + 1 : cut + 4] == ["megatron_dppo.cli", "train", "--config"]
+    config, overrides = rest[cut + 4], rest[cut + 5 :]
+    assert config == f"examples/presets/{preset}.yaml"
+    assert flags["--nnodes"] == str(nodes) and flags["--nproc_per_node"] == "8"
+    assert flags["--rdzv_conf"] == f"is_host={int(nodes == 1)}"
+    assert overrides == [
+        f"model.hf_dir={REPO / 'examples' / hf_dir}",
+        "data.train=/data/math_train.jsonl",
+        f"parallel.nodes={nodes}",
+        "parallel.gpus_per_node=8",
+        "trainer.max_steps=3",
+    ]
+    cfg = load_config(str(REPO / config), overrides)
+    check_layout(cfg, Arch.from_hf(load_hf_config(cfg.model.hf_dir)), world_size=nodes * 8)
+    assert (cfg.pruning.r_q, cfg.pruning.r_o, cfg.trainer.max_steps) == (0.5, 0.5, 3)

@@ -26,6 +26,13 @@ TINY = REPO / "examples" / "tiny" / "model"
 QWEN3_32B = REPO / "examples" / "qwen3_32b" / "config.yaml"
 PRESETS = sorted((REPO / "examples" / "presets").glob("*.yaml"))
 MOE_PRESETS = {"qwen3_30b_a3b", "qwen3_235b_a22b"}
+# The founding paper's Table 9 settings (GRPO and DAPO on MATH with DPPO): model -> config dir, GPUs.
+TABLE9 = {
+    "qwen2.5_7b": ("qwen2.5_configs/7B-Instruct", 8),
+    "llama3.2_3b": ("llama3.2_configs/3B-Instruct", 8),
+    "qwen2.5_32b": ("qwen2.5_configs/32B-Instruct", 32),
+}
+TABLE9_PRESETS = [REPO / "examples" / "presets" / f"{m}_{a}.yaml" for m in TABLE9 for a in ("grpo", "dapo")]
 SHIPPED = sorted((REPO / "examples").glob("**/*.yaml"))
 SIZES = ["0.6B", "1.7B", "4B", "8B", "14B", "32B"]
 
@@ -313,8 +320,9 @@ def test_layout_choices_are_what_the_trainer_accepts(path):
         for value in range(1, world + 1):
             par = dataclasses.replace(cfg.parallel, **{"tp": 1, "pp": 1, "rollout_tp": 1, "ep": 1, knob: value})
             assert _trainer_accepts(dataclasses.replace(cfg, parallel=par)) == (value in ok), (knob, value)
-    # vLLM on Qwen3 (64 query / 8 KV heads at 32B): the engine's ranks stay inside a node of 8
-    assert choices["rollout_tp"] == [1, 2, 4, 8]
+    # vLLM on Qwen3 (64 query / 8 KV heads at 32B): the engine's ranks stay inside a node of 8;
+    # Qwen2.5-7B's 28 query / 4 KV heads: 8 divides neither (nor is it a multiple of 4 that divides 28)
+    assert choices["rollout_tp"] == ([1, 2, 4] if path.stem.startswith("qwen2.5_7b") else [1, 2, 4, 8])
 
 
 def test_refusal_names_the_values_that_pass(capsys):
@@ -338,8 +346,8 @@ def test_kl_reference_adds_a_weight_copy():
 
 def test_presets_cover_every_size_and_fit():
     names = {p.stem for p in PRESETS}
-    assert names == {f"qwen3_{s.lower()}" for s in SIZES} | MOE_PRESETS
-    for path in [p for p in PRESETS if p.stem not in MOE_PRESETS] + [QWEN3_32B]:
+    assert names == {f"qwen3_{s.lower()}" for s in SIZES} | MOE_PRESETS | {p.stem for p in TABLE9_PRESETS}
+    for path in [p for p in PRESETS if p.stem not in MOE_PRESETS] + [QWEN3_32B]:  # the Table 9 ones too
         cfg = load_config(str(path), check=False)
         plan = memory_plan(cfg)
         assert plan["fits"], f"{path.name}:\n{format_plan(plan)}"
@@ -350,6 +358,130 @@ def test_presets_cover_every_size_and_fit():
     assert dataclasses.asdict(
         load_config(str(REPO / "examples/presets/qwen3_32b.yaml"), check=False).parallel
     ) == dataclasses.asdict(load_config(str(QWEN3_32B), check=False).parallel)
+
+
+# ------------------------------------------------------------------ Table 9: Qwen2.5 and Llama 3.2
+@pytest.mark.parametrize(
+    "model, total, non_embedding",
+    # Qwen2.5's cards: 7.61B / 6.53B, 32.5B / 31.0B (the 32B card rounds down: its 32.76B lands 0.8%
+    # off); Llama 3.2's card: 3.21B.
+    [("qwen2.5_7b", 7.61, 6.53), ("qwen2.5_32b", 32.5, 31.0), ("llama3.2_3b", 3.21, None)],
+)
+def test_table9_configs_have_the_published_sizes(model, total, non_embedding):
+    """The hand-written config.json files (no hub here): parameter count exact against the family's
+    transformers model (meta device), totals as the model cards list them, and what sets each
+    family apart as transformers reads the file (ties, biases, RoPE, no sliding window)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_dppo.model.families import rope_parameters
+
+    d = REPO / "examples" / TABLE9[model][0]
+    hf = AutoConfig.from_pretrained(d)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(hf)
+    arch = Arch.from_hf(json.loads((d / "config.json").read_text()))
+    assert arch.hf_params() == sum(p.numel() for p in m.parameters())  # ties counted once
+    assert abs(arch.hf_params() / 1e9 / total - 1) < 0.015
+    if non_embedding:
+        assert abs((arch.hf_params() - 2 * arch.vocab * arch.hidden) / 1e9 / non_embedding - 1) < 0.015
+    tied = m.lm_head.weight is m.model.embed_tokens.weight
+    assert arch.tied == tied == model.startswith("llama")  # Qwen2.5 7B and up are untied
+    assert arch.qkv_bias == (m.model.layers[0].self_attn.q_proj.bias is not None) == model.startswith("qwen")
+    assert not arch.qk_norm
+    rope = rope_parameters(hf)
+    if model.startswith("llama"):
+        assert rope == dict(
+            rope_type="llama3",
+            rope_theta=5e5,
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        )
+    else:
+        assert rope == {"rope_type": "default", "rope_theta": 1e6}
+        assert set(hf.layer_types) == {"full_attention"}  # sliding_window 131072 is listed, not used
+
+
+@pytest.mark.parametrize("path", TABLE9_PRESETS, ids=lambda p: p.stem)
+def test_table9_presets_fit_their_cluster(path, capsys):
+    """Each preset: the paper's ratios inside GRPO or DAPO, on MATH (math reward), planned on its
+    80 GB cluster (one node of 8 for 7B and 3B, four for 32B): fits below 95% with KV room for
+    real batching, and `plan` exits 0."""
+    cfg = load_config(str(path))
+    model, algo = path.stem.rsplit("_", 1)
+    hf_dir, gpus = TABLE9[model]
+    assert cfg.model.hf_dir == f"examples/{hf_dir}"
+    assert (cfg.parallel.nodes * cfg.parallel.gpus_per_node, cfg.parallel.gpu_memory_gb) == (gpus, 80)
+    assert (cfg.pruning.strategy, cfg.pruning.r_q, cfg.pruning.r_o) == ("dppo", 0.5, 0.5)
+    assert cfg.reward.kind == "math" and cfg.data.prompt_mode == "chat"
+    dapo = algo == "dapo"
+    a = cfg.algorithm
+    assert (a.clip_low, a.clip_high, a.dynamic_sampling) == (0.2, 0.28 if dapo else 0.2, dapo)
+    assert a.loss_agg == ("token-mean" if dapo else "seq-mean-token-mean") and a.kl_coef == 0
+    assert (cfg.reward.overlong_buffer > 0) == dapo
+    other = load_config(str(path.with_name(f"{model}_{'grpo' if dapo else 'dapo'}.yaml")))
+    for section in ("model", "parallel", "data", "rollout", "pruning", "optim"):  # the pair differs in the method only
+        assert getattr(cfg, section) == getattr(other, section), section
+    plan = memory_plan(cfg)
+    assert plan["fits"], format_plan(plan)
+    peak = max(max(s["train_total"], s["generate_total"]) for s in plan["stages"].values())
+    assert peak < 0.95 * plan["gpu_bytes"]
+    assert plan["vllm"]["seqs_fit"] >= 16
+    assert plan_main(["--config", str(path)]) == 0
+    assert "FITS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", TABLE9)
+def test_table9_weight_rows_are_the_models_shards(model):
+    """The plan's weights and gradients rows against the transformers model's own tensors, cut as
+    Megatron cuts them: every tensor split over TP but the RMSNorm weights (replicated; Qwen2.5's
+    q/k/v biases are split with their rows), layers split evenly over PP, the embedding on the first
+    stage and the final norm and output layer on the last (bf16 weights, fp32 main_grad)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = REPO / "examples" / "presets" / f"{model}_grpo.yaml"
+    cfg = load_config(str(path))
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    hf = AutoConfig.from_pretrained(REPO / "examples" / TABLE9[model][0])
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(hf)
+    names = ["only"] if pp == 1 else ["first", "last"]
+    per_stage = dict.fromkeys(names, 0)
+    pad = padded_vocab_size(hf.vocab_size, tp) - hf.vocab_size
+    for name, p in m.named_parameters():  # tied: the embedding once, and the last stage's copy below
+        n = p.numel() + (pad * hf.hidden_size if "embed_tokens" in name or "lm_head" in name else 0)
+        n = n if name.endswith("norm.weight") else n // tp
+        if ".layers." in name:
+            stage = names[int(name.split(".layers.")[1].split(".")[0]) * pp // hf.num_hidden_layers]
+        else:
+            stage = names[0] if "embed_tokens" in name else names[-1]
+        per_stage[stage] += n
+    if hf.tie_word_embeddings and pp > 1:
+        per_stage["last"] += (hf.vocab_size + pad) * hf.hidden_size // tp  # the last stage's output copy
+    plan = memory_plan(cfg)
+    for stage, n in per_stage.items():
+        assert plan["stages"][stage]["train"]["weights"] == 2 * n, stage
+        assert plan["stages"][stage]["train"]["gradients"] == 4 * n, stage
+
+
+def test_qwen25_32b_on_one_node_is_refused_naming_more_nodes(capsys):
+    """Qwen2.5-32B on one node of 8 x 80 GB: at DP 1 every GPU keeps the whole Adam state of its
+    4.1B parameters (12 B each), which with the weights and fp32 gradients leaves no room for
+    vLLM or activations; `plan` refuses both phases and names parallel.nodes=4 (the preset)."""
+    for algo in ("grpo", "dapo"):
+        path = REPO / "examples" / "presets" / f"qwen2.5_32b_{algo}.yaml"
+        plan = memory_plan(_cfg(path, "parallel.nodes=1"))
+        assert not plan["fits"] and plan["layout"]["dp"] == 1
+        assert any("training needs" in p for p in plan["problems"])
+        assert any("generation needs" in p for p in plan["problems"])
+        first = plan["stages"]["first"]
+        assert first["train"]["optimizer"] == 12 * first["params"]  # nothing to shard over
+        assert plan["fixes"][0].startswith("parallel.nodes=4 ")
+        assert plan_main(["--config", str(path), "parallel.nodes=1"]) == 1
+        assert "REFUSED" in capsys.readouterr().out
 
 
 def test_launch_scripts_parse():
