@@ -27,7 +27,9 @@ TEMPLATE = "What is {a} + {b}? Answer with just the number."
 def problems(seed: int, lo: int, hi: int, sizes: dict[str, int]) -> dict[str, list[tuple[int, int]]]:
     pairs = [(a, b) for a in range(lo, hi + 1) for b in range(lo, hi + 1)]
     if sum(sizes.values()) > len(pairs):
-        raise SystemExit(f"error: {sum(sizes.values())} problems asked, only {len(pairs)} distinct pairs in [{lo}, {hi}]")
+        raise SystemExit(
+            f"error: {sum(sizes.values())} problems asked, only {len(pairs)} distinct pairs in [{lo}, {hi}]"
+        )
     random.Random(seed).shuffle(pairs)
     out, start = {}, 0
     for split, n in sizes.items():
