@@ -107,6 +107,7 @@ def validate(cfg: Config) -> Config:
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
         ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
         ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),
+        ("parallel.rollout_ranks", c.parallel.rollout_ranks >= 0, "an integer >= 0 (0 = colocated rollout)"),
         ("parallel.ep", c.parallel.ep >= 1, "an integer >= 1"),
         ("parallel.etp", c.parallel.etp >= 1, "an integer >= 1"),
         ("parallel.timeout_minutes", c.parallel.timeout_minutes > 0, "a number of minutes > 0"),

@@ -19,10 +19,23 @@ def check_layout(cfg: Config, model: Arch, *, world_size: int, cuda: bool = True
     """The parallel layout against the world and the model: ValueError naming every key to change.
     Shared by the trainer (world = torchrun's) and `megatron-dppo plan` (world = nodes x gpus_per_node);
     its model rules (model_layout_problems) by the conversion tools.
-    cuda: NCCL's collectives (False: gloo's, on CPU)."""
+    cuda: NCCL's collectives (False: gloo's, on CPU).
+    With parallel.rollout_ranks = R > 0 the Megatron layout covers the world's first world - R
+    ranks and the vLLM engines its last R (rollout_tp divides R); 0: both cover the whole world."""
     par = cfg.parallel
-    tp, rtp = par.tp, par.rollout_tp
-    problems = model_layout_problems(model, tp=tp, pp=par.pp, ep=par.ep, etp=par.etp, world_size=world_size, cuda=cuda)
+    tp, rtp, rollout = par.tp, par.rollout_tp, par.rollout_ranks
+    if rollout and not 0 < rollout < world_size:
+        raise ValueError(
+            f"invalid parallel layout: parallel.rollout_ranks={rollout} must leave training ranks: "
+            f"at most the world size {world_size} - 1 (0 = colocated)"
+        )
+    train_world = world_size - rollout
+    train_desc = (
+        f"the training ranks {train_world} (world {world_size} - parallel.rollout_ranks={rollout})" if rollout else None
+    )
+    problems = model_layout_problems(
+        model, tp=tp, pp=par.pp, ep=par.ep, etp=par.etp, world_size=train_world, cuda=cuda, world_desc=train_desc
+    )
     num_heads, num_kv_heads = model.heads, model.kv_heads
     if par.gpus_per_node % tp:
         problems.append(
@@ -41,9 +54,11 @@ def check_layout(cfg: Config, model: Arch, *, world_size: int, cuda: bool = True
         )
     # vLLM shards query heads evenly, and KV heads evenly or replicated (tp a multiple of them).
     kv_ok = num_kv_heads % rtp == 0 if num_kv_heads >= rtp else rtp % num_kv_heads == 0
-    if rtp < 1 or world_size % rtp or num_heads % rtp or not kv_ok:
+    engine_ranks = rollout or world_size  # the ranks the engines cover
+    if rtp < 1 or engine_ranks % rtp or num_heads % rtp or not kv_ok:
+        where = f"parallel.rollout_ranks={rollout}" if rollout else f"the world size {world_size}"
         problems.append(
-            f"parallel.rollout_tp={rtp} must divide the world size {world_size} and "
+            f"parallel.rollout_tp={rtp} must divide {where} and "
             f"num_attention_heads {num_heads}, and divide (or be a multiple of) "
             f"num_key_value_heads {num_kv_heads}"
         )
@@ -91,6 +106,7 @@ def model_layout_problems(
     world_size: int,
     cuda: bool = True,
     show=config_key,
+    world_desc: str | None = None,
 ) -> list[str]:
     """What Megatron-Core needs of a TP x PP (x EP x expert-TP) layout on this world and model, one
     problem per rule broken; show(name, value) names a size ("parallel.tp=3", or a tool's "--tp 3").
@@ -100,13 +116,14 @@ def model_layout_problems(
     must divide the world as tp x pp does; expert DP is what is left. Its alltoall token dispatcher
     all-gathers the tokens of an expert-TP group's ranks in each rank's own count (ranks of different
     data-parallel replicas hold different packs), which NCCL's all_gather does and gloo's refuses
-    ("ProcessGroupGloo::allgather: invalid tensor size"): on CPU, etp is 1."""
+    ("ProcessGroupGloo::allgather: invalid tensor size"): on CPU, etp is 1.
+    world_desc: how the messages name world_size (default "the world size N")."""
     num_heads, num_kv_heads, num_layers, num_experts = model.heads, model.kv_heads, model.layers, model.experts
-    problems = []
+    problems, world = [], world_desc or f"the world size {world_size}"
     if min(tp, pp, ep, etp) < 1:
         return [f"{show('tp', tp)}, {show('pp', pp)}, {show('ep', ep)} and {show('etp', etp)} must be >= 1"]
     if world_size % (tp * pp):
-        problems.append(f"{show('tp', tp)} x {show('pp', pp)} must divide the world size {world_size}")
+        problems.append(f"{show('tp', tp)} x {show('pp', pp)} must divide {world}")
     if num_heads % tp or num_kv_heads % tp:
         problems.append(
             f"{show('tp', tp)} must divide num_attention_heads {num_heads} and num_key_value_heads {num_kv_heads}"
@@ -124,9 +141,7 @@ def model_layout_problems(
     if not num_experts:
         return problems
     if world_size % (ep * etp * pp):
-        problems.append(
-            f"{show('ep', ep)} x {show('etp', etp)} x {show('pp', pp)} must divide the world size {world_size}"
-        )
+        problems.append(f"{show('ep', ep)} x {show('etp', etp)} x {show('pp', pp)} must divide {world}")
     if num_experts % ep:
         problems.append(f"{show('ep', ep)} must divide num_experts {num_experts}")
     if model.moe_ffn % etp:

@@ -43,6 +43,11 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     rollout_tp: int = 1  # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
+    # Dedicated rollout ranks: the last rollout_ranks GPUs of the world run only vLLM engines
+    # (rollout_tp each), the others only Megatron (tp x pp x dp over world - rollout_ranks).
+    # 0 = colocated: every rank generates, then trains. Planned by `megatron-dppo plan`; the
+    # trainer refuses > 0 until it runs such ranks (train/preflight.check_config).
+    rollout_ranks: int = 0
     ep: int = 1  # expert parallel (MoE models): each rank of an EP group holds num_experts / ep experts
     etp: int = 1  # expert tensor parallel: each expert split over etp ranks (1 = whole experts, the usual choice)
     distributed_optimizer: bool | None = None  # resolved: on with CUDA, off on CPU

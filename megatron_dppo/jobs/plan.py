@@ -28,7 +28,10 @@ in short, for the worst pipeline stage of one GPU:
   overhead     CUDA context, NCCL and cuBLAS workspaces (fixed) + allocator fragmentation
 
 Two phases are checked: train (Megatron peak, vLLM asleep) and generate (Megatron's resident
-state + vLLM awake). A layout that does not fit is refused with the knobs that would fix it.
+state + vLLM awake). With dedicated rollout ranks (parallel.rollout_ranks > 0) a training GPU has
+train and send (resident state + the sync's sending side, no vLLM) and a rollout GPU vLLM's share
+of the whole GPU + the weights arriving (rollout_gpu_bytes); given measured rates, plan_step
+adds the step time colocated and dedicated. A layout that does not fit is refused with the knobs that would fix it.
 The config is checked first by the trainer's own rules (config.load_config's validation and
 config.check_layout with world = nodes x gpus_per_node), so `plan` accepts what `train` accepts.
 """
@@ -43,6 +46,7 @@ import math
 from pathlib import Path
 
 from megatron_dppo.config import apply_overrides, check_layout, layout_choices, load_config, resolve_gpu_settings
+from megatron_dppo.jobs.plan_step import StepInputs, check_inputs, format_step_times, step_times
 from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.vocab import padded_vocab_size
 
@@ -106,7 +110,8 @@ def sync_peak_bytes(arch: Arch, pbytes: int, *, tp: int, ep: int, etp: int, roll
                 the next one completes.
       vLLM      its layer-wise reload holds one layer's weights on a vLLM rank (1 / rollout_tp of
                 them) materialized and once more while they are processed into the kernel layout.
-    Returns {"trainer", "vllm", "total"} in bytes."""
+    Returns {"trainer", "vllm", "total", "bucket"} in bytes; "bucket" is the largest bucket in
+    flight, max(bucket, largest unit), what a dedicated rollout GPU receives at once."""
     h, d, nq, nkv = arch.hidden, arch.head_dim, arch.heads, arch.kv_heads
     vocab = padded_vocab_size(arch.vocab, tp) * h
     layers = [
@@ -120,9 +125,10 @@ def sync_peak_bytes(arch: Arch, pbytes: int, *, tp: int, ep: int, etp: int, roll
         copies += [nq * d * h] + ([2 * arch.ffn * h, arch.ffn * h] if dense else [])
     if arch.experts and (ep > 1 or etp > 1):
         copies.append(arch.experts // ep * 2 * arch.moe_ffn * h * (2 if etp > 1 else 1))
-    trainer = max(bucket, max(units) * pbytes) + 2 * max(copies) * pbytes
+    in_flight = max(bucket, max(units) * pbytes)
+    trainer = in_flight + 2 * max(copies) * pbytes
     vllm = 2 * max(layers) * pbytes / rollout_tp
-    return {"trainer": trainer, "vllm": vllm, "total": trainer + vllm}
+    return {"trainer": trainer, "vllm": vllm, "total": trainer + vllm, "bucket": in_flight}
 
 
 def layer_activation_elems(
@@ -230,9 +236,14 @@ def check_plan_layout(cfg, arch: Arch) -> None:
     except ValueError as e:
         choices = layout_choices(cfg, arch)
         hints = "; ".join(f"parallel.{k} among {v}" for k, v in choices.items() if getattr(par, k) not in v)
+        split = (
+            f" ({world - par.rollout_ranks} training + parallel.rollout_ranks={par.rollout_ranks})"
+            if 0 < par.rollout_ranks < world
+            else ""
+        )
         raise ValueError(
             f"the trainer refuses this layout on parallel.nodes x parallel.gpus_per_node = "
-            f"{par.nodes} x {par.gpus_per_node} = {world} GPUs: {e}" + (f" (choose {hints})" if hints else "")
+            f"{par.nodes} x {par.gpus_per_node} = {world} GPUs{split}: {e}" + (f" (choose {hints})" if hints else "")
         ) from None
 
 
@@ -273,11 +284,14 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     last = stage in ("only", "last")
     train["logits"] = logits_bytes(T, padded_vocab_size(arch.vocab, tp) // tp, pbytes) if last else 0
     train["overhead"] = CUDA_OVERHEAD + FRAGMENTATION * sum(train.values())
+    # The second phase: colocated, vLLM awake beside the resident state while it generates and
+    # takes the new weights; with dedicated rollout ranks (lay["disaggregated"]), no vLLM here:
+    # only the sending side of the weight transfer (rollout_gpu_bytes has the receiving side).
     gen = dict(resident)
-    gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
-    gen["weight_sync"] = sync_peak_bytes(arch, pbytes, tp=tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)[
-        "total"
-    ]
+    sync = sync_peak_bytes(arch, pbytes, tp=tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)
+    if not lay["disaggregated"]:
+        gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
+    gen["weight_sync"] = sync["trainer"] if lay["disaggregated"] else sync["total"]
     gen["overhead"] = CUDA_OVERHEAD
     return {
         "params": n,
@@ -309,12 +323,13 @@ def logits_bytes(tokens: int, partition_vocab: int, pbytes: int, block: int = LO
     return 2 * elems * pbytes + LOGPROB_BLOCKS * min(elems, block) * 4
 
 
-def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
-    """vLLM: one engine per rollout_tp GPUs; weights (experts too) split over its ranks, KV heads
-    split (replicated when rollout_tp > KV heads)."""
+def _vllm_plan(cfg, arch: Arch, engine_gpus: int) -> dict:
+    """vLLM: one engine per rollout_tp GPUs of the engine_gpus (the world colocated, the rollout
+    ranks otherwise); weights (experts too) split over its ranks, KV heads split (replicated when
+    rollout_tp > KV heads)."""
     par, roll = cfg.parallel, cfg.rollout
     rbytes = _dtype_bytes(roll.dtype or cfg.model.dtype)
-    engines = world // par.rollout_tp
+    engines = engine_gpus // par.rollout_tp
     vllm_weights = arch.hf_params() * rbytes / par.rollout_tp
     kv_per_token = arch.kv_bytes_per_token(rbytes, par.rollout_tp)
     kv_cache = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB - vllm_weights - VLLM_RUNTIME
@@ -329,6 +344,25 @@ def _vllm_plan(cfg, arch: Arch, world: int) -> dict:
         host_ram_per_node=vllm_weights * par.gpus_per_node,
         sleep_level=roll.sleep_level,
     )
+
+
+def rollout_gpu_bytes(cfg, arch: Arch) -> dict:
+    """One dedicated rollout GPU (parallel.rollout_ranks > 0): vLLM owns gpu_memory_utilization of
+    the whole GPU (no Megatron state beside it, no sleep), and while the new weights arrive it holds
+    one bucket of them as sent (max(1 GiB, the largest unit), whole: each rank keeps its shard) and
+    its layer-wise reload (sync_peak_bytes' vLLM side); the process's CUDA context and the
+    transfer group's NCCL buffers as on a training GPU."""
+    par = cfg.parallel
+    sync = sync_peak_bytes(
+        arch, _dtype_bytes(cfg.model.dtype), tp=par.tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp
+    )
+    rows = {
+        "vllm": cfg.rollout.gpu_memory_utilization * par.gpu_memory_gb * GiB,
+        "weight_receive": sync["bucket"],
+        "weight_reload": sync["vllm"],
+        "overhead": CUDA_OVERHEAD,
+    }
+    return {"rows": rows, "total": sum(rows.values())}
 
 
 def gpu_settings(par, arch: Arch, world: int) -> dict:
@@ -353,27 +387,33 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
     arch, raw = _model_arch(cfg.model.hf_dir)
     check_plan_layout(cfg, arch)
     world = par.nodes * par.gpus_per_node
+    # Dedicated rollout ranks take the last rollout_ranks GPUs; Megatron's layout covers the rest.
+    rollout_gpus = par.rollout_ranks
+    train_gpus = world - rollout_gpus
     tp, pp = par.tp, par.pp
     lay = dict(
         gpus=world,
         nodes=par.nodes,
         gpus_per_node=par.gpus_per_node,
+        disaggregated=rollout_gpus > 0,
+        train_gpus=train_gpus,
+        rollout_gpus=rollout_gpus,
         tp=tp,
         pp=pp,
-        dp=world // (tp * pp),
+        dp=train_gpus // (tp * pp),
         ep=par.ep,
         etp=par.etp,
-        edp=world // (par.ep * par.etp * pp),  # expert data parallel: what is left of the world
+        edp=train_gpus // (par.ep * par.etp * pp),  # expert data parallel: what is left of the training GPUs
         sequence_parallel=par.sequence_parallel and tp > 1,
         distributed_optimizer=True if par.distributed_optimizer is None else par.distributed_optimizer,  # on with CUDA
         recompute=par.recompute,
         rollout_tp=par.rollout_tp,
-        engines=world // par.rollout_tp,
+        engines=(rollout_gpus or world) // par.rollout_tp,
         dtype=cfg.model.dtype,
         micro_batch_tokens=cfg.trainer.max_tokens_per_microbatch,
         reference=cfg.algorithm.kl_coef > 0,
     )
-    lay["gpu_settings"] = gpu_settings(par, arch, world)
+    lay["gpu_settings"] = gpu_settings(par, arch, train_gpus)
     modules = tuple(lay["gpu_settings"]["recompute_modules"])
     dense, experts = stage_params(arch, tp, pp), stage_expert_params(arch, par.ep, par.etp, pp)
     layers = _stage_layers(arch, pp)
@@ -399,7 +439,8 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         "activation_bytes_per_token_layer": per_layer["kept"] * pbytes,
         "stages": stages,
         "worst_stage": worst,
-        "vllm": _vllm_plan(cfg, arch, world),
+        "vllm": _vllm_plan(cfg, arch, rollout_gpus or world),
+        "rollout_gpu": rollout_gpu_bytes(cfg, arch) if rollout_gpus else None,
     }
     plan["problems"], plan["notes"] = _verdict(plan, cfg)
     plan["fits"] = not plan["problems"]
@@ -408,21 +449,28 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
 
 
 def _verdict(plan, cfg) -> tuple[list[str], list[str]]:
-    gpu, v = plan["gpu_bytes"], plan["vllm"]
+    gpu, v, disagg = plan["gpu_bytes"], plan["vllm"], plan["layout"]["disaggregated"]
+    util = cfg.rollout.gpu_memory_utilization
     problems, notes = [], []
     for phase in ("train", "generate"):
         name, s = max(plan["stages"].items(), key=lambda kv: kv[1][phase + "_total"])
         where = "" if name == "only" else f" on the {name} pipeline stage"
         if s[phase + "_total"] > gpu:
-            why = (
-                "Megatron's peak, vLLM asleep"
-                if phase == "train"
-                else f"Megatron's resident state + vLLM's {cfg.rollout.gpu_memory_utilization:.0%}"
-            )
+            what, why = {
+                "train": ("training", "Megatron's peak" + ("" if disagg else ", vLLM asleep")),
+                "generate": ("generation", f"Megatron's resident state + vLLM's {util:.0%}"),
+            }[phase]
+            if disagg and phase == "generate":
+                what, why = "the weight send", "Megatron's resident state + the sync's sending side"
             problems.append(
-                f"{'training' if phase == 'train' else 'generation'} needs "
-                f"{s[phase + '_total'] / GiB:.1f} GiB per GPU{where} ({why}) > {gpu / GiB:.0f} GiB"
+                f"{what} needs {s[phase + '_total'] / GiB:.1f} GiB per {'training ' if disagg else ''}GPU{where} "
+                f"({why}) > {gpu / GiB:.0f} GiB"
             )
+    if disagg and plan["rollout_gpu"]["total"] > gpu:
+        problems.append(
+            f"a rollout GPU needs {plan['rollout_gpu']['total'] / GiB:.1f} GiB (vLLM's {util:.0%} + the weights "
+            f"arriving + CUDA context) > {gpu / GiB:.0f} GiB: lower rollout.gpu_memory_utilization"
+        )
     if v["seqs_fit"] < 1:
         problems.append(
             f"vLLM's KV cache ({max(v['kv_cache'], 0) / GiB:.1f} GiB after its weights and runtime) "
@@ -475,7 +523,9 @@ def _with(cfg, overrides: str):
 
 
 def _peak(p) -> float:
-    return max(max(s["train_total"], s["generate_total"]) for s in p["stages"].values())
+    """The largest total of any GPU and phase (a dedicated rollout GPU's too)."""
+    rollout = p["rollout_gpu"]["total"] if p["rollout_gpu"] else 0.0
+    return max(rollout, *(max(s["train_total"], s["generate_total"]) for s in p["stages"].values()))
 
 
 def _badness(p) -> tuple:
@@ -561,12 +611,21 @@ def _gpu_settings_line(lay: dict) -> str:
 def format_plan(plan: dict) -> str:
     m, lay, v = plan["model"], plan["layout"], plan["vllm"]
     experts = f"; experts: EP {lay['ep']} x ETP {lay['etp']} x expert DP {lay['edp']}" if m["experts"] else ""
+    disagg = lay["disaggregated"]
+    split = (
+        f" ({lay['train_gpus']} training GPUs, {lay['rollout_gpus']} rollout GPUs: parallel.rollout_ranks)"
+        if disagg
+        else ""
+    )
+    second = "send" if disagg else "generate"  # the second phase's column (see _stage_bytes)
     lines = [
         _model_line(m),
-        f"layout: {lay['gpus']} GPUs = {lay['nodes']} x {lay['gpus_per_node']}; TP {lay['tp']} x PP {lay['pp']} x "
-        f"DP {lay['dp']}{experts}; {lay['dtype']}; sequence parallel {'on' if lay['sequence_parallel'] else 'off'}; "
+        f"layout: {lay['gpus']} GPUs = {lay['nodes']} x {lay['gpus_per_node']}{split}; "
+        f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}{experts}; {lay['dtype']}; "
+        f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}; "
         f"distributed optimizer {'on' if lay['distributed_optimizer'] else 'off'}; recompute {lay['recompute']}; "
-        f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines)",
+        f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines"
+        + (" on the rollout GPUs)" if disagg else ")"),
         f"activations: {plan['activation_bytes_per_token_layer'] / 1024:.1f} KiB per token per layer kept",
         "GPU settings: " + _gpu_settings_line(lay),
     ]
@@ -583,16 +642,17 @@ def format_plan(plan: dict) -> str:
         ("weight sync (largest unit in flight)", "weight_sync"),
         ("CUDA ctx/NCCL/fragmentation", "overhead"),
     ]
+    gpu = "per training GPU" if disagg else "per GPU"
     for name, s in plan["stages"].items():
         lines.append(
             (
-                "per GPU:"
+                f"{gpu}:"
                 if name == "only"
-                else f"per GPU, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):"
+                else f"{gpu}, {name} pipeline stage ({s['in_flight']} micro-batch(es) in flight):"
             )
             + (f" {_count(s['params'])} params, {_count(s['expert_params'])} of them experts" if m["experts"] else "")
         )
-        lines.append(f"  {'GiB':<38}{'train':>8}{'generate':>10}")
+        lines.append(f"  {'GiB':<38}{'train':>8}{second:>10}")
 
         def cell(x):
             return "-".rjust(7) if x is None else _gib(x)
@@ -605,23 +665,25 @@ def format_plan(plan: dict) -> str:
             f"  {'total of ' + format(plan['gpu_bytes'] / GiB, '.0f') + ' GiB':<38} "
             f"{_gib(s['train_total'])}   {_gib(s['generate_total'])}"
         )
+    if disagg:
+        lines += _rollout_gpu_lines(plan)
+    sleep = (
+        "a dedicated engine never sleeps (rollout.sleep_level is not used)"
+        if disagg
+        else f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node"
+        if v["sleep_level"] == 1
+        else f"sleep level 2 drops its weights (level 1 would park {v['host_ram_per_node'] / GiB:.0f} GiB "
+        f"per node in host RAM)"
+    )
     lines.append(
-        f"vLLM per GPU: weights {v['weights'] / GiB:.2f} GiB, runtime {v['runtime'] / GiB:.1f} GiB, "
-        f"KV cache {v['kv_cache'] / GiB:.2f} GiB at {v['kv_per_token'] / 1024:.0f} KiB/token = "
-        f"{v['seqs_fit']} sequences of {v['max_model_len']} tokens (step: {v['seqs_needed']} per engine); "
-        + (
-            f"sleep level 1 parks its weights in host RAM: {v['host_ram_per_node'] / GiB:.0f} GiB per node"
-            if v["sleep_level"] == 1
-            else f"sleep level 2 drops its weights (level 1 would park {v['host_ram_per_node'] / GiB:.0f} GiB "
-            f"per node in host RAM)"
-        )
+        f"vLLM per {'rollout ' if disagg else ''}GPU: weights {v['weights'] / GiB:.2f} GiB, runtime "
+        f"{v['runtime'] / GiB:.1f} GiB, KV cache {v['kv_cache'] / GiB:.2f} GiB at {v['kv_per_token'] / 1024:.0f} "
+        f"KiB/token = {v['seqs_fit']} sequences of {v['max_model_len']} tokens (step: {v['seqs_needed']} per "
+        f"engine); {sleep}"
     )
     lines += [f"note: {n}" for n in plan["notes"]]
     if plan["fits"]:
-        lines.append(
-            f"FITS: peak {max(max(s['train_total'], s['generate_total']) for s in plan['stages'].values()) / GiB:.1f} "
-            f"GiB of {plan['gpu_bytes'] / GiB:.0f} GiB per GPU"
-        )
+        lines.append(f"FITS: peak {_peak(plan) / GiB:.1f} GiB of {plan['gpu_bytes'] / GiB:.0f} GiB per GPU")
     else:
         lines += [f"REFUSED: {p}" for p in plan["problems"]]
         if plan["fixes"]:
@@ -631,6 +693,20 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def _rollout_gpu_lines(plan: dict) -> list[str]:
+    r = plan["rollout_gpu"]
+    labels = {
+        "vllm": "vLLM (weights+runtime+KV)",
+        "weight_receive": "weights arriving (one bucket)",
+        "weight_reload": "vLLM's layer-wise reload",
+        "overhead": "CUDA ctx/NCCL",
+    }
+    lines = ["per rollout GPU:", f"  {'GiB':<38}{'generate':>8}"]
+    lines += [f"  {labels[k]:<38} {_gib(x)}" for k, x in r["rows"].items()]
+    lines.append(f"  {'total of ' + format(plan['gpu_bytes'] / GiB, '.0f') + ' GiB':<38} {_gib(r['total'])}")
+    return lines
+
+
 def plan_main(argv=None) -> int:
     """`megatron-dppo plan --config FILE [section.key=value ...]`: 0 fits, 1 does not fit,
     2 bad config or a layout that does not divide."""
@@ -638,15 +714,74 @@ def plan_main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    step = parser.add_argument_group(
+        "step time (measured per-phase throughput; given --gen-tokens-per-s and --train-tokens-per-s, the plan "
+        "adds the step time colocated and with parallel.rollout_ranks: jobs/plan_step.py)"
+    )
+    step.add_argument("--gen-tokens-per-s", type=float, help="generated tokens/s per rollout GPU")
+    step.add_argument("--train-tokens-per-s", type=float, help="trained tokens/s per training GPU, log-prob + update")
+    step.add_argument(
+        "--dedicated-gen-tokens-per-s", type=float, help="on a dedicated rollout GPU (default: colocated)"
+    )
+    step.add_argument(
+        "--dedicated-train-tokens-per-s", type=float, help="on a dedicated training GPU (default: colocated)"
+    )
+    step.add_argument("--generated-tokens", type=int, help="generated tokens per step (default: the cap)")
+    step.add_argument("--trained-tokens", type=int, help="trained tokens per step (default: the cap)")
+    step.add_argument("--transfer-gb-per-s", type=float, help="GB/s of the weight transfer to the rollout ranks")
+    step.add_argument("--sync-gb-per-s", type=float, help="GB/s of the colocated weight sync (default: the transfer's)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)  # the trainer's config checks, then its layout check
         plan = memory_plan(cfg)
+        if args.gen_tokens_per_s is not None or args.train_tokens_per_s is not None:
+            plan["step_time"] = plan_step_time(cfg, plan, args)
     except (ValueError, OSError) as e:
         print(f"plan: {e}")
         return 2
-    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps(plan, indent=1))
+    else:
+        print(format_plan(plan))
+        if "step_time" in plan:
+            print("\n".join(format_step_times(plan["step_time"])))
     return 0 if plan["fits"] else 1
+
+
+def plan_step_time(cfg, plan: dict, args) -> dict:
+    """plan_step.step_times from plan_main's flags; the token counts default to the step's caps
+    (every completion at rollout.max_new_tokens, every sequence at rollout.max_model_len)."""
+    for flag in ("gen_tokens_per_s", "train_tokens_per_s"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')}: the step time needs both measured rates")
+    t, r = cfg.trainer, cfg.rollout
+    seqs = t.prompts_per_step * r.group_size
+    sources = {}
+    if args.generated_tokens is None:
+        sources["generated_tokens"] = (
+            f"not given: the cap, trainer.prompts_per_step x rollout.group_size x rollout.max_new_tokens = "
+            f"{t.prompts_per_step} x {r.group_size} x {r.max_new_tokens}"
+        )
+    if args.trained_tokens is None:
+        sources["trained_tokens"] = (
+            f"not given: the cap, trainer.prompts_per_step x rollout.group_size x rollout.max_model_len = "
+            f"{t.prompts_per_step} x {r.group_size} x {r.max_model_len}"
+        )
+    inp = StepInputs(
+        generated_tokens=args.generated_tokens if args.generated_tokens is not None else seqs * r.max_new_tokens,
+        trained_tokens=args.trained_tokens if args.trained_tokens is not None else seqs * r.max_model_len,
+        gen_tokens_per_s=args.gen_tokens_per_s,
+        train_tokens_per_s=args.train_tokens_per_s,
+        dedicated_gen_tokens_per_s=args.dedicated_gen_tokens_per_s,
+        dedicated_train_tokens_per_s=args.dedicated_train_tokens_per_s,
+        transfer_gb_per_s=args.transfer_gb_per_s,
+        sync_gb_per_s=args.sync_gb_per_s,
+        sources=sources,
+    )
+    lay = plan["layout"]
+    check_inputs(inp, lay["disaggregated"])
+    weight_bytes = plan["model"]["params"] * _dtype_bytes(cfg.model.dtype)  # what the sync sends
+    return step_times(inp, gpus=lay["gpus"], rollout_gpus=lay["rollout_gpus"], weight_bytes=weight_bytes)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 
 def check_config(cfg) -> None:
-    """Key combinations that cannot run as meant: ValueError naming the keys."""
+    """Key combinations that cannot run as meant, and options the trainer does not run yet:
+    ValueError naming the keys."""
     a, p = cfg.algorithm, cfg.pruning
+    if cfg.parallel.rollout_ranks:
+        # Accepting it would train colocated on a layout the user did not ask for (issue 32).
+        raise ValueError(
+            f"parallel.rollout_ranks={cfg.parallel.rollout_ranks}: dedicated rollout ranks are planned by "
+            "`megatron-dppo plan` only; the trainer does not run them yet (set parallel.rollout_ranks=0 to "
+            "train colocated)"
+        )
     if a.kl_coef > 0 and p.drop_zero_variance:
         raise ValueError(
             f"pruning.drop_zero_variance=true with algorithm.kl_coef={a.kl_coef:g}: a zero-variance group still "

@@ -26,6 +26,8 @@ TINY = REPO / "examples" / "tiny" / "model"
 QWEN3_32B = REPO / "examples" / "qwen3_32b" / "config.yaml"
 PRESETS = sorted((REPO / "examples" / "presets").glob("*.yaml"))
 MOE_PRESETS = {"qwen3_30b_a3b", "qwen3_235b_a22b"}
+# Dedicated rollout ranks (plan only, the trainer refuses them): tests/unit/test_plan_disagg.py.
+DISAGG_PRESETS = {"qwen3_32b_disagg", "qwen3_30b_a3b_disagg"}
 # The founding paper's Table 9 settings (GRPO and DAPO on MATH with DPPO): model -> config dir, GPUs.
 TABLE9 = {
     "qwen2.5_7b": ("qwen2.5_configs/7B-Instruct", 8),
@@ -346,7 +348,9 @@ def test_kl_reference_adds_a_weight_copy():
 
 def test_presets_cover_every_size_and_fit():
     names = {p.stem for p in PRESETS}
-    assert names == {f"qwen3_{s.lower()}" for s in SIZES} | MOE_PRESETS | {p.stem for p in TABLE9_PRESETS}
+    assert names == {f"qwen3_{s.lower()}" for s in SIZES} | MOE_PRESETS | DISAGG_PRESETS | {
+        p.stem for p in TABLE9_PRESETS
+    }
     for path in [p for p in PRESETS if p.stem not in MOE_PRESETS] + [QWEN3_32B]:  # the Table 9 ones too
         cfg = load_config(str(path), check=False)
         plan = memory_plan(cfg)

@@ -41,6 +41,22 @@ def test_dropping_zero_variance_groups_with_kl_is_refused():
     check_config(cfg_with("pruning.drop_zero_variance=true"))  # exact without KL
 
 
+def test_dedicated_rollout_ranks_are_refused_until_the_trainer_runs_them():
+    """parallel.rollout_ranks > 0 is planned by `megatron-dppo plan` only (issue 32): accepted, the
+    trainer would train colocated on a layout nobody asked for. Its disaggregated presets too."""
+    with pytest.raises(ValueError) as e:
+        check_config(cfg_with("parallel.rollout_ranks=1"))
+    assert str(e.value).startswith(
+        "parallel.rollout_ranks=1: dedicated rollout ranks are planned by `megatron-dppo plan` only; the trainer "
+        "does not run them yet"
+    )
+    assert "\n" not in str(e.value)
+    for preset, ranks in (("qwen3_32b_disagg", 16), ("qwen3_30b_a3b_disagg", 8)):
+        with pytest.raises(ValueError, match=f"parallel.rollout_ranks={ranks}: dedicated rollout ranks"):
+            check_config(load_config(f"examples/presets/{preset}.yaml"))
+    check_config(cfg_with("parallel.rollout_ranks=0"))  # colocated, the default
+
+
 def _model_dir(tmp_path, name, vocab, tokenizer_from=TINY):
     """A tiny Qwen3 of `vocab` rows with the main job's 21-token tokenizer files."""
     from tiny_models import tiny_qwen3_model
