@@ -264,32 +264,49 @@ def test_megatron_logits_equal_transformers_on_real_text_and_the_round_trip_is_b
 
 
 @pytest.mark.slow
-def test_the_example_recipe_runs_a_step_on_the_real_model_and_its_rewards_are_the_reward_files(built, tmp_path):
-    """examples/smollm2/dppo.yaml, shrunk to one step of 2 prompts x 4 short completions and an
-    evaluation of 2 test problems before and after it: the run ends cleanly, no reward check
-    failed, and every logged reward equals examples/smollm2/reward.py recomputed here on the
-    logged completion text against the test's own a + b."""
+def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(built, tmp_path):
+    """examples/smollm2/dppo.yaml on the built dir, shrunk to 2 steps of 12 prompts x 4 short
+    completions and an evaluation of 2 test problems before and after: the run ends cleanly, no
+    reward check failed, every logged reward equals examples/smollm2/reward.py recomputed here on
+    the logged completion against the test's own a + b; and the same run at TP=3 (3 processes,
+    an engine per rank; SmolLM2's 9 heads do not split in 2) has the same rollouts token for token
+    at both steps (so step 1's update gave the same weights), equal rewards and trained tokens,
+    and losses and gradient norms within 1e-4 relative (measured: loss equal, grad norm 2e-5)."""
     import importlib.util as iu
+
+    from trainer_runs import assert_same_rollouts, metrics, rel_close, rollouts
+
+    from megatron_dppo.run.process import free_port
 
     out, _ = built
     spec = iu.spec_from_file_location("smollm2_reward_e2e", REPO / "examples" / "smollm2" / "reward.py")
     reward = iu.module_from_spec(spec)
     spec.loader.exec_module(reward)
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", "examples/smollm2/dppo.yaml"]
-    cmd += [f"model.hf_dir={out}", f"trainer.output_dir={tmp_path}", "trainer.run_name=smoke"]
-    cmd += ["trainer.max_steps=1", "trainer.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=12"]
-    cmd += ["trainer.eval_every=1", "trainer.eval_size=2", "eval.n=2", "eval.pass_k=[1,2]", "trainer.threads=1"]
-    cmd += ["trainer.max_time_s=0", "logging.wandb=disabled", "logging.tensorboard=false", "logging.progress=false"]
+    args = ["-m", "megatron_dppo.cli", "train", "--config", "examples/smollm2/dppo.yaml", f"model.hf_dir={out}"]
+    args += [f"trainer.output_dir={tmp_path}", "trainer.max_steps=2", "trainer.prompts_per_step=12"]
+    args += ["rollout.group_size=4", "rollout.max_new_tokens=16", "trainer.eval_every=2", "trainer.eval_size=2"]
+    args += ["eval.n=2", "eval.pass_k=[1,2]", "trainer.threads=1", "trainer.max_time_s=0", "logging.wandb=disabled"]
+    args += ["logging.tensorboard=false", "logging.progress=false", "logging.rollouts=true"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    run = tmp_path / "smoke"
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    step = next(r for r in rows if r.get("step") == 1 and "reward/mean" in r)
-    assert step["reward/failures"] == 0 and step["tokens/generated"] > 0
-    assert any(k.startswith("val/test/") and k.endswith("pass@2") for r in rows for k in r), rows
-    logged = [json.loads(line) for line in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
-    assert len(logged) == 8
-    for row in logged:
-        a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", row["prompt"]).groups())
-        assert row["reward"] == reward.final_number_reward(row["completion"], str(a + b)), row
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=3", "--master_addr=127.0.0.1"]
+    for name, launcher in (("tp1", []), ("tp3", [*torchrun, f"--master_port={free_port()}"])):
+        extra = ["parallel.tp=3"] if name == "tp3" else []
+        cmd = [sys.executable, *launcher, *args, f"trainer.run_name={name}", *extra]
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    one, tp3 = metrics(tmp_path / "tp1"), metrics(tmp_path / "tp3")
+    assert one[1]["reward/failures"] == 0 and one[1]["tokens/generated"] > 0
+    assert any(k.startswith("val/test/") and k.endswith("pass@2") for k in one[2]), one[2]
+    for step in (1, 2):
+        logged = rollouts(tmp_path / "tp1", step)
+        assert len(logged) == 48
+        for row in logged:
+            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", row["prompt"]).groups())
+            assert row["reward"] == reward.final_number_reward(row["completion"], str(a + b)), row
+        assert_same_rollouts(rollouts(tmp_path / "tp3", step), logged)
+        for key in ("reward/mean", "train/tokens"):
+            assert one[step][key] == tp3[step][key], (step, key)
+        for key in ("train/loss", "train/grad_norm"):
+            assert rel_close(one[step][key], tp3[step][key], rel=1e-4), (step, key, one[step][key], tp3[step][key])
