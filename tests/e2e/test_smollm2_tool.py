@@ -272,16 +272,13 @@ def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(bui
     an engine per rank; SmolLM2's 9 heads do not split in 2) has the same rollouts token for token
     at both steps (so step 1's update gave the same weights), equal rewards and trained tokens,
     and losses and gradient norms within 1e-4 relative (measured: loss equal, grad norm 2e-5)."""
-    import importlib.util as iu
-
     from trainer_runs import assert_same_rollouts, metrics, rel_close, rollouts
 
+    from megatron_dppo.rewards.spec import resolve_reward_fn
     from megatron_dppo.run.process import free_port
 
     out, _ = built
-    spec = iu.spec_from_file_location("smollm2_reward_e2e", REPO / "examples" / "smollm2" / "reward.py")
-    reward = iu.module_from_spec(spec)
-    spec.loader.exec_module(reward)
+    final_number_reward = resolve_reward_fn(f"{REPO}/examples/smollm2/reward.py:final_number_reward")
     args = ["-m", "megatron_dppo.cli", "train", "--config", "examples/smollm2/dppo.yaml", f"model.hf_dir={out}"]
     args += [f"trainer.output_dir={tmp_path}", "trainer.max_steps=2", "trainer.prompts_per_step=12"]
     args += ["rollout.group_size=4", "rollout.max_new_tokens=16", "trainer.eval_every=2", "trainer.eval_size=2"]
@@ -304,7 +301,7 @@ def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(bui
         assert len(logged) == 48
         for row in logged:
             a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", row["prompt"]).groups())
-            assert row["reward"] == reward.final_number_reward(row["completion"], str(a + b)), row
+            assert row["reward"] == final_number_reward(row["completion"], str(a + b)), row
         assert_same_rollouts(rollouts(tmp_path / "tp3", step), logged)
         for key in ("reward/mean", "train/tokens"):
             assert one[step][key] == tp3[step][key], (step, key)
