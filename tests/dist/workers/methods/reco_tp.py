@@ -29,6 +29,7 @@ def _tp_worker():
         err = float((got.double() - _gini_reference(logits, temperature)).abs().max())
         assert err < 2e-6, f"rank {rank}: TP gini differs by {err}"
     print(f"[rank {rank}] gini tp ok", flush=True)
+    dist.barrier()  # every rank past its last collective before gloo is torn down (a teardown abort seen in CI)
     dist.destroy_process_group()
 
 

@@ -91,6 +91,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
+    dist.barrier()  # every rank past its last collective before gloo is torn down (a teardown abort seen in CI)
     dist.destroy_process_group()
 
 
