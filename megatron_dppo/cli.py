@@ -22,7 +22,8 @@ def _verify_unbiased(args) -> int:
     aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
     if args.method:
         return _verify_methods(args, strategies, aggs)
-    all_ok = _verify_rollout_correction(args.seed) if args.rollout_correction != "none" else True
+    corrected = args.rollout_correction != "none" or args.staleness
+    all_ok = _verify_rollout_correction(args.seed, args.staleness) if corrected else True
     for strategy in strategies:
         for agg in aggs:
             cfg = CheckConfig(
@@ -43,6 +44,7 @@ def _verify_unbiased(args) -> int:
                 overlong_filter=args.overlong_filter,
                 without_prompt_weight=args.without_prompt_weight,
                 rollout_correction=args.rollout_correction,
+                staleness=args.staleness,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -55,13 +57,21 @@ def _verify_unbiased(args) -> int:
     return 0 if all_ok else 1
 
 
-def _verify_rollout_correction(seed: int) -> bool:
+def _verify_rollout_correction(seed: int, staleness: int = 0) -> bool:
     """--rollout-correction: the exact table of megatron_dppo/jobs/verify_rollout.py (untruncated
-    IS unbiased, none biased, each cap and mask's bias); True when every verdict is the expected one."""
-    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_checks
+    IS unbiased, none biased, each cap and mask's bias); True when every verdict is the expected one.
+    staleness 1: the rollout policy is pi_old before its last update (trainer.max_staleness=1)."""
+    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_checks, stale_kl
 
     ok = True
-    for result, expected in run_rollout_checks(RolloutCheckConfig(length=3, seed=seed)):
+    cfg = RolloutCheckConfig(length=3, seed=seed, staleness=staleness)
+    if staleness:
+        print(
+            f"rollout correction: the rollout policy is pi_old {staleness} update(s) earlier "
+            f"(KL(rollout || pi_old) = {stale_kl(cfg):.3g} a token); target: the on-policy gradient at pi_old",
+            flush=True,
+        )
+    for result, expected in run_rollout_checks(cfg):
         note = "" if expected is None else (" (expected)" if result.unbiased == expected else " (NOT as expected)")
         print(f"rollout correction: {result.summary()}{note}", flush=True)
         ok &= expected is None or result.unbiased == expected
@@ -125,17 +135,31 @@ def _train(args) -> int:
         from megatron_dppo.run.process import die_with_parent
 
         die_with_parent(signal.SIGTERM)
-    from megatron_dppo.train.trainer import StopRequested, Trainer
+    from megatron_dppo.train.trainer import StopNow, StopRequested, Trainer
 
-    trainer = None
+    roles = None
+    if cfg.parallel.rollout_ranks and "RANK" in os.environ:  # dedicated rollout ranks: split the world
+        from datetime import timedelta
+
+        from megatron_dppo.run.bridge import split_world
+
+        roles = split_world(cfg.parallel.rollout_ranks, timedelta(minutes=cfg.parallel.timeout_minutes))
+        global _SKIP_FINALIZATION
+        _SKIP_FINALIZATION = True
+        if roles.is_rollout:
+            from megatron_dppo.train.rollout_rank import serve
+
+            return serve(cfg, roles)
+    trainer, stop_now = None, False
     try:
-        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+        trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, roles=roles)
         trainer.train()
     except StopRequested as stop:
+        stop_now = isinstance(stop, StopNow)
         return 130 if str(stop) == "SIGINT" else 143  # 128 + the signal: a scheduler sees the interruption
     finally:
         if trainer is not None:
-            trainer.close()
+            trainer.close(stop_rollout_ranks=not stop_now)
     return 0
 
 
@@ -277,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="algorithm.rollout_correction: first its exact check on a toy policy (untruncated IS unbiased, "
         "none biased, the bias of each cap and mask), then pruning's Monte Carlo check with it on every token",
     )
+    v.add_argument(
+        "--staleness",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="trainer.max_staleness: 1 = the rollout sampled with the weights before the last update (the exact "
+        "table with that rollout policy, then pruning's Monte Carlo check with its log-probs)",
+    )
     v.set_defaults(func=_verify_unbiased)
     return parser
 
@@ -288,7 +320,18 @@ def main(argv=None) -> int:
 
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return _run_reporting_errors(args.func, args)
+    status = _run_reporting_errors(args.func, args)
+    if _SKIP_FINALIZATION:  # what the process started is closed; leave without the interpreter's teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+# A process of a run with dedicated rollout ranks closes what it started itself (engine, reward
+# workers, logger, process groups and the bridge); the interpreter's teardown after that only printed
+# nanobind's reference-leak reports about the Triton bindings (on training rank 0, 40 lines).
+_SKIP_FINALIZATION = False
 
 
 if __name__ == "__main__":

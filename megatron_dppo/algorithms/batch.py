@@ -219,15 +219,21 @@ def collect(
     rollout: Callable[[int, list[tuple]], list[Group]],
     generator: torch.Generator,
     select=None,
+    first_round: Round | None = None,
 ) -> Collected:
     """The step's rounds: draw and prune prompts BEFORE generation, `rollout(round, items)` the
     kept ones (items: (record, slot, w_q); it returns their Groups in slot order, and records them
     in the history), select what trains; with refill, draw again until the weight reaches B or
-    method.rounds are spent. `select` replaces select_groups (verify-unbiased's negative control)."""
+    method.rounds are spent. `select` replaces select_groups (verify-unbiased's negative control).
+    first_round: round 0, drawn earlier with this generator (dedicated rollout ranks draw the
+    next step's prompts while this step trains, then roll them out)."""
     select = select or select_groups
     trained, rolled, drawn, filled = [], [], 0, 0.0
     for rnd in range(method.rounds):
-        drawn_round = draw_round(method, strategy, next_batch, stats_of, generator)
+        if rnd == 0 and first_round is not None:
+            drawn_round = first_round
+        else:
+            drawn_round = draw_round(method, strategy, next_batch, stats_of, generator)
         drawn += len(drawn_round.records)
         groups = rollout(rnd, drawn_round.kept())
         rolled += groups

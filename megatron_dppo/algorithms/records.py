@@ -8,9 +8,11 @@ metrics about the rollout are computed here too, from the groups.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_dppo.algorithms.packing import Sample, sample_routing
@@ -43,10 +45,27 @@ class Group:
     # overlong filter); empty: all of them. Set by the step's planning (algorithms/batch.py).
     trained_tokens: list[int] = field(default_factory=list)
     prefix_len: int = 0  # AdaPrefix: tokens it added at the end of prompt_ids (thinking opener + prefix; no loss)
+    # The weights it was sampled with: the step whose update they hold (0 = the starting weights).
+    # Behind the trainer's by up to trainer.max_staleness steps with dedicated rollout ranks.
+    policy_version: int = 0
 
     @property
     def group_size(self) -> int:
         return len(self.completions)
+
+    def to_state(self) -> dict:
+        """JSON-able: the record by its id, routed experts as nested lists with their dtype."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "record"}
+        out["record_id"] = self.record.id
+        routed = [np.asarray(a) for a in self.routed_experts]
+        out["routed_experts"] = [{"dtype": str(a.dtype), "data": a.tolist()} for a in routed]
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict, record: PromptRecord) -> Group:
+        fields = {k: v for k, v in state.items() if k not in ("record_id", "routed_experts")}
+        routed = [np.asarray(a["data"], dtype=a["dtype"]) for a in state["routed_experts"]]
+        return cls(record=record, routed_experts=routed, **fields)
 
     def extend(self, more: Group) -> None:
         """Append a later wave's completions of the same prompt (BPPO's waves), before planning."""
@@ -157,6 +176,9 @@ class RolloutCounts:
     reward_checks: int = 0
     reward_failures: dict = field(default_factory=dict)  # kind -> count
     first_failures: list = field(default_factory=list)  # "record <id>: <kind>: <message>"
+    # Dedicated rollout ranks: the engines' own seconds per phase (rollout, reward), the slowest
+    # engine's per wave; colocated, the trainer's phase timer measures them instead.
+    engine_seconds: dict = field(default_factory=dict)
 
     def add_failures(self, by_kind: dict, first: list) -> None:
         for kind, n in by_kind.items():

@@ -104,6 +104,7 @@ def validate(cfg: Config) -> Config:
         ("trainer.run_name", run_name_problem(t.run_name) is None, "one plain directory name (no '/', not . or ..)"),
         ("trainer.output_dir", bool(t.output_dir), "a directory path (the run dir is <output_dir>/<run_name>)"),
         ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
+        ("trainer.max_staleness", t.max_staleness in (0, 1), "0 or 1 (updates a rollout's weights may lag)"),
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
         ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
         ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),
@@ -223,6 +224,16 @@ def inert_keys(cfg: Config) -> dict[str, str]:
     out.update(registry.inert_keys(cfg))  # each method names its own
     if cfg.data.prompt_mode == "raw":
         out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"
+    if cfg.parallel.rollout_ranks:
+        out["rollout.sleep_level"] = (
+            f"parallel.rollout_ranks={cfg.parallel.rollout_ranks}: dedicated rollout ranks share no device with "
+            "training, so their engines never sleep"
+        )
+    else:
+        out["trainer.max_staleness"] = (
+            "parallel.rollout_ranks=0: colocated ranks generate and train in turn, so every rollout uses the "
+            "latest weights"
+        )
     if cfg.parallel.recompute != "selective":
         out["parallel.recompute_modules"] = (
             f"parallel.recompute={cfg.parallel.recompute} (it acts with parallel.recompute=selective)"

@@ -43,10 +43,10 @@ class ParallelConfig:
     pp: int = 1
     sequence_parallel: bool = False
     rollout_tp: int = 1  # ranks per vLLM engine (its tensor_parallel_size); 1 = an engine per rank
-    # Dedicated rollout ranks: the last rollout_ranks GPUs of the world run only vLLM engines
-    # (rollout_tp each), the others only Megatron (tp x pp x dp over world - rollout_ranks).
-    # 0 = colocated: every rank generates, then trains. Planned by `megatron-dppo plan`; the
-    # trainer refuses > 0 until it runs such ranks (train/preflight.check_config).
+    # Dedicated rollout ranks: the last rollout_ranks processes of the world run only vLLM engines
+    # (rollout_tp each), the others only Megatron (tp x pp x dp over world - rollout_ranks); the
+    # new weights go to them after every step (run/bridge.py). 0 = colocated: every rank
+    # generates, then trains. trainer.max_staleness=1 overlaps the two (docs/scaling.md 2d).
     rollout_ranks: int = 0
     ep: int = 1  # expert parallel (MoE models): each rank of an EP group holds num_experts / ep experts
     etp: int = 1  # expert tensor parallel: each expert split over etp ranks (1 = whole experts, the usual choice)
@@ -237,6 +237,10 @@ class TrainerConfig:
     # Resolved: 600 on CPU, 1800 on GPUs (megatron_dppo/run/watchdog.py says why).
     stall_timeout_s: float | None = None
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
+    # With dedicated rollout ranks (parallel.rollout_ranks > 0): 0 = each step's rollout waits for
+    # its weights (what colocated runs do, token for token); 1 = the next step's rollout runs while
+    # this step trains, with weights one update behind (one-step off-policy: docs/algorithm.md 10)
+    max_staleness: int = 0
 
 
 @dataclass

@@ -14,6 +14,11 @@ Expected, and checked by tests/unit/test_rollout_correction.py: untruncated toke
 unbiased at length 1 (there rho_t is the completion's whole ratio); the untruncated product
 (seq_tis) at every length; no correction is biased (the negative control); a cap or a mask
 is biased by an amount reported here.
+
+staleness > 0 (trainer.max_staleness with dedicated rollout ranks): the rollout policy is not
+pi_old plus noise but pi_old as it was `staleness` updates earlier: theta_prev, and pi_old's theta
+is theta_prev moved by `staleness` exact gradient-ascent steps of the expected advantage. The
+same verdicts hold: only the size of the mismatch and its structure (along the update) change.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class RolloutCheckConfig:
     high: float = 2.0
     seed: int = 0
     tol: float = 1e-9  # relative bias below which an exact sum counts as unbiased (float64 rounding)
+    staleness: int = 0  # > 0: the rollout policy is pi_old this many updates earlier (module docstring)
+    lr: float = 2.0  # those updates' step size on the expected advantage
 
 
 @dataclass
@@ -60,7 +67,28 @@ def _policies(cfg: RolloutCheckConfig):
     mu_logits = theta + cfg.mismatch * torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
     completions = list(itertools.product(range(cfg.vocab), repeat=cfg.length))
     advantages = torch.rand(len(completions), generator=gen, dtype=torch.float64) * 2 - 1
+    if cfg.staleness:  # the rollout sampled with the weights before pi_old's last updates
+        mu_logits = theta.clone()
+        for _ in range(cfg.staleness):
+            theta = theta + cfg.lr * _expected_advantage_gradient(theta, completions, advantages)
     return theta, torch.log_softmax(mu_logits, -1), completions, advantages
+
+
+def stale_kl(cfg: RolloutCheckConfig) -> float:
+    """KL(rollout policy || pi_old) per token of the check's policies: how far apart they are."""
+    theta, rollout_logp, _, _ = _policies(cfg)
+    old = torch.log_softmax(theta, -1)
+    return float((rollout_logp.exp() * (rollout_logp - old)).sum())
+
+
+def _expected_advantage_gradient(theta, completions, advantages) -> torch.Tensor:
+    """grad_theta sum_o pi_theta(o) A(o), exactly (an update the policy could have made)."""
+    theta = theta.clone().requires_grad_()
+    logp = torch.log_softmax(theta, -1)
+    ids = torch.tensor(completions)
+    objective = (logp[ids].sum(-1).exp() * advantages).sum()
+    (grad,) = torch.autograd.grad(objective, theta)
+    return grad
 
 
 def _gradient(theta, rollout_logp_table, tokens, advantage, kind, cfg) -> torch.Tensor:

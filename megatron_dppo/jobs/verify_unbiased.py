@@ -59,6 +59,10 @@ class CheckConfig:
     # this std (verify_rollout.py checks the correction itself; here DPPO must stay unbiased for it)
     rollout_correction: str = "none"
     rollout_noise: float = 0.3
+    # > 0: the rollout's log-probs are those of the weights before pi_old's last update (dedicated
+    # rollout ranks at trainer.max_staleness=1): theta0 shifted along one direction of this std,
+    # rather than independent noise per token
+    staleness: int = 0
     without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
@@ -185,7 +189,11 @@ def _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=None):
 
     J = torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
     if cfg.rollout_correction != "none":  # the trainer's composition: coef_t * weight_t (megatron/loss.py)
-        rollout_logp = old_logp + cfg.rollout_noise * torch.randn(T, generator=gen, dtype=torch.float64)
+        if cfg.staleness:  # sampled by the weights one update back: a shift of theta, not per-token noise
+            shift = cfg.rollout_noise * torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
+            rollout_logp = old_logp - phi @ shift
+        else:
+            rollout_logp = old_logp + cfg.rollout_noise * torch.randn(T, generator=gen, dtype=torch.float64)
         weight, _ = losses.rollout_correction(old_logp, rollout_logp, seq_index, S, cfg.rollout_correction)
         J = J * weight[:, None]
     return J, seq_index, seq_len

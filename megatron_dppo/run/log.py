@@ -166,6 +166,8 @@ def phase_summary(rows: list[dict]) -> str:
         return "no training steps run"
     total = sum(h["time/step"] for h in steps)
     parts = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in phase_totals(steps).items())
+    if any("time/rollout_wait" in h for h in steps):  # dedicated rollout ranks: rollout and reward are theirs
+        parts += f"; waiting for the rollout ranks {sum(h.get('time/rollout_wait', 0.0) for h in steps):.1f}s"
     evals = [h["eval/accuracy"] for h in rows if "eval/accuracy" in h]
     acc = f"; held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f}" if len(evals) > 1 else ""
     return f"{len(steps)} steps in {total:.1f}s ({parts}){acc}"

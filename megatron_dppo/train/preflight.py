@@ -14,13 +14,6 @@ def check_config(cfg) -> None:
     """Key combinations that cannot run as meant, and options the trainer does not run yet:
     ValueError naming the keys."""
     a, p = cfg.algorithm, cfg.pruning
-    if cfg.parallel.rollout_ranks:
-        # Accepting it would train colocated on a layout the user did not ask for (issue 32).
-        raise ValueError(
-            f"parallel.rollout_ranks={cfg.parallel.rollout_ranks}: dedicated rollout ranks are planned by "
-            "`megatron-dppo plan` only; the trainer does not run them yet (set parallel.rollout_ranks=0 to "
-            "train colocated)"
-        )
     if a.kl_coef > 0 and p.drop_zero_variance:
         raise ValueError(
             f"pruning.drop_zero_variance=true with algorithm.kl_coef={a.kl_coef:g}: a zero-variance group still "
@@ -40,6 +33,12 @@ def config_warnings(cfg) -> list[str]:
             value = _get(cfg, leaf)
             if value != _get(defaults, leaf):
                 out.append(f"warning: {leaf}={_show(value)} is ignored: {why}")
+    if cfg.parallel.rollout_ranks and cfg.trainer.max_staleness and cfg.algorithm.rollout_correction == "none":
+        out.append(
+            f"warning: trainer.max_staleness={cfg.trainer.max_staleness} samples with weights an update behind "
+            "the trained ones, and algorithm.rollout_correction=none trains on them as if they were the "
+            "trained policy's: consider algorithm.rollout_correction=tis (docs/algorithm.md section 10)"
+        )
     return out
 
 

@@ -88,9 +88,10 @@ def attention_backend(cfg: Config) -> str:
     return attention_choice(cfg.model.attention, dtype=DTYPES[cfg.model.dtype], sequence_parallel=sp).backend
 
 
-def resolve_config(cfg: Config, inputs: Inputs) -> None:
-    """One resolution step: from here on the config is complete and is what runs."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def resolve_config(cfg: Config, inputs: Inputs, world: int | None = None) -> None:
+    """One resolution step: from here on the config is complete and is what runs. world: the
+    launcher's world size (default WORLD_SIZE; a rollout rank's WORLD_SIZE is its half's)."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     resolve(
         cfg,
         Arch.from_hf_config(inputs.hf_config),
@@ -189,10 +190,11 @@ def build_policy(cfg: Config, hf_config):
     )
 
 
-def start_engine(cfg: Config):
+def start_engine(cfg: Config, dedicated: bool = False):
     """vLLM with dummy weights: the policy's weights are synced into it right after loading,
     so the HF files are read once, by the policy's sharded loader, not again by every engine.
-    -> (engine, seconds its start took)."""
+    dedicated: on a rollout rank (parallel.rollout_ranks), where the engine shares its device with
+    no trainer and never sleeps. -> (engine, seconds its start took)."""
     from megatron_dppo.megatron import suspend_cpu_compat
     from megatron_dppo.megatron.parallel import vllm_timeout_kwargs
     from megatron_dppo.rollout import RolloutEngine
@@ -214,6 +216,7 @@ def start_engine(cfg: Config):
         # the Megatron policy's log-probs at the sampling temperature are compared with
         logprobs_mode="processed_logprobs",
         routing_replay=rc.routing_replay,
+        enable_sleep_mode=False if dedicated else None,
     )
     return engine, time.perf_counter() - t0
 

@@ -1,17 +1,29 @@
 """The rollout of one step: the prompts of a round split over the vLLM engines, generated, scored
-by each engine's leader, gathered on every rank, and recorded in the prompt history.
+by each engine's leader, gathered on every training rank, and recorded in the prompt history.
+
+Two halves, so that the engines can live on other ranks than the trainer:
+  * `StepRollout` (every training rank) turns a round's prompts into `WaveRequest`s (BPPO's waves:
+    one request per wave) and the engines' replies into Groups, identically on every rank;
+  * `EngineWorker` (wherever an engine lives) generates its engine's slice of a request, and its
+    leader scores it: an `EnginePart`.
+Between them, `LocalEngines` (colocated: this rank's own engine, parts all-gathered) or
+`RemoteEngines` (parallel.rollout_ranks > 0: training rank 0 sends the request over the bridge
+to the rollout ranks, megatron_dppo/train/rollout_rank.py, and passes their parts on).
 
 Every rank of an engine generates the same slice with the same seeds; a completion's seed comes
 from (trainer.seed, step, round, its prompt's slot) only, so it is the same whatever rank or engine
-generates it. With BPPO's waves a prompt is rolled out g0 completions at a time until its group is
-mixed or full.
+generates it: a run with dedicated rollout ranks samples what the colocated run samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from megatron_dppo.algorithms.records import Group, RolloutCounts, size_runs, stack_rewards
 from megatron_dppo.rewards import overlong_penalty
@@ -19,9 +31,24 @@ from megatron_dppo.run import collectives as mdist
 
 
 @dataclass
+class WaveRequest:
+    """One engine call for a round's prompts: every engine takes its contiguous slice of `items`
+    (EnginePlace) and generates want[slot] completions for each of its prompts, continuing their
+    seeds' streams after drawn[slot]."""
+
+    step: int
+    rnd: int
+    items: list[tuple]  # (record, slot, w_q) of every prompt of the round, in slot order
+    prompt_ids: list[list[int]]  # per item (AdaPrefix's assisted prompt where it adds one)
+    prefix_lens: list[int]  # per item: AdaPrefix's prefix tokens at the end of prompt_ids
+    want: dict[int, int]  # slot -> completions this wave (0: none)
+    drawn: dict[int, int]  # slot -> completions drawn in earlier waves
+
+
+@dataclass
 class EnginePart:
-    """What one engine's leader sends to every rank after a rollout: its slice's scored groups and
-    its counts (other ranks send an empty part)."""
+    """What one engine's leader sends to every rank after a wave: its slice's scored groups, its
+    counts and timings (other ranks send an empty part)."""
 
     groups: list[Group] = field(default_factory=list)
     generated_tokens: int = 0
@@ -29,12 +56,14 @@ class EnginePart:
     failures: dict = field(default_factory=dict)  # reward failure kind -> count
     first_failures: list = field(default_factory=list)
     error: str | None = None  # the scorer's error, raised on every rank
+    seconds: dict = field(default_factory=dict)  # phase -> seconds this engine spent (rollout, reward)
 
 
 @dataclass(frozen=True)
 class EnginePlace:
-    """This rank's vLLM engine: ranks [kR, (k+1)R) share engine k (vLLM tensor parallel over
-    them, R = parallel.rollout_tp); the first rank of each engine scores its completions."""
+    """This rank's vLLM engine: ranks [kR, (k+1)R) of the engines' world share engine k (vLLM
+    tensor parallel over them, R = parallel.rollout_tp); the first rank of each engine scores its
+    completions. The engines' world is the whole world when colocated, the rollout ranks' otherwise."""
 
     index: int
     count: int
@@ -64,95 +93,52 @@ def rollout_seed(seed: int, step: int, rnd: int, slot: int) -> int:
     return request_seed("rollout", seed, step, rnd, slot)
 
 
-class StepRollout:
-    """`rollout(step, rnd, items, counts, timer)` -> the scored groups of the prompts `items`,
-    gathered on every rank in slot order."""
+class EngineWorker:
+    """The engine's side of a wave: generate this engine's slice of a request, and (its leader)
+    score it. `weights_version` is the step whose update the engine's weights hold (0: the
+    starting weights); every group it returns carries it."""
 
-    def __init__(
-        self, cfg, method, *, engine, place: EnginePlace, renderer, tokenizer, scorer, history, curriculum, watchdog
-    ):
-        self.cfg, self.method, self.engine, self.place = cfg, method, engine, place
-        self.renderer, self.tokenizer, self.scorer = renderer, tokenizer, scorer
-        self.history, self.curriculum, self.watchdog = history, curriculum, watchdog
+    def __init__(self, cfg, *, engine, place: EnginePlace, tokenizer, scorer):
+        self.cfg, self.engine, self.place, self.tokenizer, self.scorer = cfg, engine, place, tokenizer, scorer
+        self.weights_version = 0
 
-    def __call__(self, step, rnd, items, counts: RolloutCounts, timer) -> list[Group]:
-        """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
-        slice, its leader scores it, the groups are gathered in slot order and every one is
-        recorded in the prompt history. With BPPO's waves (algorithm.bppo.schedule=waves) a prompt
-        gets g0 completions at a time until its group is mixed or full (bppo.next_wave); every rank
-        sees every group after each wave's gather, so all decide the next wave alike."""
-        counts.prompts_rolled += len(items)
-        per = math.ceil(len(items) / self.place.count)
-        mine = items[self.place.index * per : (self.place.index + 1) * per]
-        prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in mine]
-        prefix_lens = [0] * len(mine)
-        if self.curriculum:  # AdaPrefix: the reference's prefix opens the completion (as prompt tokens)
-            assisted = [self.curriculum.assisted(rec, ids, step) for (rec, _, _), ids in zip(mine, prompt_ids)]
-            prompt_ids, prefix_lens = [ids for ids, _ in assisted], [n for _, n in assisted]
-        by_slot: dict[int, Group] = {}
-        while True:
-            drawn = {slot: by_slot[slot].group_size if slot in by_slot else 0 for _, slot, _ in items}
-            want = self._completions_wanted(by_slot, drawn)
-            if not any(want.values()):
-                break
-            todo = [i for i, (_, slot, _) in enumerate(mine) if want[slot] > 0]
-            for g in self._roll_wave(step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer):
-                if g.slot in by_slot:
-                    by_slot[g.slot].extend(g)
-                else:
-                    by_slot[g.slot] = g
-        groups = sorted(by_slot.values(), key=lambda g: g.slot)
-        for run in size_runs(groups):
-            self.history.update([g.record.id for g in run], stack_rewards(run))
-        return groups
-
-    def _completions_wanted(self, by_slot: dict[int, Group], drawn: dict[int, int]) -> dict[int, int]:
-        """How many more completions each prompt (slot) gets: its whole group in one call, or the
-        selection's next wave (BPPO's, decided on its own verdicts before reward shaping)."""
-        group_size = self.cfg.rollout.group_size
-        return {slot: self.method.selection.completions_wanted(by_slot.get(slot), group_size) for slot in drawn}
-
-    def _roll_wave(self, step, rnd, mine, prompt_ids, prefix_lens, todo, want, drawn, counts, timer) -> list[Group]:
-        """One engine call for this engine's prompts `todo` (indices into mine), want[slot]
-        completions each, continuing their seeds' streams after drawn[slot]; scored by the
-        engine's leader and gathered from every engine."""
-        sub = [mine[i] for i in todo]
-        with timer("rollout"):
-            outs = self._generate(step, rnd, sub, [prompt_ids[i] for i in todo], want, drawn)
+    def part(self, req: WaveRequest, timer=None) -> EnginePart:
+        per = math.ceil(len(req.items) / self.place.count)
+        first = self.place.index * per
+        todo = [i for i in range(first, min(first + per, len(req.items))) if req.want[req.items[i][1]] > 0]
+        sub = [req.items[i] for i in todo]
+        t0 = time.perf_counter()
+        with _phase(timer, "rollout"):
+            outs = self._generate(req, sub, [req.prompt_ids[i] for i in todo])
+        seconds = {"rollout": time.perf_counter() - t0}
         part = EnginePart()
         if self.place.leader and sub:
-            with timer("reward"):
-                part = self._score(rnd, sub, [prompt_ids[i] for i in todo], outs, [prefix_lens[i] for i in todo])
-        self.watchdog.phase("gather rollouts", step)
-        parts = mdist.all_gather_objects(part)
-        errors = [p.error for p in parts if p.error]
-        if errors:
-            raise RuntimeError(errors[0])
-        groups = []
-        for p in parts:
-            counts.generated_tokens += p.generated_tokens
-            counts.reward_checks += p.checks
-            counts.add_failures(p.failures, p.first_failures)
-            groups += p.groups
-        return groups
+            t0 = time.perf_counter()
+            with _phase(timer, "reward"):
+                part = self._score(
+                    req.rnd, sub, [req.prompt_ids[i] for i in todo], outs, [req.prefix_lens[i] for i in todo]
+                )
+            seconds["reward"] = time.perf_counter() - t0
+        part.seconds = seconds if self.place.leader else {}
+        return part
 
-    def _generate(self, step, rnd, mine, prompt_ids, want, drawn) -> list:
+    def _generate(self, req: WaveRequest, mine, prompt_ids) -> list:
         """want[slot] completions (rollout.vllm_engine.Completion) for each of this engine's
         prompts. vLLM gives completion k of a request seed s the seed s + k, so starting a prompt's
         later wave at s + drawn[slot] continues the stream: its completions are the ones a single
         call for all of them would have drawn."""
-        rc = self.cfg.rollout
+        rc, seed = self.cfg.rollout, self.cfg.trainer.seed
         if not mine:
             return []
         return self.engine.generate(
             prompt_ids,
-            n=[want[slot] for _, slot, _ in mine],
+            n=[req.want[slot] for _, slot, _ in mine],
             max_new_tokens=rc.max_new_tokens,
             temperature=rc.temperature,
             top_p=rc.top_p,
             top_k=rc.top_k,
             stop=rc.stop or None,
-            seeds=[rollout_seed(self.cfg.trainer.seed, step, rnd, slot) + drawn[slot] for _, slot, _ in mine],
+            seeds=[rollout_seed(seed, req.step, req.rnd, slot) + req.drawn[slot] for _, slot, _ in mine],
         )
 
     def _score(self, rnd, mine, prompt_ids, outs, prefix_lens) -> EnginePart:
@@ -191,6 +177,7 @@ class StepRollout:
                 routed_experts=[routed_experts(c) for c in group] if rc.routing_replay else [],
                 reward_extras=extras[starts[q] : starts[q + 1]],
                 prefix_len=prefix_lens[q],
+                policy_version=self.weights_version,
             )
             for q, ((rec, slot, w_q), p, group) in enumerate(zip(mine, prompt_ids, outs))
         ]
@@ -202,3 +189,213 @@ class StepRollout:
             first_failures=info.get("first_failures", []),
             error=error,
         )
+
+
+class _phase:
+    """timer(name) when there is a timer (the trainer's PhaseTimer), else nothing."""
+
+    def __init__(self, timer, name: str):
+        self.cm = timer(name) if timer is not None else None
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm is not None else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm is not None else False
+
+
+class LocalEngines:
+    """Colocated: this rank's own engine generates (and its leader scores) its slice at once; the
+    parts are all-gathered over the training world."""
+
+    remote = False
+
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+        self._part: EnginePart | None = None
+
+    def submit(self, req: WaveRequest, timer=None) -> None:
+        self._part = self.worker.part(req, timer)
+
+    def parts(self, timer=None) -> list[EnginePart]:
+        part, self._part = self._part, None
+        return mdist.all_gather_objects(part)
+
+    def set_weights_version(self, version: int) -> None:
+        self.worker.weights_version = version
+
+
+class RemoteEngines:
+    """Dedicated rollout ranks: training rank 0 sends a request over the bridge (the rollout
+    ranks start on it at once) and later collects every rollout rank's part, which it passes to
+    the other training ranks. `submit` returns at once: the trainer works while the engines do."""
+
+    remote = True
+
+    def __init__(self, control, watchdog=None):
+        self.control = control  # run/bridge.Bridge on training rank 0, None on the other training ranks
+        self.watchdog = watchdog
+        self.in_flight = False
+
+    def submit(self, req: WaveRequest, timer=None) -> None:
+        if self.in_flight:
+            raise RuntimeError("a rollout request is already in flight (one at a time)")
+        if self.control is not None:
+            self.control.broadcast_object(("wave", req))
+        self.in_flight = True
+
+    def parts(self, timer=None) -> list[EnginePart]:
+        """The rollout ranks' parts, on every training rank; the wait is timer's `rollout_wait`."""
+        if not self.in_flight:
+            raise RuntimeError("no rollout request in flight")
+        self.in_flight = False
+        with _phase(timer, "rollout_wait"):
+            parts = self.control.gather_objects() if self.control is not None else None
+            return mdist.broadcast_object(parts)
+
+
+class StepRollout:
+    """`rollout(step, rnd, items, counts, timer)` -> the scored groups of the prompts `items`,
+    gathered on every training rank in slot order. `submit_first` starts a round's first wave
+    without waiting (dedicated rollout ranks: the next step's prompts roll out while this step
+    trains); the call that finishes the round then gets the parts `engines.parts()` returned."""
+
+    def __init__(self, cfg, method, *, engines, renderer, history, curriculum, watchdog):
+        self.cfg, self.method, self.engines = cfg, method, engines
+        self.renderer, self.history, self.curriculum, self.watchdog = renderer, history, curriculum, watchdog
+
+    def _prompts(self, step, items) -> tuple[list[list[int]], list[int]]:
+        prompt_ids = [self.renderer.token_ids(rec) for rec, _, _ in items]
+        prefix_lens = [0] * len(items)
+        if self.curriculum:  # AdaPrefix: the reference's prefix opens the completion (as prompt tokens)
+            assisted = [self.curriculum.assisted(rec, ids, step) for (rec, _, _), ids in zip(items, prompt_ids)]
+            prompt_ids, prefix_lens = [ids for ids, _ in assisted], [n for _, n in assisted]
+        return prompt_ids, prefix_lens
+
+    def _request(self, step, rnd, items, prompts, by_slot) -> WaveRequest | None:
+        """The next wave's request (None: every group is done): each prompt's whole group in one
+        call, or the selection's next wave (BPPO's, decided on its own verdicts before reward shaping)."""
+        drawn = {slot: by_slot[slot].group_size if slot in by_slot else 0 for _, slot, _ in items}
+        group_size = self.cfg.rollout.group_size
+        want = {slot: self.method.selection.completions_wanted(by_slot.get(slot), group_size) for slot in drawn}
+        if not any(want.values()):
+            return None
+        return WaveRequest(step, rnd, items, prompts[0], prompts[1], want, drawn)
+
+    def submit_first(self, step: int, rnd: int, items: list[tuple]) -> None:
+        """Send the first wave of a round (what __call__ would send first) and return at once."""
+        req = self._request(step, rnd, items, self._prompts(step, items), {})
+        if req is not None:
+            self.engines.submit(req)
+
+    def __call__(self, step, rnd, items, counts: RolloutCounts, timer, first_parts=None) -> list[Group]:
+        """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
+        slice, its leader scores it, the groups are gathered in slot order and every one is
+        recorded in the prompt history. With BPPO's waves (algorithm.bppo.schedule=waves) a prompt
+        gets g0 completions at a time until its group is mixed or full (bppo.next_wave); every rank
+        sees every group after each wave's gather, so all decide the next wave alike.
+        first_parts: the engines' parts of the first wave, already submitted (submit_first)."""
+        counts.prompts_rolled += len(items)
+        prompts = self._prompts(step, items)
+        by_slot: dict[int, Group] = {}
+        while True:
+            if first_parts is not None:
+                parts, first_parts = first_parts, None
+            else:
+                req = self._request(step, rnd, items, prompts, by_slot)
+                if req is None:
+                    break
+                self.engines.submit(req, timer)
+                self.watchdog.phase("gather rollouts", step)
+                parts = self.engines.parts(timer)
+            for g in self._groups(parts, counts, timer):
+                if g.slot in by_slot:
+                    by_slot[g.slot].extend(g)
+                else:
+                    by_slot[g.slot] = g
+        groups = sorted(by_slot.values(), key=lambda g: g.slot)
+        for run in size_runs(groups):
+            self.history.update([g.record.id for g in run], stack_rewards(run))
+        return groups
+
+    def _groups(self, parts: list[EnginePart], counts: RolloutCounts, timer) -> list[Group]:
+        errors = [p.error for p in parts if p.error]
+        if errors:
+            raise RuntimeError(errors[0])
+        groups = []
+        for p in parts:
+            counts.generated_tokens += p.generated_tokens
+            counts.reward_checks += p.checks
+            counts.add_failures(p.failures, p.first_failures)
+            groups += p.groups
+        if self.engines.remote:  # the engines' own time (colocated, the timer measured it here)
+            for phase in ("rollout", "reward", "idle"):
+                counts.engine_seconds[phase] = counts.engine_seconds.get(phase, 0.0) + max(
+                    (p.seconds.get(phase, 0.0) for p in parts), default=0.0
+                )
+        return groups
+
+
+@dataclass
+class PendingRound:
+    """A step's first round, drawn and sent to the rollout ranks during the step before it
+    (trainer.max_staleness=1): the drawn prompts and pruning decisions, the step's generator (the
+    step continues it), its counts, and the engines' parts once received. A checkpoint holds it
+    (to_state), so a resumed run trains the step on the same completions."""
+
+    step: int
+    round: object  # algorithms.batch.Round
+    generator: torch.Generator
+    counts: RolloutCounts
+    parts: list[EnginePart] | None = None
+
+    def to_state(self) -> dict:
+        """JSON-able: records by id, tensors as lists (no pickle: checkpoints are never unpickled)."""
+        return {
+            "step": self.step,
+            "round": {
+                "record_ids": [r.id for r in self.round.records],
+                "keep": self.round.keep.tolist(),
+                "weight": self.round.weight.tolist(),
+            },
+            "generator": self.generator.get_state().tolist(),
+            "counts": dataclasses.asdict(self.counts),
+            "parts": None if self.parts is None else [_part_state(p) for p in self.parts],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict, records_by_id: dict) -> PendingRound:
+        from megatron_dppo.algorithms.batch import Round
+
+        def record(rid):
+            if rid not in records_by_id:
+                raise ValueError(
+                    f"the checkpoint's in-flight rollout names prompt {rid!r}, which data.train no longer has: "
+                    "resume with the data the run was started with"
+                )
+            return records_by_id[rid]
+
+        r = state["round"]
+        rnd = Round(
+            [record(i) for i in r["record_ids"]],
+            torch.tensor(r["keep"], dtype=torch.bool),
+            torch.tensor(r["weight"], dtype=torch.float32),
+        )
+        gen = torch.Generator()
+        gen.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+        parts = None
+        if state["parts"] is not None:
+            parts = [
+                EnginePart(
+                    groups=[Group.from_state(g, record(g["record_id"])) for g in p["groups"]],
+                    **{k: v for k, v in p.items() if k != "groups"},
+                )
+                for p in state["parts"]
+            ]
+        return cls(state["step"], rnd, gen, RolloutCounts(**state["counts"]), parts)
+
+
+def _part_state(part: EnginePart) -> dict:
+    out = {f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.name != "groups"}
+    out["groups"] = [g.to_state() for g in part.groups]
+    return out

@@ -44,7 +44,14 @@ from megatron_dppo.run.profiling import PHASES
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import microbatches, startup
 from megatron_dppo.train.signals import StopNow, StopRequested, stop_on_signals
-from megatron_dppo.train.step_rollout import EnginePlace, StepRollout
+from megatron_dppo.train.step_rollout import (
+    EnginePlace,
+    EngineWorker,
+    LocalEngines,
+    PendingRound,
+    RemoteEngines,
+    StepRollout,
+)
 
 __all__ = ["NonFiniteError", "StopNow", "StopRequested", "Trainer"]
 
@@ -72,18 +79,26 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(request_seed("masks", seed, step))
 
 
+# The checkpoint file of a step's first round, rolled out during the step before (max_staleness=1).
+PENDING_FILE = "pending_rollout.json"
+
+
 class NonFiniteError(RuntimeError):
     """A weight, loss or gradient became NaN or infinite: the run stops, naming the tensor."""
 
 
 class Trainer:
-    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False):
+    def __init__(self, cfg: Config, resume: bool = False, overwrite: bool = False, roles=None):
         """Start-up in the order its parts depend on each other: inputs checked before anything
         slow; the config resolved before it is read; the parallel state before the policy; the
         vLLM engine after the policy and BEFORE any weights are loaded (it starts with dummy
         weights and reseeds the global RNGs, so the RNG is seeded or restored after it), then the
         policy's weights (HF, model.init_checkpoint or the run's checkpoint) synced into it. A
-        failure on the way closes what was started (reward workers, the engine, process groups)."""
+        failure on the way closes what was started (reward workers, the engine, process groups).
+
+        roles: this training rank's run/bridge.Roles when parallel.rollout_ranks > 0 (the engines
+        live on the rollout ranks, train/rollout_rank.py); None: colocated, an engine per rank."""
+        self.roles = roles
         try:
             self._start(cfg, resume, overwrite)
         except BaseException:
@@ -115,8 +130,6 @@ class Trainer:
             cfg.trainer.stall_timeout_s, rank=self.rank, world=self.world, store=default_store()
         ).start()
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
-        place = EnginePlace.of_rank(self.rank, self.world, pc.rollout_tp)
-        self.engine_place = place
         self.policy = startup.build_policy(cfg, self.hf_config)
         self.strategy = get_strategy(cfg.pruning.strategy)
         self.method = Method.from_config(cfg, self.strategy)
@@ -125,7 +138,8 @@ class Trainer:
         )
         self.aux_tokens = self.method.aux.tokens(self.tokenizer, self.renderer)  # SSOPD's teacher-prompt ids
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
-        self.scorer = RewardScorer.from_config(cfg.reward)
+        self.pending: PendingRound | None = None  # the next step's first round, in flight (max_staleness=1)
+        self.scorer = None if self.roles else RewardScorer.from_config(cfg.reward)
         self.pack_layout = microbatches.PackLayout(
             kind=cfg.trainer.packing,
             capacity=cfg.trainer.max_tokens_per_microbatch,
@@ -136,8 +150,8 @@ class Trainer:
             dp_size=self.dp_size,
             local_attention=self.policy.attention_backend == "local",
         )
-        self.engine, self.engine_init_s = startup.start_engine(cfg)
-        self.method.reweighting.check_engine(self.engine.logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
+        self.engine, self.engines, logprobs_mode = self._start_engines(cfg)
+        self.method.reweighting.check_engine(logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
@@ -153,17 +167,14 @@ class Trainer:
         self.rollout = StepRollout(  # after the resume: it reads the restored prompt history
             cfg,
             self.method,
-            engine=self.engine,
-            place=place,
+            engines=self.engines,
             renderer=self.renderer,
-            tokenizer=self.tokenizer,
-            scorer=self.scorer,
             history=self.history,
             curriculum=self.curriculum,
             watchdog=self.watchdog,
         )
         self._check_finite("the starting weights", grads=False)
-        self._sync_weights()
+        self._sync_weights(self.first_step - 1)
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.logger = RunLogger(self.run_dir, cfg, cfg.trainer.max_steps, self.first_step, enabled=self.is_main)
@@ -172,29 +183,62 @@ class Trainer:
         gc.collect()
         gc.freeze()
 
+    def _start_engines(self, cfg: Config):
+        """Colocated: this rank's vLLM engine and the worker that generates and scores its slice.
+        Dedicated rollout ranks: their engines start on their own ranks meanwhile; training rank 0
+        waits for each one's report (start time, log-prob mode, reward). -> (the local engine or
+        None, the engines, their log-prob mode)."""
+        if self.roles is None:
+            engine, self.engine_init_s = startup.start_engine(cfg)
+            self.engine_place = EnginePlace.of_rank(self.rank, self.world, cfg.parallel.rollout_tp)
+            worker = EngineWorker(
+                cfg, engine=engine, place=self.engine_place, tokenizer=self.tokenizer, scorer=self.scorer
+            )
+            self.reward_description = self.scorer.describe()
+            return engine, LocalEngines(worker), engine.logprobs_mode
+        self.watchdog.phase("wait for the rollout ranks")
+        reports = self.roles.control.gather_objects() if self.roles.control is not None else None
+        reports = mdist.broadcast_object(reports)
+        self.engine_init_s = max(r["init_s"] for r in reports)
+        self.reward_description = next(r["reward"] for r in reports if r["reward"] is not None)
+        return None, RemoteEngines(self.roles.control, self.watchdog), reports[0]["logprobs_mode"]
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         cfg, tc = self.cfg, self.cfg.trainer
         timer = PhaseTimer(self.watchdog, step)
         self.watchdog.phase("prompts", step)
         t_step = time.perf_counter()
-        gen = step_generator(tc.seed, step)
-        counts = RolloutCounts()
+        pending, self.pending = self.pending, None  # round 0, drawn and rolled out during the last step
+        if pending is not None and pending.step != step:
+            raise RuntimeError(f"step {step} found step {pending.step}'s rollout in flight")
+        gen = pending.generator if pending else step_generator(tc.seed, step)
+        counts = pending.counts if pending else RolloutCounts()
+        first_parts = pending.parts if pending else None
 
         collected = batch.collect(  # prompts -> prune prompts -> rollout -> rewards [-> refill]
             self.method,
             self.strategy,
             next_batch=self.data.next_batch,
             stats_of=self.history.stats,
-            rollout=lambda rnd, items: self.rollout(step, rnd, items, counts, timer),
+            rollout=lambda rnd, items: self.rollout(
+                step, rnd, items, counts, timer, first_parts=first_parts if rnd == 0 else None
+            ),
             generator=gen,
+            first_round=pending.round if pending else None,
         )
         counts.prompts_drawn = collected.drawn
         if collected.rolled:
             for run in size_runs(collected.rolled):  # one run unless BPPO's waves
                 self.strategy.observe([g.record.id for g in run], stack_rewards(run))
         curriculum_metrics = self.curriculum.observe(collected.rolled, step) if self.curriculum else {}
-        self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
+        lag_metrics = self._check_staleness(collected.trained, step)
+        if tc.max_staleness and self.roles and step < tc.max_steps:
+            # The next step's first round rolls out on the rollout ranks while this step trains:
+            # drawn now, after this step's rollout reached the history, as the colocated run draws it.
+            self.pending = self._submit_next_round(step + 1)
+        if self.engine is not None:
+            self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
         # advantages on the FULL group, then completion pruning
         plan_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
         minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
@@ -223,11 +267,15 @@ class Trainer:
                     train.append(self.policy.train_step(mb.microbatches + mb.aux_microbatches, mb.denominator))
                     if not (math.isfinite(train[-1]["loss"]) and math.isfinite(train[-1]["grad_norm"])):
                         self._check_finite(f"step {step}'s update", grads=True)
+        if self.pending is not None and self.engines.in_flight:
+            self.watchdog.phase("rollout_wait", step)
+            self.pending.parts = self.engines.parts(timer)  # the next step's rollout, done
         with timer("sync"):
-            self._sync_weights()  # push weights to vLLM
+            self._sync_weights(step)  # push weights to vLLM
 
         metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **plan_metrics}
         metrics.update(curriculum_metrics)
+        metrics.update(lag_metrics)
         rolled = collected.rolled
         metrics.update(
             reward_metrics_by_source(
@@ -238,11 +286,15 @@ class Trainer:
         )
         metrics.update(_train_metrics(train, minibatches))
         metrics.update({f"time/{name}": timer.times.get(name, 0.0) for name in PHASES})
+        if self.roles:  # the engines' own time (on the rollout ranks), and the trainer's wait for them
+            metrics.update({f"time/{name}": counts.engine_seconds.get(name, 0.0) for name in ("rollout", "reward")})
+            metrics["time/rollout_wait"] = timer.times.get("rollout_wait", 0.0)
+            metrics["time/engine_idle"] = counts.engine_seconds.get("idle", 0.0)
         metrics["time/step"] = time.perf_counter() - t_step
         if counts.first_failures and self.is_main:
             self.logger.message(
                 f"step {step}: {sum(counts.reward_failures.values())} reward checks failed "
-                f"{counts.reward_failures} (reward {self.scorer.describe()}); first: "
+                f"{counts.reward_failures} (reward {self.reward_description}); first: "
                 + " | ".join(counts.first_failures)
             )
         if cfg.logging.rollouts and self.is_main:
@@ -261,14 +313,50 @@ class Trainer:
         if grads:
             raise NonFiniteError(f"{what}: the loss or the gradient norm is not finite (weights and gradients are)")
 
-    def _sync_weights(self) -> None:
-        """Stream the policy's weights into vLLM. On GPU the engine wakes its weights first and
-        its KV cache only after the load, so the peak stays near training's (no-ops on CPU)."""
+    def _sync_weights(self, version: int) -> None:
+        """Stream the policy's weights into vLLM; `version` is the step whose update they hold.
+        Colocated, on GPU the engine wakes its weights first and its KV cache only after the load,
+        so the peak stays near training's (no-ops on CPU). Dedicated rollout ranks: training rank 0
+        sends the buckets over the weights bridge; every training rank takes part in gathering them."""
+        if self.roles is not None:
+            buckets = self.policy.hf_weight_buckets()
+            if self.roles.control is None:
+                for _ in buckets:  # the TP/PP gathers are collective: rank 0 sends what they give
+                    pass
+                return
+            self.roles.control.broadcast_object(("weights", version))
+            self.roles.weights.send_buckets(buckets)
+            return
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # hand training's cached activations back before vLLM wakes
         self.engine.wake_up(["weights"])
         self.engine.load_weights(self.policy.hf_weight_buckets())
         self.engine.wake_up(["kv_cache"])
+        self.engines.set_weights_version(version)
+
+    def _submit_next_round(self, step: int) -> PendingRound:
+        """Draw step `step`'s first round (its own generator, continued by its step) and send it to
+        the rollout ranks without waiting."""
+        gen = step_generator(self.cfg.trainer.seed, step)
+        first = batch.draw_round(self.method, self.strategy, self.data.next_batch, self.history.stats, gen)
+        self.rollout.submit_first(step, 0, first.kept())
+        return PendingRound(step, first, gen, RolloutCounts())
+
+    def _check_staleness(self, trained: list[Group], step: int) -> dict:
+        """With dedicated rollout ranks: how many updates behind the trained weights (step - 1)
+        each trained group's sampling weights were; more than trainer.max_staleness is a bug."""
+        if not self.roles:
+            return {}
+        lags = [step - 1 - g.policy_version for g in trained]
+        if lags and max(lags) > self.cfg.trainer.max_staleness:
+            raise RuntimeError(
+                f"step {step} would train on completions sampled {max(lags)} updates behind, more than "
+                f"trainer.max_staleness={self.cfg.trainer.max_staleness}"
+            )
+        return {
+            "rollout/policy_lag_mean": sum(lags) / len(lags) if lags else 0.0,
+            "rollout/policy_lag_max": max(lags, default=0),
+        }
 
     def _write_rollouts(self, step: int, rolled: list[Group]) -> None:
         """One row per generated completion: decoded text, reward, advantage, the weight it trained
@@ -290,6 +378,13 @@ class Trainer:
         Rewards are the scorer's own (no overlong shaping: it is not a verdict)."""
         if not self.eval_sets:
             return {}
+        if self.roles is not None:  # the rollout ranks' engines run the sets
+            request = {"step": step, "dump_dir": os.path.join(self.run_dir, "val")}
+            metrics = None
+            if self.roles.control is not None:
+                self.roles.control.broadcast_object(("eval", request))
+                metrics = self.roles.control.gather_objects()[0]
+            return mdist.broadcast_object(metrics)
         rc = self.cfg.rollout
         return run_validation(
             self.eval_sets,
@@ -318,6 +413,12 @@ class Trainer:
         self.logger.stage(row)
         self.ckpt_run_id = self.ckpt_run_id or new_run_id()
         t0 = time.perf_counter()
+        extra_files = {"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")}
+        pending_file = os.path.join(self.run_dir, "." + PENDING_FILE)
+        if self.pending is not None and self.is_main:  # the next step's rollout, already rolled out
+            with open(pending_file, "w") as f:
+                json.dump(self.pending.to_state(), f)
+            extra_files[PENDING_FILE] = pending_file
         path = save_checkpoint(
             self.ckpt_dir,
             step,
@@ -330,9 +431,11 @@ class Trainer:
             },
             self.history,
             keep_last=self.cfg.trainer.keep_checkpoints,
-            extra_files={"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")},
+            extra_files=extra_files,
             run_id=self.ckpt_run_id,
         )
+        if PENDING_FILE in extra_files:
+            os.remove(pending_file)
         seconds = time.perf_counter() - t0
         size = checkpoint_bytes(path) if self.is_main else 0
         if self.is_main and not self._save_cost_logged:  # once: what a save costs
@@ -383,6 +486,16 @@ class Trainer:
         self.history = PromptHistory.load(state["history_path"])
         self.first_step = state["step"] + 1
         self.ckpt_run_id = state["run_id"]
+        pending = os.path.join(path, PENDING_FILE)
+        if os.path.exists(pending):  # saved at trainer.max_staleness=1: step first_step's rollout
+            if not (self.roles and self.cfg.trainer.max_staleness):
+                raise ValueError(
+                    f"--resume: {path} holds step {self.first_step}'s rollout, sampled one update behind "
+                    "(parallel.rollout_ranks > 0, trainer.max_staleness=1): resume with trainer.max_staleness=1 "
+                    "and dedicated rollout ranks"
+                )
+            with open(pending) as f:
+                self.pending = PendingRound.from_state(json.load(f), {r.id: r for r in self.data.records})
 
     # ---- the loop --------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -393,8 +506,14 @@ class Trainer:
             skipped = (
                 f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
             )
+            ranks = f"{self.world} process(es)"
+            if self.roles:
+                ranks = (
+                    f"{self.world} training + {self.roles.rollout_ranks} rollout process(es), "
+                    f"trainer.max_staleness={tc.max_staleness}"
+                )
             self.logger.message(
-                f"run dir {self.run_dir}; {self.world} process(es); "
+                f"run dir {self.run_dir}; {ranks}; "
                 f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
             )
             for line in self.config_warnings:
@@ -452,16 +571,35 @@ class Trainer:
         self.logger.close()
         return rows
 
-    def close(self) -> None:
-        """Safe on a trainer whose start-up failed half-way: closes whatever was started."""
+    def close(self, stop_rollout_ranks: bool = True) -> None:
+        """Safe on a trainer whose start-up failed half-way: closes whatever was started.
+        stop_rollout_ranks=False (a second signal: stop at once): the rollout ranks are not waited
+        for; they exit when they find this rank gone."""
         from megatron_dppo.megatron import destroy_parallel
 
         if getattr(self, "watchdog", None) is not None:
             self.watchdog.stop()
+        if stop_rollout_ranks:
+            self._stop_rollout_ranks()
         for part in ("scorer", "engine", "logger"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
         destroy_parallel()
+
+    def _stop_rollout_ranks(self) -> None:
+        """Training rank 0 tells the rollout ranks to stop, after taking the reply to any request in
+        flight (they finish it first). They may be gone already (a crash): nothing to tell then."""
+        control = self.roles.control if self.roles is not None else None
+        if control is None or getattr(self, "_rollout_stopped", False):
+            return
+        self._rollout_stopped = True
+        try:
+            engines = getattr(self, "engines", None)
+            if engines is not None and engines.in_flight:
+                control.gather_objects()
+            control.broadcast_object(("stop", None))
+        except RuntimeError:
+            pass
 
 
 # KL(rollout || trained) per token above which a run without a rollout correction is told about

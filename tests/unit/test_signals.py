@@ -38,6 +38,7 @@ def test_any_number_of_signals_exits_with_that_signals_status(monkeypatch, name,
     128 + the signal's number, as a scheduler expects: never the 130 of a Ctrl-C for a SIGTERM."""
     from megatron_dppo import cli
 
+    closed = []
     for stop in (signals.StopRequested(name), signals.StopNow(name)):
 
         class Stopping:
@@ -47,9 +48,11 @@ def test_any_number_of_signals_exits_with_that_signals_status(monkeypatch, name,
             def train(self):
                 raise self.stop
 
-            def close(self):
-                pass
+            def close(self, stop_rollout_ranks=True):
+                closed.append(stop_rollout_ranks)
 
         monkeypatch.setattr(trainer, "Trainer", Stopping)
         config = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny", "addition.yaml")
         assert cli.main(["train", "--config", config]) == status
+    # a second signal stops at once: the trainer does not wait for dedicated rollout ranks' work in flight
+    assert closed == [True, False]

@@ -1,0 +1,196 @@
+"""Dedicated rollout ranks (parallel.rollout_ranks = R > 0): the torchrun world split in two, and
+the bridge between the halves.
+
+The first N - R ranks train and the last R run vLLM engines. Each half gets a torch.distributed
+world of its own (the default group of its processes), so everything written for one world runs
+unchanged in each: Megatron-Core's groups and checkpoints over the training ranks, vLLM's
+external launcher over the rollout ranks. Collectives over a world that also held the other
+half would need every rank of both in every call (a checkpoint's metadata gathers, vLLM's
+groups), and torch offers no second default group, so the halves meet only through the bridge:
+process groups made directly on the launcher's store, of training rank 0 and the R rollout ranks
+(bridge rank 0 is training rank 0, bridge rank 1 + i is rollout rank i):
+
+  * `control` (gloo): requests from training rank 0, each rollout rank's reply;
+  * `weights` (NCCL on GPUs, gloo on CPU): the policy's HF-named buckets after each optimizer step.
+
+Messages are pickled Python objects between this job's own processes (torch's object collectives
+do the same); no checkpoint or file is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TAG_LENGTH, _TAG_PAYLOAD = 1, 2
+_ALIGN = 16  # bytes: every dtype's alignment, so that a received tensor is a view of its bucket's buffer
+
+
+@dataclass
+class Roles:
+    """This process's half of the world: `train` (Megatron) or `rollout` (vLLM), its index in
+    that half, and the bridges it is a member of (training rank 0 and every rollout rank; None
+    elsewhere)."""
+
+    role: str  # "train" | "rollout"
+    rank: int  # in the launcher's world
+    world: int
+    rollout_ranks: int
+    control: Bridge | None = None
+    weights: Bridge | None = None
+
+    @property
+    def train_ranks(self) -> int:
+        return self.world - self.rollout_ranks
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.role == "rollout"
+
+    @property
+    def local_rank(self) -> int:
+        """The rank in this half's world."""
+        return self.rank - self.train_ranks if self.is_rollout else self.rank
+
+
+def split_world(rollout_ranks: int, timeout: timedelta) -> Roles:
+    """Under torchrun with rollout_ranks = R > 0: the default group becomes this rank's half (the
+    first N - R ranks train, the last R roll out) and the bridges are made. -> this rank's Roles.
+
+    On a rollout rank RANK and WORLD_SIZE are rewritten to its half's (vLLM's external launcher
+    reads them to find its rank in the world it is given); LOCAL_RANK, the device, is kept."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if not 0 < rollout_ranks < world:
+        raise ValueError(
+            f"parallel.rollout_ranks={rollout_ranks} must leave at least one training rank and be > 0 "
+            f"in a world of {world} process(es)"
+        )
+    train = world - rollout_ranks
+    role = "rollout" if rank >= train else "train"
+    roles = Roles(role, rank, world, rollout_ranks)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        "nccl" if gpu else "gloo",
+        store=dist.PrefixStore(f"dppo/{role}/", store),
+        rank=roles.local_rank,
+        world_size=rollout_ranks if roles.is_rollout else train,
+        timeout=timeout,
+    )
+    if roles.is_rollout:
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(roles.local_rank), str(rollout_ranks)
+    if rank == 0 or roles.is_rollout:
+        bridge_rank = 0 if rank == 0 else 1 + roles.local_rank
+        size = 1 + rollout_ranks
+        roles.control = Bridge(dist.PrefixStore("dppo/bridge/control/", store), bridge_rank, size, timeout)
+        weights_store = dist.PrefixStore("dppo/bridge/weights/", store)
+        roles.weights = Bridge(weights_store, bridge_rank, size, timeout, backend="nccl" if gpu else "gloo")
+    return roles
+
+
+class Bridge:
+    """A process group of training rank 0 (bridge rank 0) and the rollout ranks, outside both
+    halves' worlds (split_world). Collective calls: every member calls them in the same order."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, backend: str = "gloo"):
+        self.rank, self.size, self.backend = rank, size, backend
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.device = torch.device("cpu")
+            self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([tensor], opts).wait()
+
+    def broadcast_object(self, obj=None):
+        """Bridge rank 0's obj on every member."""
+        length = torch.zeros(1, dtype=torch.int64, device=self.device)
+        payload = b""
+        if self.rank == 0:
+            payload = pickle.dumps(obj)
+            length[0] = len(payload)
+        self._broadcast(length)
+        data = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+            if self.rank == 0
+            else torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        )
+        self._broadcast(data)
+        return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
+
+    def gather_objects(self, obj=None) -> list | None:
+        """On bridge rank 0: [the obj of bridge rank 1, ..., of rank size-1]; None on the others,
+        which send theirs (rank 0's own obj is not sent)."""
+        if self.rank != 0:
+            payload = pickle.dumps(obj)
+            length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+            self.group.send([length], 0, _TAG_LENGTH).wait()
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+            self.group.send([data], 0, _TAG_PAYLOAD).wait()
+            return None
+        out = []
+        for src in range(1, self.size):
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.group.recv([length], src, _TAG_LENGTH).wait()
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+            self.group.recv([data], src, _TAG_PAYLOAD).wait()
+            out.append(pickle.loads(data.cpu().numpy().tobytes()))
+        return out
+
+    def send_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], stats: dict | None = None) -> None:
+        """Bridge rank 0: each bucket of (HF name, tensor) as one flat byte buffer after its names,
+        dtypes and shapes; the end as an empty header. What is held at once: a bucket and its
+        flat copy (on NCCL, the copy is on the device)."""
+        stats = stats if stats is not None else {}
+        stats.setdefault("num_tensors", 0)
+        stats.setdefault("num_bytes", 0)
+        for bucket in buckets:
+            header = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in bucket]
+            parts = []
+            for _, t in bucket:  # each tensor's bytes padded to _ALIGN: the receiver views them in place
+                raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                parts += [raw, raw.new_zeros(-raw.numel() % _ALIGN)]
+            flat = torch.cat(parts)
+            del parts
+            del bucket
+            self.broadcast_object(header)
+            self._broadcast(flat.to(self.device))
+            stats["num_tensors"] += len(header)
+            stats["num_bytes"] += flat.numel()
+            del flat
+        self.broadcast_object([])
+
+    def receive_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The other members: the buckets bridge rank 0 sends (send_buckets), one at a time, as
+        views of one received buffer per bucket (on this member's device)."""
+        while True:
+            header = self.broadcast_object()
+            if not header:
+                return
+            sizes = [_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in header]
+            flat = torch.empty(sum(s + -s % _ALIGN for s in sizes), dtype=torch.uint8, device=self.device)
+            self._broadcast(flat)
+            bucket, offset = [], 0
+            for (name, dtype, shape), size in zip(header, sizes):
+                bucket.append((name, flat[offset : offset + size].view(getattr(torch, dtype)).view(shape)))
+                offset += size + -size % _ALIGN
+            del flat
+            yield bucket
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

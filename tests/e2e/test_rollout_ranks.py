@@ -1,0 +1,169 @@
+"""`megatron-dppo train` with dedicated rollout ranks (parallel.rollout_ranks=1: 1 training and 1
+rollout process under torchrun), against the colocated 1-process run of the same config.
+
+* trainer.max_staleness=0: the same run token for token (rollouts, rewards, held-out accuracy from
+  the rollout rank's engine, losses): the rollout waits for each step's weights, as colocated.
+* trainer.max_staleness=1: step t+1 rolls out while step t trains, so from step 2 on a step trains
+  on completions sampled with the weights before the previous update. The rollout rows' log-probs
+  are checked against transformers: those of the starting weights at step 2, not step 1's. A
+  launcher killed mid-run leaves a checkpoint that holds the step in flight; the resumed run
+  repeats the uninterrupted one exactly.
+* A rollout rank that stalls or dies ends the job, and no process outlives it.
+"""
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from trainer_runs import REPO, TINY, assert_same_rollouts, metrics, rel_close, rollouts, run, run_env, train_cmd
+
+pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
+
+MODEL = TINY / "model"
+DEDICATED = ["parallel.rollout_ranks=1"]
+STALE = [*DEDICATED, "trainer.max_staleness=1", "algorithm.rollout_correction=tis"]
+
+
+def _compare(ref: dict, got: dict, steps, exact=True):
+    keys = ("train/loss", "train/grad_norm", "reward/mean", "tokens/trained", "prune/prompts_kept_frac")
+    for s in steps:
+        for key in keys:
+            assert rel_close(got[s][key], ref[s][key], rel=1e-6 if exact else 1e-5), (s, key, got[s][key], ref[s][key])
+
+
+def test_staleness_0_equals_the_colocated_run(tmp_path):
+    """Every step's completions token for token, rewards, losses and the held-out accuracy (eval
+    on the rollout rank) as the colocated run's; the start line names both kinds of rank."""
+    evals = ["trainer.eval_every=2", "trainer.eval_size=16"]
+    run(train_cmd(tmp_path, "colocated", MODEL, 1, *evals))
+    res = run(train_cmd(tmp_path, "dedicated", MODEL, 2, *evals, *DEDICATED))
+    assert "1 training + 1 rollout process(es), trainer.max_staleness=0" in res.stdout + res.stderr
+    ref, got = metrics(tmp_path / "colocated"), metrics(tmp_path / "dedicated")
+    assert sorted(got) == sorted(ref) == [0, 1, 2]
+    for step in (1, 2):
+        assert_same_rollouts(rollouts(tmp_path / "dedicated", step), rollouts(tmp_path / "colocated", step))
+        assert got[step]["rollout/policy_lag_max"] == 0
+    _compare(ref, got, (1, 2))
+    assert got[0]["eval/accuracy"] == ref[0]["eval/accuracy"] and got[2]["eval/accuracy"] == ref[2]["eval/accuracy"]
+    assert (tmp_path / "dedicated" / "val" / "step_000002.jsonl").exists()
+
+
+def _hf_logprob_sums(model_dir, rows):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_dppo.rollout.vllm_engine import hf_completion_logprobs
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows]
+    assert [tok.decode(p, skip_special_tokens=False) for p in prompts] == [r["prompt"] for r in rows]
+    return [float(lp.sum()) for lp in hf_completion_logprobs(model, prompts, [r["completion_ids"] for r in rows])]
+
+
+def _job(proc) -> list:
+    return [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+
+
+def _wait_for_row(path, proc, timeout=400):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):
+        time.sleep(0.05)
+
+
+def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exactly(tmp_path):
+    """Uninterrupted run: step 1 trains on fresh completions, steps 2-4 on completions one update
+    behind (rollout/policy_lag_max); step 2's completions have the starting weights' log-probs
+    (transformers on examples/tiny/model) and not those of step 1's update (its HF export).
+    Killed run: SIGKILL reaches torchrun alone after step 1; each rank gets SIGTERM, the trainer
+    finishes its step (with the next step's rollout), saves, stops the rollout rank; nothing is
+    left running. --resume then repeats the uninterrupted run's later steps exactly."""
+    steps = ["trainer.max_steps=4", "trainer.save_hf_every=1"]
+    run(train_cmd(tmp_path, "stale", MODEL, 2, *STALE, *steps))
+    ref = metrics(tmp_path / "stale")
+    assert [ref[s]["rollout/policy_lag_max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert ref[2]["train/rollout_kl_k3"] > 1e3 * ref[1]["train/rollout_kl_k3"]  # off-policy from step 2 on
+
+    rows1, rows2 = rollouts(tmp_path / "stale", 1), rollouts(tmp_path / "stale", 2)
+    start1 = _hf_logprob_sums(MODEL, rows1)
+    assert all(abs(a - r["rollout_logprob_sum"]) < 1e-4 for a, r in zip(start1, rows1))  # the check's reference
+    start2 = _hf_logprob_sums(MODEL, rows2)
+    after1 = _hf_logprob_sums(tmp_path / "stale" / "hf" / "step_000001", rows2)
+    assert all(abs(a - r["rollout_logprob_sum"]) < 1e-4 for a, r in zip(start2, rows2))
+    assert max(abs(a - r["rollout_logprob_sum"]) for a, r in zip(after1, rows2)) > 1e-3
+
+    log = tmp_path / "killed.log"
+    proc = subprocess.Popen(
+        train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0"),
+        cwd=REPO,
+        env=run_env(),
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    _wait_for_row(tmp_path / "killed" / "metrics.jsonl", proc)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # the launcher alone
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=180)
+    for p in alive:
+        p.kill()
+    screen = log.read_text()[-4000:]
+    assert not alive, f"{len(alive)} process(es) of the run outlived its launcher\n{screen}"
+    latest = (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip()
+    saved = int(latest.split("_")[1])
+    assert 1 <= saved < 4, screen
+    assert (tmp_path / "killed" / "checkpoints" / latest / "pending_rollout.json").exists()
+    assert "serving until the trainer stops" in screen and "stopping after step" in screen, screen
+    run(train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0", resume=True))
+    got = metrics(tmp_path / "killed")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert_same_rollouts(rollouts(tmp_path / "killed", step), rollouts(tmp_path / "stale", step))
+        assert got[step]["rollout/policy_lag_max"] == ref[step]["rollout/policy_lag_max"]
+    _compare(ref, got, range(1, 5))
+
+
+@pytest.mark.parametrize("fault", ["stalled", "killed"])
+def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
+    """The rollout rank is frozen (SIGSTOP: the trainer's stall watchdog names the wait and ends
+    the job) or killed (SIGKILL: torchrun ends the job) after step 1: the job exits non-zero
+    within a minute or two and no process of it is left."""
+    over = ["trainer.max_steps=200", "trainer.save_every=0", "trainer.save_every_minutes=0"]
+    if fault == "stalled":
+        over.append("trainer.stall_timeout_s=45")
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(
+        train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over),
+        cwd=REPO,
+        env=run_env(),
+        start_new_session=True,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_for_row(tmp_path / fault / "metrics.jsonl", proc)
+        job = _job(proc)
+        (rollout_rank,) = [p for p in job if _launcher_rank(p) == 1]
+        rollout_rank.send_signal(signal.SIGSTOP if fault == "stalled" else signal.SIGKILL)
+        code = proc.wait(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    gone, alive = psutil.wait_procs([p for p in job if p.pid != proc.pid], timeout=60)
+    screen = log.read_text()[-4000:]
+    assert code != 0 and not alive, screen
+    if fault == "stalled":
+        assert "stall watchdog" in screen and "rollout_wait" in screen, screen
+
+
+def _launcher_rank(p: psutil.Process):
+    try:
+        env = p.environ()
+    except psutil.Error:
+        return None
+    return int(env["RANK"]) if "RANK" in env and "megatron_dppo.cli" in " ".join(p.cmdline()) else None

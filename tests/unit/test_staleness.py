@@ -1,0 +1,153 @@
+"""One-step off-policy training with dedicated rollout ranks (trainer.max_staleness=1), its pure
+parts: a step's first round drawn a step early trains what the step would have drawn itself, and
+the round in flight survives a checkpoint (PendingRound's JSON state) exactly."""
+
+import json
+import math
+
+import numpy as np
+import torch
+
+from megatron_dppo.algorithms import batch
+from megatron_dppo.algorithms.pruning import PromptStats, get_strategy
+from megatron_dppo.algorithms.records import Group, RolloutCounts
+from megatron_dppo.config import Config
+from megatron_dppo.train.step_rollout import EnginePart, PendingRound
+
+
+class _Prompt:
+    def __init__(self, i):
+        self.id, self.index = f"q{i}", i
+
+
+def _method(**pruning):
+    cfg = Config()
+    cfg.trainer.prompts_per_step, cfg.rollout.group_size = 8, 4
+    cfg.algorithm.dynamic_sampling = True  # refill: rounds after the first are drawn in the step
+    cfg.pruning.strategy, cfg.pruning.r_q, cfg.pruning.r_o = "dppo", 0.5, 0.5
+    cfg.pruning.drop_zero_variance = True
+    return batch.Method.from_config(cfg, get_strategy("dppo"))
+
+
+def _stream(prompts):
+    pos = 0
+
+    def next_batch(k):
+        nonlocal pos
+        pos += k
+        return prompts[pos - k : pos]
+
+    return next_batch
+
+
+def _history(ids):  # half the prompts have a low score: prompt pruning has something to draw on
+    score = torch.tensor([0.1 if int(i[1:]) % 2 else 0.9 for i in ids])
+    return PromptStats(score=score, zero_var_streak=torch.zeros(len(ids), dtype=torch.long))
+
+
+def _rollout(rnd, items):
+    return [
+        Group(rec, rnd, slot, [1], [[2]] * 4, [float(rec.index % 3 == 0 and k == 0) for k in range(4)], prompt_weight=w)
+        for rec, slot, w in items
+    ]
+
+
+def _summary(collected, gen):
+    return (
+        [(g.record.id, g.round, g.slot, g.train_weight, g.minibatch) for g in collected.trained],
+        [g.record.id for g in collected.rolled],
+        collected.drawn,
+        torch.rand(4, generator=gen).tolist(),  # the generator the step continues (completion pruning)
+    )
+
+
+def test_a_first_round_drawn_a_step_early_gives_the_step_the_colocated_run_collects():
+    """collect(first_round=...) with round 0 drawn earlier by draw_round on the step's generator
+    (what the trainer does while the previous step trains) equals collect drawing it itself: the
+    same groups, weights, refill rounds, prompts drawn and generator state afterwards."""
+    prompts = [_Prompt(i) for i in range(200)]
+    method, strategy = _method(), get_strategy("dppo")
+    gen = torch.Generator().manual_seed(5)
+    colocated = batch.collect(
+        method, strategy, next_batch=_stream(prompts), stats_of=_history, rollout=_rollout, generator=gen
+    )
+    expected = _summary(colocated, gen)
+    assert colocated.drawn > method.prompts_per_round  # refill drew more rounds: the check covers them
+
+    gen, next_batch = torch.Generator().manual_seed(5), _stream(prompts)
+    first = batch.draw_round(method, strategy, next_batch, _history, gen)
+    early = batch.collect(
+        method, strategy, next_batch=next_batch, stats_of=_history, rollout=_rollout, generator=gen, first_round=first
+    )
+    assert _summary(early, gen) == expected
+    # and a first round that is not the one collect would draw shows (the check can fail)
+    gen, next_batch = torch.Generator().manual_seed(6), _stream(prompts)
+    other = batch.draw_round(method, strategy, next_batch, _history, gen)
+    gen = torch.Generator().manual_seed(5)
+    wrong = batch.collect(
+        method, strategy, next_batch=next_batch, stats_of=_history, rollout=_rollout, generator=gen, first_round=other
+    )
+    assert _summary(wrong, gen) != expected
+
+
+def test_a_pending_round_survives_its_checkpoint_state_exactly():
+    """PendingRound -> to_state -> JSON text -> from_state: the drawn round, the generator's state,
+    the counts and every group's fields (routed experts with their dtype, extras, versions) are
+    what they were; a prompt the data no longer has is a named error."""
+    records = [_Prompt(i) for i in range(6)]
+    rnd = batch.Round(records[:4], torch.tensor([True, False, True, True]), torch.tensor([1.5, 0.0, 1.5, 1.0 / 3]))
+    gen = torch.Generator().manual_seed(3)
+    torch.rand(7, generator=gen)  # a generator part-way through its stream
+    counts = RolloutCounts(prompts_rolled=3, generated_tokens=17, reward_failures={"timeout": 1}, engine_seconds={})
+    counts.engine_seconds["rollout"] = 0.25
+    group = Group(
+        records[2],
+        0,
+        2,
+        [5, 6],
+        [[1, 2, 3], [4]],
+        [1.0, -0.5],
+        prompt_weight=1.5,
+        truncated=[False, True],
+        sampling_logprobs=[[-0.1, -0.2, -math.pi], [-1e-9]],
+        routed_experts=[np.arange(24, dtype=np.int16).reshape(4, 3, 2), np.zeros((2, 3, 2), dtype=np.int16)],
+        reward_extras=[{"overlong_penalty": -0.25}, {}],
+        prefix_len=1,
+        policy_version=6,
+    )
+    pending = PendingRound(9, rnd, gen, counts, [EnginePart(groups=[group], generated_tokens=4, seconds={"idle": 1.0})])
+    state = json.loads(json.dumps(pending.to_state()))
+    back = PendingRound.from_state(state, {r.id: r for r in records})
+    assert back.step == 9 and back.round.records == rnd.records
+    assert torch.equal(back.round.keep, rnd.keep) and torch.equal(back.round.weight, rnd.weight)
+    assert torch.equal(torch.rand(5, generator=back.generator), torch.rand(5, generator=gen))
+    assert back.counts == counts
+    (part,) = back.parts
+    assert part.generated_tokens == 4 and part.seconds == {"idle": 1.0}
+    (g,) = part.groups
+    for name in ("record", "slot", "prompt_ids", "completions", "rewards", "prompt_weight", "truncated"):
+        assert getattr(g, name) == getattr(group, name), name
+    assert g.sampling_logprobs == group.sampling_logprobs and g.reward_extras == group.reward_extras
+    assert (g.prefix_len, g.policy_version) == (1, 6)
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(g.routed_experts, group.routed_experts))
+    try:
+        PendingRound.from_state(state, {r.id: r for r in records[3:]})
+    except ValueError as e:
+        assert "'q0', which data.train no longer has" in str(e)
+    else:
+        raise AssertionError("a missing prompt was not named")
+
+
+def test_a_rollout_one_update_behind_is_corrected_exactly_by_the_untruncated_product_only():
+    """verify-unbiased --staleness 1's exact table: the rollout policy is pi_old before an exact
+    gradient-ascent update (not noise). Against the on-policy gradient at pi_old, the untruncated
+    sequence ratio is unbiased (to float64 rounding) and training on the stale samples as they are
+    is biased by an amount far above rounding, as is token IS on 3-token completions."""
+    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_check, stale_kl
+
+    cfg = RolloutCheckConfig(length=3, seed=0, staleness=1, cap=math.inf)
+    assert 1e-4 < stale_kl(cfg) < 0.1  # a real update's distance, neither nothing nor noise-sized
+    assert run_rollout_check(cfg, "seq_tis").unbiased
+    assert run_rollout_check(cfg, "none").rel_bias > 0.05
+    assert run_rollout_check(cfg, "tis").rel_bias > 0.05
+    assert stale_kl(RolloutCheckConfig(length=3, seed=0, staleness=0)) != stale_kl(cfg)
