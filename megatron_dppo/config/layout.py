@@ -71,6 +71,11 @@ def check_layout(cfg: Config, model: Arch, *, world_size: int, cuda: bool = True
             f"parallel.rollout_tp={rtp} must divide parallel.gpus_per_node={par.gpus_per_node}: one vLLM "
             "engine stays inside a node"
         )
+    elif rollout and train_world % rtp:  # the engines start at rank world - R: keep each inside a node
+        problems.append(
+            f"parallel.rollout_tp={rtp} must divide the training ranks {train_world} (world {world_size} - "
+            f"parallel.rollout_ranks={rollout}): the first rollout rank starts an engine, which stays inside a node"
+        )
     if problems:
         raise ValueError("invalid parallel layout: " + "; ".join(problems))
 

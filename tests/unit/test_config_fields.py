@@ -111,6 +111,8 @@ INERT = [
     ((), "algorithm.rollout_correction_high"),
     (("algorithm.rollout_correction=tis",), "algorithm.rollout_correction_low"),  # a truncation, no mask
     (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_cap"),  # a mask, no truncation
+    ((), "trainer.max_staleness"),  # colocated: every rollout has the latest weights
+    (("parallel.rollout_ranks=1",), "rollout.sleep_level"),  # dedicated engines share no device: never asleep
 ]
 
 

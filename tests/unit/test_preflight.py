@@ -41,20 +41,17 @@ def test_dropping_zero_variance_groups_with_kl_is_refused():
     check_config(cfg_with("pruning.drop_zero_variance=true"))  # exact without KL
 
 
-def test_dedicated_rollout_ranks_are_refused_until_the_trainer_runs_them():
-    """parallel.rollout_ranks > 0 is planned by `megatron-dppo plan` only (issue 32): accepted, the
-    trainer would train colocated on a layout nobody asked for. Its disaggregated presets too."""
-    with pytest.raises(ValueError) as e:
-        check_config(cfg_with("parallel.rollout_ranks=1"))
-    assert str(e.value).startswith(
-        "parallel.rollout_ranks=1: dedicated rollout ranks are planned by `megatron-dppo plan` only; the trainer "
-        "does not run them yet"
-    )
-    assert "\n" not in str(e.value)
-    for preset, ranks in (("qwen3_32b_disagg", 16), ("qwen3_30b_a3b_disagg", 8)):
-        with pytest.raises(ValueError, match=f"parallel.rollout_ranks={ranks}: dedicated rollout ranks"):
-            check_config(load_config(f"examples/presets/{preset}.yaml"))
-    check_config(cfg_with("parallel.rollout_ranks=0"))  # colocated, the default
+def test_dedicated_rollout_ranks_at_staleness_1_without_a_correction_are_warned_about():
+    """parallel.rollout_ranks > 0 runs (issue 32); at trainer.max_staleness=1 the samples are an
+    update behind, and training on them uncorrected is named at start-up (tis is the cure). The
+    disaggregated presets pass the checks."""
+    stale = ("parallel.rollout_ranks=1", "trainer.max_staleness=1")
+    (line,) = config_warnings(cfg_with(*stale))
+    assert line.startswith("warning: trainer.max_staleness=1 samples with weights an update behind") and "tis" in line
+    assert config_warnings(cfg_with(*stale, "algorithm.rollout_correction=tis")) == []
+    assert config_warnings(cfg_with("parallel.rollout_ranks=1")) == []  # staleness 0: on-policy
+    for preset in ("qwen3_32b_disagg", "qwen3_30b_a3b_disagg"):
+        check_config(load_config(f"examples/presets/{preset}.yaml"))
 
 
 def _model_dir(tmp_path, name, vocab, tokenizer_from=TINY):

@@ -46,7 +46,7 @@ def _trainer(cfg, run_dir, first_step: int) -> Trainer:
     t.run_dir, t.ckpt_dir, t.first_step, t.resume_meta = str(run_dir), str(run_dir / "checkpoints"), first_step, {}
     t._save_cost_logged, t.ckpt_run_id = False, None
     t.data = t.strategy = SimpleNamespace(skipped_long=0, state_dict=dict)
-    t.curriculum, t.history = None, None
+    t.curriculum, t.history, t.roles, t.pending = None, None, None, None
     t.policy = SimpleNamespace(attention=SimpleNamespace(describe=str), hf_weight_buckets=lambda: iter([]))
     t.watchdog = SimpleNamespace(phase=lambda *a: None, margin_warning=lambda: None, timing_line=str)
     t.step = lambda step: {"step": step, "reward/mean": step / 10}

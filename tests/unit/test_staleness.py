@@ -151,3 +151,33 @@ def test_a_rollout_one_update_behind_is_corrected_exactly_by_the_untruncated_pro
     assert run_rollout_check(cfg, "none").rel_bias > 0.05
     assert run_rollout_check(cfg, "tis").rel_bias > 0.05
     assert stale_kl(RolloutCheckConfig(length=3, seed=0, staleness=0)) != stale_kl(cfg)
+
+
+def test_the_overlap_simulation_reads_the_bench_and_applies_the_plans_formula():
+    """tools/simulate_rollout_ranks.py: rates from a bench's phase times (colocated on 2 GPUs, the
+    dedicated engine and trainer on 1 each), then plan_step's model at a shape, checked by hand:
+    colocated step = G/g + T/t + sync per GPU-batch; staleness 1 = max(rollout, train) + move."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("simulate_rollout_ranks", "tools/simulate_rollout_ranks.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    zero = {"reward": 0.0, "rollout_wait": 0.0, "engine_idle": 0.0}
+    colocated = {"rollout": 2.0, "logprob": 0.5, "train": 0.5, "sync": 0.1, **zero}
+    dedicated = {"rollout": 1.0, "logprob": 0.25, "train": 0.25, "sync": 0.2, **zero}
+    tokens = {"generated_tokens": 4000.0, "trained_tokens": 1000.0}
+    bench = {
+        "results": [
+            {"run": "colocated", "phases_s": colocated, **tokens},
+            {"run": "staleness0", "phases_s": dedicated, **tokens},
+        ]
+    }
+    inp, moved = sim.inputs_from_bench(bench)
+    assert (inp.gen_tokens_per_s, inp.dedicated_gen_tokens_per_s) == (1000.0, 4000.0)
+    assert (inp.train_tokens_per_s, inp.dedicated_train_tokens_per_s) == (500.0, 2000.0)
+    st = sim.simulate(inp, moved, gpus=8, rollout_gpus=6)
+    # per GPU-batch: 2000 generated and 500 trained tokens; 8 GPUs -> 16000 and 4000 in the step
+    assert math.isclose(st["rows"]["colocated"]["step_s"], 2.0 + 1.0 + 0.1)
+    rollout_s, train_s = 16000 / (4000 * 6), 4000 / (2000 * 2)
+    assert math.isclose(st["rows"]["staleness 1"]["step_s"], max(rollout_s, train_s) + 0.2)
+    assert math.isclose(st["rows"]["staleness 0"]["step_s"], rollout_s + train_s + 0.2)
