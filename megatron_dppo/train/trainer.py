@@ -11,6 +11,11 @@ generates the same slice, its first rank scores it, and the groups are gathered 
 data-parallel rank then trains on its share of the packs. Megatron details live in
 megatron_dppo/megatron/, host-side collectives in megatron_dppo/run/collectives.py.
 
+With dedicated rollout ranks (parallel.rollout_ranks) the engines run on other processes
+(train/rollout_rank.py) and the same step sends them its requests; at trainer.max_staleness=1 the
+step also draws the next step's first round and sends it before its own update, so that rollout
+runs while this step trains (docs/algorithm.md section 10).
+
 megatron_dppo.megatron (megatron.core) is imported inside the functions that use it, here and in
 startup.py: importing the trainer (the CLI, the unit tests) then costs no Megatron import.
 """

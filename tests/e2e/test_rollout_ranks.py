@@ -135,7 +135,7 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     within a minute or two and no process of it is left."""
     over = ["trainer.max_steps=200", "trainer.save_every=0", "trainer.save_every_minutes=0"]
     if fault == "stalled":
-        over.append("trainer.stall_timeout_s=45")
+        over.append("trainer.stall_timeout_s=30")
     log = tmp_path / "run.log"
     proc = subprocess.Popen(
         train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over),
