@@ -112,6 +112,8 @@ class Bridge:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.group.broadcast([tensor], opts).wait()
+        if self.backend == "nccl":  # wait() orders the stream only: the buffer is let go or read right after
+            torch.cuda.current_stream().synchronize()
 
     def broadcast_object(self, obj=None):
         """Bridge rank 0's obj on every member."""
@@ -167,7 +169,7 @@ class Bridge:
             self.broadcast_object(header)
             self._broadcast(flat.to(self.device))
             stats["num_tensors"] += len(header)
-            stats["num_bytes"] += flat.numel()
+            stats["num_bytes"] += sum(_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in header)
             del flat
         self.broadcast_object([])
 
