@@ -256,7 +256,7 @@ class Trainer:
         )
         needs_old = batch.needs_old_logprobs(self.method, minibatches)
         if minibatches and (needs_old or self.method.needs_reference):
-            with timer("logprob"):  # pi_old = the rollout policy: BEFORE the first update
+            with timer("logprob"):  # pi_old = the weights before the first update (colocated: the rollout policy)
                 for mb in minibatches:
                     microbatches.attach_logprobs(
                         self.policy, self.method, mb.microbatches, old=needs_old, ref=self.method.needs_reference
