@@ -91,8 +91,17 @@ def tier_of(path: Path) -> str | None:
     return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
+# Torch threads of each pytest process (OMP_NUM_THREADS, 1 unless set): `make test` runs two pytest-xdist
+# workers on this 2-core machine, and the tests' tensors are tiny. Two OpenMP threads per worker
+# oversubscribe the cores: every parallel region then waits for a descheduled thread, and a Monte Carlo
+# check of ~15 s took 67-140 s on a loaded machine (measured).
+def _torch_threads() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
+
+
 def pytest_configure(config):
     os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch is imported (after this hook)
     for tier, what in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {what}")
 
@@ -122,6 +131,13 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
         if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(str(path.relative_to(REPO / "tests"))))
+
+
+def pytest_runtest_setup(item):
+    """Each test starts with _torch_threads() threads, whatever a test before it set."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != _torch_threads():
+        torch.set_num_threads(_torch_threads())
 
 
 def pytest_sessionfinish(session, exitstatus):

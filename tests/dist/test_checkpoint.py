@@ -28,18 +28,18 @@ def test_kill_after_save_then_resume_reproduces_losses_and_other_layouts_load(tm
     killed = launch(WORKER, 2, "--phase", "killed", "--ckpt", str(ckpt), "--tp", "2")
     assert killed.returncode != 0  # it really died (SIGKILL), after writing step 3
     assert (ckpt / "latest").read_text().strip() == "step_000003"
-    _ok(launch(WORKER, 2, "--phase", "resume", "--ckpt", str(ckpt), "--out", str(resumed), "--tp", "2"))
+    # The resume, then (same job: each start costs ~10 s) the checkpoint loaded model-only at TP=2,
+    # PP=2 and TP=1 (DP=2 on the 2 ranks), each writing the log-probs of one batch.
+    layouts = ("tp2", "pp2", "tp1")
+    resume = ["--phase", "resume", "--ckpt", str(ckpt), "--out", str(resumed), "--tp", "2"]
+    _ok(launch(WORKER, 2, *resume, "--logprobs-at", ",".join(layouts)))
     a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
     assert sorted(b) == ["4", "5", "6"]
     for step in b:  # loss, grad norm and learning rate, bit for bit
         assert a[step] == b[step], (step, a[step], b[step])
 
-    # The TP=2 checkpoint loads at TP=1 (1 process) and at PP=2 with the same log-probs.
-    outs = {}
-    for name, nproc, args in [("tp1", 1, []), ("pp2", 2, ["--pp", "2"]), ("tp2", 2, ["--tp", "2"])]:
-        out = tmp_path / f"logp_{name}.pt"
-        _ok(launch(WORKER, nproc, "--phase", "logprobs", "--ckpt", str(ckpt), "--out", str(out), *args))
-        outs[name] = torch.load(out, weights_only=True)
+    # The TP=2 checkpoint loads at TP=1 and at PP=2 with the same log-probs.
+    outs = {name: torch.load(tmp_path / f"resumed_{name}.pt", weights_only=True) for name in layouts}
     for name in ("pp2", "tp2"):
         for x, y in zip(outs["tp1"], outs[name]):
             assert torch.allclose(x, y, atol=1e-5), (name, (x - y).abs().max())
@@ -57,8 +57,11 @@ def test_distributed_optimizer_checkpoints_resume_bit_for_bit_and_load_at_anothe
         "from0": ["--phase", "resume", "--ckpt", ckpt0],
         "from3": ["--phase", "resume", "--ckpt", ckpt],
     }
-    for name, args in runs.items():
-        _ok(launch(WORKER, 2, *args, *dist_opt, "--out", tmp_path / f"{name}.json", "--state-out", tmp_path / name))
+    out = {name: ["--out", tmp_path / f"{name}.json", "--state-out", tmp_path / name] for name in runs}
+    _ok(launch(WORKER, 2, *runs["full"], *dist_opt, *out["full"]))
+    # Both resumes in one job (each start costs ~10 s): from step 0, then from step 3 into a new policy.
+    from3 = ",".join(map(str, [ckpt, *out["from3"][1::2]]))
+    _ok(launch(WORKER, 2, *runs["from0"], *dist_opt, *out["from0"], "--resume-also", from3))
     _ok(launch(WORKER, 1, *runs["from3"], *dist_opt, "--out", tmp_path / "dp1.json"))
     record = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in [*runs, "dp1"]}
     assert sorted(record["from0"]) == ["1", "2", "3", "4", "5", "6"] and sorted(record["from3"]) == ["4", "5", "6"]

@@ -14,6 +14,9 @@ tied and untied embeddings, norms perturbed away from 1.
   * verify runs the model on its device (a stand-in GPU) and compares on the CPU;
   * a conversion SIGKILLed midway leaves no output, and the retry to the same --out-dir works;
   * bad inputs are errors naming the file or config field.
+One test runs the tools as a user does (their own processes, `--verify` launching torchrun, a
+user's warning filters); the others share the `conversions` fixture, which runs each tool through
+its own main() several times per process (a Python start costs ~10 s of CPU).
 """
 
 import importlib.util
@@ -39,6 +42,7 @@ TRAINER_WORKER = REPO / "tests" / "dist" / "workers" / "convert" / "trainer_ckpt
 TE_WORKER = REPO / "tests" / "dist" / "workers" / "convert" / "te_extra_state.py"
 VERIFY_DEVICE_WORKER = REPO / "tests" / "dist" / "workers" / "convert" / "verify_device.py"
 STALL = REPO / "tests" / "dist" / "workers" / "convert" / "stall_convert.py"
+RUN_TOOLS = REPO / "tests" / "dist" / "workers" / "convert" / "run_tools.py"
 
 
 def _make_hf(path: Path, tied: bool) -> Path:
@@ -56,15 +60,6 @@ def _make_hf(path: Path, tied: bool) -> Path:
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"tied": _make_hf(root / "tied", True), "untied": _make_hf(root / "untied", False)}
-
-
-@pytest.fixture(scope="module")
-def converted_tied_tp2(hf_models, tmp_path_factory):
-    from conftest import run_workers
-
-    mg = tmp_path_factory.mktemp("converted") / "mg"
-    _ok(run_workers(TO_MG, 1, "--hf-dir", hf_models["tied"], "--out-dir", mg, "--tp", 2))
-    return mg
 
 
 def _assert_bitwise_roundtrip(hf: Path, back: Path):
@@ -103,26 +98,157 @@ def _chunks(md) -> dict:
     return out
 
 
+def _tools(plan: list, out: Path, nproc: int = 1) -> dict:
+    """Run PLAN ([name, tool, args]) in one run_tools worker (under torchrun when nproc > 1): {name:
+    {"status", "stdout", "stderr"}}; under torchrun every rank's status must agree, and the outputs
+    are the ranks' in rank order (the logit line comes from the last pipeline stage)."""
+    from conftest import run_torchrun
+
+    plan_file = out.parent / f"{out.stem}.plan.json"
+    plan_file.write_text(json.dumps([[n, str(t), list(map(str, a))] for n, t, a in plan]))
+    run_torchrun(RUN_TOOLS, nproc, plan_file, out, timeout=900)
+    if nproc == 1:
+        return json.loads(out.read_text())
+    ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(nproc)]
+    merged = {}
+    for name in ranks[0]:
+        assert len({r[name]["status"] for r in ranks}) == 1, (name, [r[name] for r in ranks])
+        merged[name] = {k: "".join(r[name][k] for r in ranks) for k in ("stdout", "stderr")}
+        merged[name]["status"] = ranks[0][name]["status"]
+    return merged
+
+
+def _stalled_and_killed(stall: str, after: int, signal_file: Path, tool: Path, *args) -> None:
+    _kill_when_stalled(_start_stalled(stall, after, signal_file, tool, *args), signal_file)
+
+
+@pytest.fixture(scope="module")
+def conversions(hf_models, family_hf_models, tmp_path_factory):
+    """Every conversion and verify of this file's tests but the user-warnings test's, in five
+    worker launches instead of 25 (a Python start with torch, Megatron and transformers costs ~10 s
+    of CPU): each tool run goes through the tool's own main(argv) (tests/dist/workers/convert/
+    run_tools.py, under torchrun for the verifies), in this order:
+      1. HF -> Megatron of the untied model at TP=2 into killed/mg, SIGKILLed after 6 tensors (a
+         real process); what it left is recorded;
+      2. one process: that conversion again to the same --out-dir (the retry), the tied model at
+         TP=2 (tied_tp2), Llama at PP=2 and Qwen2 at TP=2; killed/'s listing is recorded;
+      3. Megatron -> HF of killed/mg into killed/back, SIGKILLed after 3 tensors; recorded;
+      4. a 2-rank torchrun job: --verify-only of the untied checkpoint at TP=2 and at TP=1 (the
+         other vocab padding), Llama at PP=2, Qwen2 at TP=2, and the tied checkpoint against the
+         untied model's weights (the negative control);
+      5. the trainer (TP=2, tests/dist/workers/convert/trainer_ckpt.py) loads killed/mg, takes a
+         step and saves model + optimizer under run/;
+      6. one process: Megatron -> HF of killed/mg into killed/back (the retry; 150 KB shards),
+         Llama's and Qwen2's, run/ (found via `latest`), and killed/mg into the finished killed/back
+         again (refused); killed/'s listing is recorded.
+    -> {"dir": root, "runs": {name: run}, "verify": {name: run}, the recorded facts}."""
+    from conftest import run_workers
+
+    root = tmp_path_factory.mktemp("conversions")
+    killed = root / "killed"
+    killed.mkdir()
+    mg, back, tied, untied = killed / "mg", killed / "back", hf_models["tied"], hf_models["untied"]
+    facts = {"dir": root, "hf": {**hf_models, **family_hf_models}}
+
+    sig = root / "mg.stalled"
+    _stalled_and_killed(
+        "megatron_dppo.model.qwen3:megatron_tensor_from_hf",
+        6,
+        sig,
+        TO_MG,
+        "--hf-dir",
+        untied,
+        "--out-dir",
+        mg,
+        "--tp",
+        2,
+    )
+    (staging,) = killed.glob(".mg.partial-*")
+    facts["mg_killed"] = {"distcp": len(list((staging / "model_optim").glob("*.distcp"))), "out_exists": mg.exists()}
+
+    family = {"llama": ("--pp", 2), "qwen2": ("--tp", 2)}
+    runs = _tools(
+        [
+            ("untied_tp2", TO_MG, ["--hf-dir", untied, "--out-dir", mg, "--tp", 2]),
+            ("tied_tp2", TO_MG, ["--hf-dir", tied, "--out-dir", root / "tied_tp2", "--tp", 2]),
+            *[(f, TO_MG, ["--hf-dir", family_hf_models[f], "--out-dir", root / f / "mg", *family[f]]) for f in family],
+        ],
+        root / "to_mg.json",
+    )
+    facts["after_mg_retry"] = sorted(p.name for p in killed.iterdir())
+
+    sig = root / "hf.stalled"
+    args = ("--megatron-dir", mg, "--out-dir", back, "--max-shard-size", "150KB")
+    _stalled_and_killed("megatron_dppo.model.hf_io:SafetensorsShardWriter.write", 3, sig, TO_HF, *args)
+    (staging,) = killed.glob(".back.partial-*")
+    facts["hf_killed"] = {"safetensors": len(list(staging.glob("*.safetensors"))), "out_exists": back.exists()}
+
+    verify = ("--verify-only", "--tolerance", 1e-5)
+    facts["verify"] = _tools(
+        [
+            ("untied_tp2", TO_MG, ["--hf-dir", untied, "--out-dir", mg, "--tp", 2, *verify]),
+            ("untied_tp1", TO_MG, ["--hf-dir", untied, "--out-dir", mg, "--tp", 1, *verify]),
+            *[
+                (f, TO_MG, ["--hf-dir", family_hf_models[f], "--out-dir", root / f / "mg", *family[f], *verify])
+                for f in family
+            ],
+            ("other_weights", TO_MG, ["--hf-dir", untied, "--out-dir", root / "tied_tp2", "--verify-only"]),
+        ],
+        root / "verify.json",
+        nproc=2,
+    )
+
+    run, ref = root / "run", root / "trained.safetensors"
+    _ok(run_workers(TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", untied, "--root", run, "--ref", ref, "--tp", 2))
+    runs.update(
+        _tools(
+            [
+                ("untied_back", TO_HF, [*args]),
+                *[
+                    (f"{f}_back", TO_HF, ["--megatron-dir", root / f / "mg", "--out-dir", root / f / "back"])
+                    for f in family
+                ],
+                ("trained_hf", TO_HF, ["--megatron-dir", run, "--out-dir", root / "trained_hf"]),
+                ("into_finished", TO_HF, ["--megatron-dir", mg, "--out-dir", back]),
+            ],
+            root / "to_hf.json",
+        )
+    )
+    facts["after_hf_retry"] = sorted(p.name for p in killed.iterdir())
+    return {**facts, "runs": runs, "mg": mg, "back": back, "run": run, "ref": ref}
+
+
+@pytest.fixture(scope="module")
+def converted_tied_tp2(conversions):
+    assert conversions["runs"]["tied_tp2"]["status"] == 0, conversions["runs"]["tied_tp2"]
+    return conversions["dir"] / "tied_tp2"
+
+
+def _ran(run: dict) -> str:
+    """A tool run's output (stdout + stderr); fails showing it unless main returned 0."""
+    out = run["stdout"] + run["stderr"]
+    assert run["status"] == 0, out[-8000:]
+    return out
+
+
 @pytest.mark.slow
-def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, launch):
-    hf, mg = hf_models["untied"], tmp_path / "mg"
+def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(conversions):
+    runs, verify, hf, mg = conversions["runs"], conversions["verify"], conversions["hf"]["untied"], conversions["mg"]
     # Converted for TP=2 (vocab padded to 256), verified by torchrun workers at TP=2 ...
-    out = _ok(launch(TO_MG, 1, "--hf-dir", hf, "--out-dir", mg, "--tp", 2, "--verify", "--tolerance", 1e-5))
-    assert "vocab 50 padded to 256" in out and _logit_diff(out) <= 1e-5
+    assert "vocab 50 padded to 256" in _ran(runs["untied_tp2"]) and _logit_diff(_ran(verify["untied_tp2"])) <= 1e-5
     state = json.loads((mg / "trainer_state.json").read_text())
     assert state["model_only"] and state["step"] == 0 and state["source"]["padded_vocab"] == 256
     # ... and loaded at TP=1, whose padding is 128 rows (Megatron cuts the extra rows).
-    out = _ok(launch(TO_MG, 1, "--hf-dir", hf, "--out-dir", mg, "--tp", 1, "--verify-only", "--tolerance", 1e-5))
-    assert _logit_diff(out) <= 1e-5
+    assert _logit_diff(_ran(verify["untied_tp1"])) <= 1e-5
+    for name, layout in (("untied_tp2", "(tp=2, pp=1,"), ("untied_tp1", "(tp=1, pp=1,")):
+        assert layout in verify[name]["stdout"], verify[name]["stdout"]  # each at its own layout
 
-    back = tmp_path / "back"
-    out = _ok(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back, "--max-shard-size", "150KB"))
-    assert "peak RSS" in out and len(list(back.glob("*.safetensors"))) > 1
+    back = conversions["back"]
+    assert "peak RSS" in _ran(runs["untied_back"]) and len(list(back.glob("*.safetensors"))) > 1
     _assert_bitwise_roundtrip(hf, back)
 
-    # The trainer (TP=2) loads it, takes a step and saves model + optimizer; convert that back.
-    root, ref = tmp_path / "run", tmp_path / "trained.safetensors"
-    _ok(launch(TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", hf, "--root", root, "--ref", ref, "--tp", 2))
+    # The trainer (TP=2) loaded it, took a step and saved model + optimizer; converted back.
+    root, ref = conversions["run"], conversions["ref"]
     from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 
     ours = _chunks(read_dcp_metadata(str(mg / "model_optim")))
@@ -134,14 +260,21 @@ def test_untied_tp2_tp1_trainer_checkpoint_and_roundtrip(hf_models, tmp_path, la
         assert ours[k] == theirs[k], k
     assert len(theirs) > len(ours)  # the trainer's also holds optimizer state
 
-    trained_hf = tmp_path / "trained_hf"
-    _ok(launch(TO_HF, 1, "--megatron-dir", root, "--out-dir", trained_hf))  # root: found via `latest`
+    _ran(runs["trained_hf"])  # run/: found via `latest`
+    trained_hf = conversions["dir"] / "trained_hf"
     expect, got, orig = load_file(ref), _weights(trained_hf), _weights(hf)
     assert expect.keys() == got.keys() == orig.keys()
     for k in expect:
         assert torch.equal(expect[k], got[k]), k
     assert not torch.equal(got["model.layers.0.mlp.up_proj.weight"], orig["model.layers.0.mlp.up_proj.weight"])
     assert json.loads((trained_hf / "config.json").read_text()) == json.loads((hf / "config.json").read_text())
+
+
+def test_verify_against_other_weights_fails(conversions):
+    """Negative control of every logit check here: the tied checkpoint verified against the untied
+    model's weights fails with exit status 1 (at the default tolerance, 1e-2)."""
+    res = conversions["verify"]["other_weights"]
+    assert res["status"] == 1 and "verify FAILED" in res["stdout"], res
 
 
 def _ok_quiet(res) -> str:
@@ -163,21 +296,23 @@ def test_tied_pp2_and_roundtrip_print_no_library_warnings(hf_models, tmp_path, l
     _ok_quiet(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back, user_warnings=True))
     assert "lm_head.weight" not in _weights(back)
     _assert_bitwise_roundtrip(hf, back)
-    # Negative control: checked against other weights, --verify fails with exit status 1.
-    res = launch(TO_MG, 1, "--hf-dir", hf_models["untied"], "--out-dir", mg, "--verify-only")
-    assert res.returncode == 1 and "verify FAILED" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    # (The negative control of the verify: test_verify_against_other_weights_fails.)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, flag", [("llama", "--pp"), ("qwen2", "--tp")])
-def test_llama_and_qwen2_convert_at_tp2_pp2_and_round_trip_bitwise(family_hf_models, tmp_path, launch, family, flag):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_and_qwen2_convert_at_tp2_pp2_and_round_trip_bitwise(conversions, family):
     """The Llama family (tied, llama3 RoPE) at PP=2 and Qwen2 (untied, q/k/v biases) at TP=2:
     HF -> Megatron, verified by torchrun workers at that layout (logits equal transformers'
     within 1e-5), -> HF bitwise equal to the original."""
-    hf, mg, back = family_hf_models[family], tmp_path / "mg", tmp_path / "back"
-    out = _ok(launch(TO_MG, 1, "--hf-dir", hf, "--out-dir", mg, flag, 2, "--verify", "--tolerance", 1e-5))
-    assert _logit_diff(out) <= 1e-5
-    _ok(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back))
+    runs, hf, back = conversions["runs"], conversions["hf"][family], conversions["dir"] / family / "back"
+    _ran(runs[family])
+    assert _logit_diff(_ran(conversions["verify"][family])) <= 1e-5
+    assert (
+        f"(tp={1 if family == 'llama' else 2}, pp={2 if family == 'llama' else 1},"
+        in conversions["verify"][family]["stdout"]
+    )
+    _ran(runs[f"{family}_back"])
     assert any(k.endswith("q_proj.bias") for k in _weights(back)) == (family == "qwen2")
     _assert_bitwise_roundtrip(hf, back)
 
@@ -299,47 +434,24 @@ def _kill_when_stalled(proc: subprocess.Popen, signal_file: Path, timeout: float
     assert proc.wait() == -signal.SIGKILL
 
 
-def test_killed_conversion_leaves_no_output_and_retry_works(hf_models, tmp_path, launch):
-    hf, out = hf_models["untied"], tmp_path / "out"
-    out.mkdir()
-    mg, back = out / "mg", out / "back"
+def test_killed_conversion_leaves_no_output_and_retry_works(conversions):
+    """HF -> Megatron SIGKILLed after 6 of its megatron tensors were built (several .distcp written),
+    Megatron -> HF after 3 tensors went into the (pre-sized, partly zero) shards: no output dir,
+    only the staging dir; the retry to the same --out-dir works and removes the killed run's
+    leftovers (conversions, steps 1-3 and 6); a finished output is never written into again."""
+    assert conversions["mg_killed"]["distcp"] > 0, "killed before anything was written: shows nothing"
+    assert not conversions["mg_killed"]["out_exists"]
+    _ran(conversions["runs"]["untied_tp2"])  # the retry to the same --out-dir
+    assert conversions["after_mg_retry"] == ["mg"]  # the killed run's leftovers are gone
 
-    # HF -> Megatron, killed after 6 of its megatron tensors were built (several .distcp written).
-    sig = tmp_path / "mg.stalled"
-    proc = _start_stalled(
-        "megatron_dppo.model.qwen3:megatron_tensor_from_hf", 6, sig, TO_MG, "--hf-dir", hf, "--out-dir", mg, "--tp", 2
-    )
-    _kill_when_stalled(proc, sig)
-    (staging,) = out.glob(".mg.partial-*")
-    assert list((staging / "model_optim").glob("*.distcp")), "killed before anything was written: shows nothing"
-    assert not mg.exists()
-    _ok(launch(TO_MG, 1, "--hf-dir", hf, "--out-dir", mg, "--tp", 2))  # the retry to the same --out-dir
-    assert sorted(p.name for p in out.iterdir()) == ["mg"]  # the killed run's leftovers are gone
-
-    # Megatron -> HF, killed after 3 tensors went into the (pre-sized, partly zero) shards.
-    sig = tmp_path / "hf.stalled"
-    proc = _start_stalled(
-        "megatron_dppo.model.hf_io:SafetensorsShardWriter.write",
-        3,
-        sig,
-        TO_HF,
-        "--megatron-dir",
-        mg,
-        "--out-dir",
-        back,
-        "--max-shard-size",
-        "150KB",
-    )
-    _kill_when_stalled(proc, sig)
-    (staging,) = out.glob(".back.partial-*")
-    assert list(staging.glob("*.safetensors")) and not back.exists()
-    _ok(launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back, "--max-shard-size", "150KB"))
-    assert sorted(p.name for p in out.iterdir()) == ["back", "mg"]
-    _assert_bitwise_roundtrip(hf, back)
+    assert conversions["hf_killed"]["safetensors"] > 0 and not conversions["hf_killed"]["out_exists"]
+    _ran(conversions["runs"]["untied_back"])
+    assert conversions["after_hf_retry"] == ["back", "mg"]
+    _assert_bitwise_roundtrip(conversions["hf"]["untied"], conversions["back"])
 
     # A finished output is never written into again.
-    res = launch(TO_HF, 1, "--megatron-dir", mg, "--out-dir", back)
-    assert res.returncode == 2 and f"{back} already exists and is not an empty directory" in res.stderr, res.stderr
+    res, back = conversions["runs"]["into_finished"], conversions["back"]
+    assert res["status"] == 2 and f"{back} already exists and is not an empty directory" in res["stderr"], res
 
 
 @pytest.mark.parametrize(

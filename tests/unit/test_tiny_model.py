@@ -17,7 +17,6 @@ MODEL = os.path.join(ROOT, "model")
 def tiny():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(MODEL)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
     return tok, model

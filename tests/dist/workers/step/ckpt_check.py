@@ -7,6 +7,11 @@
                     rank writes PREFIX.rank<r>.pt: its weights and Adam state after the last step
   --unstepped-ckpt ROOT  (full) also save step 0 there, before the first update (no Adam state)
 --phase logprobs  load the latest checkpoint (model only) and write log-probs of a fixed batch
+  --resume-also CKPT,OUT,STATE_OUT (repeatable) then resume that checkpoint root too, into a new
+                    policy in this process (each start costs ~10 s), as --ckpt/--out/--state-out would
+  --logprobs-at LAYOUTS  (resume) then, in this process (each start costs ~10 s), do what phase
+                    logprobs does at each of these layouts (comma-separated tp<N> or pp<N>; the
+                    world is kept, so tp1 on 2 ranks is DP=2), writing --out's stem + _<layout>.pt
 --phase save-steps   save checkpoints at --save-steps (with a prompt history), --keep-last of them;
                      with --resume, load the latest checkpoint first (its run continues)
 --phase load      load the latest checkpoint; print "loaded step N", or the CheckpointError (exit 3);
@@ -78,11 +83,69 @@ def main():
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--state-out")
     ap.add_argument("--unstepped-ckpt", help="(full) also save step 0, before the first update, under this root")
+    ap.add_argument("--resume-also", action="append", default=[], help="(resume) CKPT,OUT,STATE_OUT: then that")
+    ap.add_argument("--logprobs-at", default="", help="(resume) then phase logprobs at these layouts: tp1,pp2,...")
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    model, policy = build_policy(args)
+
+    if args.phase in ("save-steps", "load", "hold-save", "save-disk-full"):
+        globals()["phase_" + args.phase.replace("-", "_")](args, policy)
+        destroy_parallel()
+        return
+
+    if args.phase == "logprobs":
+        write_logprobs(args.ckpt, model, policy, args.out)
+        destroy_parallel()
+        return
+
+    runs = [(args.ckpt, args.out, args.state_out)]
+    if args.phase == "resume":  # and then each --resume-also run, from a new policy in this process
+        runs += [tuple(x.split(",")) for x in args.resume_also]
+    for i, (ckpt, out, state_out) in enumerate(runs):
+        if i:
+            model, policy = build_policy(args)
+        train(args, model, policy, ckpt, out, state_out, dp_rank, dp_size)
+    for layout in filter(None, args.logprobs_at.split(",")):
+        destroy_parallel(world=False)
+        args.tp, args.pp = (int(layout[2:]), 1) if layout.startswith("tp") else (1, int(layout[2:]))
+        initialize_parallel(args.tp, args.pp, seed=0)
+        model, policy = build_policy(args)
+        write_logprobs(args.ckpt, model, policy, args.out.removesuffix(".json") + f"_{layout}.pt")
+    destroy_parallel()
+
+
+def train(args, model, policy, ckpt, out, state_out, dp_rank, dp_size):
+    """Phases full, killed and resume: train (from ckpt's latest checkpoint when resuming), save at
+    --save-at, write the record to out and the trained state under state_out."""
+    first = 1
+    if args.phase == "resume":
+        state = load_checkpoint(latest_checkpoint(ckpt), policy)
+        first = state["step"] + 1
+    last = args.save_at if args.phase == "killed" else args.steps
+    if args.unstepped_ckpt:
+        save_checkpoint(args.unstepped_ckpt, 0, policy, {"note": "test"}, run_id=new_run_id())
+    record = {}
+    for step in range(first, last + 1):
+        mbs, denom = batch_for_step(model, step, dp_rank, dp_size)
+        m = policy.train_step(mbs, denom)
+        record[step] = [m["loss"], m["grad_norm"], m["lr"]]
+        if step == args.save_at and args.phase != "resume":
+            save_checkpoint(ckpt, step, policy, {"note": "test"}, run_id=new_run_id())
+    if args.phase == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if dist.get_rank() == 0 and out:
+        with open(out, "w") as f:
+            json.dump(record, f)
+    if state_out:
+        torch.save(trained_state(policy), f"{state_out}.rank{dist.get_rank()}.pt")
+
+
+def build_policy(args):
+    """(the HF model, a MegatronPolicy holding its weights) at the current parallel layout."""
     cfg, model = hf_model()
     if args.other_model:
         from tiny_models import tiny_qwen3_model
@@ -95,43 +158,18 @@ def main():
         distributed_optimizer=args.distributed_optimizer,
     )
     policy.load_hf_state_dict({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"})
+    return model, policy
 
-    if args.phase in ("save-steps", "load", "hold-save", "save-disk-full"):
-        globals()["phase_" + args.phase.replace("-", "_")](args, policy)
-        destroy_parallel()
-        return
 
-    if args.phase == "logprobs":
-        load_checkpoint(latest_checkpoint(args.ckpt), policy, load_optimizer=False)
-        mbs, _ = batch_for_step(model, 99, 0, 1)
-        out = policy.compute_logprobs(mbs)
-        if out is not None and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0:
-            torch.save([o.cpu() for o in out], args.out)
-        destroy_parallel()
-        return
+def write_logprobs(ckpt, model, policy, out_path):
+    """Load ckpt's latest checkpoint (model only); one rank writes the log-probs of a fixed batch."""
+    from megatron.core import parallel_state as ps
 
-    first = 1
-    if args.phase == "resume":
-        state = load_checkpoint(latest_checkpoint(args.ckpt), policy)
-        first = state["step"] + 1
-    last = args.save_at if args.phase == "killed" else args.steps
-    if args.unstepped_ckpt:
-        save_checkpoint(args.unstepped_ckpt, 0, policy, {"note": "test"}, run_id=new_run_id())
-    record = {}
-    for step in range(first, last + 1):
-        mbs, denom = batch_for_step(model, step, dp_rank, dp_size)
-        m = policy.train_step(mbs, denom)
-        record[step] = [m["loss"], m["grad_norm"], m["lr"]]
-        if step == args.save_at and args.phase != "resume":
-            save_checkpoint(args.ckpt, step, policy, {"note": "test"}, run_id=new_run_id())
-    if args.phase == "killed":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if dist.get_rank() == 0 and args.out:
-        with open(args.out, "w") as f:
-            json.dump(record, f)
-    if args.state_out:
-        torch.save(trained_state(policy), f"{args.state_out}.rank{dist.get_rank()}.pt")
-    destroy_parallel()
+    load_checkpoint(latest_checkpoint(ckpt), policy, load_optimizer=False)
+    mbs, _ = batch_for_step(model, 99, 0, 1)
+    out = policy.compute_logprobs(mbs)
+    if out is not None and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
+        torch.save([o.cpu() for o in out], out_path)
 
 
 def trained_state(policy) -> dict:
