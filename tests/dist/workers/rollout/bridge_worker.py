@@ -17,7 +17,10 @@ def _buckets(seed: int):
     gen = torch.Generator().manual_seed(seed)
     return [
         [("a", torch.randn(3, generator=gen)), ("b", torch.randn(5, 7, generator=gen).to(torch.bfloat16))],
-        [("c", torch.randint(0, 100, (11,), generator=gen, dtype=torch.int32)), ("d", torch.randn(2, 2, generator=gen))],
+        [
+            ("c", torch.randint(0, 100, (11,), generator=gen, dtype=torch.int32)),
+            ("d", torch.randn(2, 2, generator=gen)),
+        ],
         [("e", torch.randn(1, generator=gen, dtype=torch.float64))],
     ]
 
@@ -39,8 +42,8 @@ def main():
     on_bridge = launcher_rank == 0 or roles.is_rollout
     assert (roles.control is not None) == on_bridge == (roles.weights is not None)
     if on_bridge:
-        request = roles.control.broadcast_object({"kind": "wave", "ids": list(range(5))} if launcher_rank == 0 else None)
-        assert request == {"kind": "wave", "ids": list(range(5))}
+        sent = {"kind": "wave", "ids": list(range(5))}
+        assert roles.control.broadcast_object(sent if launcher_rank == 0 else None) == sent
         replies = roles.control.gather_objects(("reply", launcher_rank, "x" * launcher_rank * 1000))
         if launcher_rank == 0:
             assert replies == [("reply", r, "x" * r * 1000) for r in range(train, launcher_world)], replies
