@@ -175,7 +175,6 @@ def _is_masked_fill(name, args) -> bool:
 
 
 def _count_syncing_ops(fn):
-
     seen = []
 
     class Count(TorchDispatchMode):
