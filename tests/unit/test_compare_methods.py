@@ -300,3 +300,25 @@ def test_goals_say_plainly_which_are_met():
     verdict = {ln.split("|")[1].strip(): ln.split("|")[-2].strip() for ln in lines if ln.startswith("| dppo")}
     assert verdict["dppo-0.5-0.5"] == "no: never reaches GRPO's final accuracy"
     assert verdict["dppo-0.7-0.7"] == "no: 1.50x < 2.0x"
+
+
+def test_numerics_diff_sees_a_changed_count_and_ignores_times(tmp_path):
+    """tools/numerics_diff.py on the committed long-tail table and its rerun (0 differences, the
+    claim docs/results.md makes), then on a copy with one token count changed (found) and one with
+    only times changed (not found)."""
+    spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
+    nd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nd)
+    old, rerun = (str(REPO / "docs" / name) for name in ("results_longtail.json", "results_longtail_7757a29.json"))
+    assert nd.main([old, rerun]) == 0
+    data = json.loads(Path(rerun).read_text())
+    data["runs"][3]["train_cpu_s"] *= 2
+    data["runs"][3]["curve"][1][1] += 5.0  # a time inside the curve
+    timed = tmp_path / "times.json"
+    timed.write_text(json.dumps(data))
+    assert nd.differences(json.loads(Path(old).read_text()), data) == []
+    data["runs"][5]["tokens_trained"] += 1
+    data["runs"][6]["curve"][2][2] += 0.01  # an accuracy
+    found = nd.differences(json.loads(Path(old).read_text()), data)
+    assert len(found) == 2 and "tokens_trained" in found[0] and "curve" in found[1]
+    assert nd.main([old, str(timed)]) == 0
