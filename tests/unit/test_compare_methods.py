@@ -303,14 +303,15 @@ def test_goals_say_plainly_which_are_met():
 
 
 def test_numerics_diff_sees_a_changed_count_and_ignores_times(tmp_path):
-    """tools/numerics_diff.py on the committed long-tail table and its rerun (0 differences, the
-    claim docs/results.md makes), then on a copy with one token count changed (found) and one with
+    """tools/numerics_diff.py on the committed addition and long-tail tables and their reruns (0
+    differences, the claim docs/results.md makes), then on a copy with one token count changed (found) and one with
     only times changed (not found)."""
     spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
     nd = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nd)
     old, rerun = (str(REPO / "docs" / name) for name in ("results_longtail.json", "results_longtail_7757a29.json"))
     assert nd.main([old, rerun]) == 0
+    assert nd.main([str(REPO / "docs" / name) for name in ("results.json", "results_7757a29.json")]) == 0
     data = json.loads(Path(rerun).read_text())
     data["runs"][3]["train_cpu_s"] *= 2
     data["runs"][3]["curve"][1][1] += 5.0  # a time inside the curve
