@@ -19,6 +19,7 @@ do the same); no checkpoint or file is ever unpickled.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from collections.abc import Iterable, Iterator
@@ -169,7 +170,7 @@ class Bridge:
             self.broadcast_object(header)
             self._broadcast(flat.to(self.device))
             stats["num_tensors"] += len(header)
-            stats["num_bytes"] += sum(_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in header)
+            stats["num_bytes"] += sum(_nbytes(dtype, shape) for _, dtype, shape in header)
             del flat
         self.broadcast_object([])
 
@@ -180,7 +181,7 @@ class Bridge:
             header = self.broadcast_object()
             if not header:
                 return
-            sizes = [_numel(shape) * getattr(torch, dtype).itemsize for _, dtype, shape in header]
+            sizes = [_nbytes(dtype, shape) for _, dtype, shape in header]
             flat = torch.empty(sum(s + -s % _ALIGN for s in sizes), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
             bucket, offset = [], 0
@@ -191,8 +192,6 @@ class Bridge:
             yield bucket
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _nbytes(dtype: str, shape) -> int:
+    """A tensor's bytes from send_buckets' header entry (dtype name, shape)."""
+    return math.prod(shape) * getattr(torch, dtype).itemsize
