@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 from safetensors.torch import load_file
 
 from megatron_dppo.run.process import free_port
@@ -85,6 +87,32 @@ def run(cmd, timeout=600):
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res
+
+
+def start_logged(cmd, log: Path) -> subprocess.Popen:
+    """A run in the background, in its own session (signals reach only it), its screen in `log`."""
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=run_env(), start_new_session=True, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+
+
+def wait_for_first_row(run_dir: Path, proc: subprocess.Popen, timeout: float = 400) -> None:
+    """Until the run logs its first step (or exits, or the timeout passes)."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):
+        time.sleep(0.05)
+
+
+def kill_launcher_alone(proc: subprocess.Popen, ranks: list, timeout: float = 180) -> list:
+    """SIGKILL to torchrun only (an OOM kill, a lost node agent); -> the ranks still alive after
+    `timeout` s, which are then killed so that the test leaves nothing behind."""
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=timeout)
+    for p in alive:
+        p.kill()
+    return alive
 
 
 def metrics(run_dir) -> dict:

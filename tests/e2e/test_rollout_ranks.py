@@ -15,12 +15,21 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
-import time
 
 import psutil
 import pytest
-from trainer_runs import REPO, TINY, assert_same_rollouts, metrics, rel_close, rollouts, run, run_env, train_cmd
+from trainer_runs import (
+    TINY,
+    assert_same_rollouts,
+    kill_launcher_alone,
+    metrics,
+    rel_close,
+    rollouts,
+    run,
+    start_logged,
+    train_cmd,
+    wait_for_first_row,
+)
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 
@@ -70,12 +79,6 @@ def _job(proc) -> list:
     return [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
 
 
-def _wait_for_row(path, proc, timeout=400):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):
-        time.sleep(0.05)
-
-
 def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exactly(tmp_path):
     """Uninterrupted run: step 1 trains on fresh completions, steps 2-4 on completions one update
     behind (rollout/policy_lag_max); step 2's completions have the starting weights' log-probs
@@ -98,21 +101,9 @@ def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exac
     assert max(abs(a - r["rollout_logprob_sum"]) for a, r in zip(after1, rows2)) > 1e-3
 
     log = tmp_path / "killed.log"
-    proc = subprocess.Popen(
-        train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0"),
-        cwd=REPO,
-        env=run_env(),
-        start_new_session=True,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    _wait_for_row(tmp_path / "killed" / "metrics.jsonl", proc)
-    ranks = psutil.Process(proc.pid).children(recursive=True)
-    proc.kill()  # the launcher alone
-    proc.wait()
-    gone, alive = psutil.wait_procs(ranks, timeout=180)
-    for p in alive:
-        p.kill()
+    proc = start_logged(train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0"), log)
+    wait_for_first_row(tmp_path / "killed", proc)
+    alive = kill_launcher_alone(proc, psutil.Process(proc.pid).children(recursive=True))
     screen = log.read_text()[-4000:]
     assert not alive, f"{len(alive)} process(es) of the run outlived its launcher\n{screen}"
     latest = (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip()
@@ -138,16 +129,9 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     if fault == "stalled":
         over.append("trainer.stall_timeout_s=30")
     log = tmp_path / "run.log"
-    proc = subprocess.Popen(
-        train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over),
-        cwd=REPO,
-        env=run_env(),
-        start_new_session=True,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_logged(train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over), log)
     try:
-        _wait_for_row(tmp_path / fault / "metrics.jsonl", proc)
+        wait_for_first_row(tmp_path / fault, proc)
         job = _job(proc)
         (rollout_rank,) = [p for p in job if _launcher_rank(p) == 1]
         rollout_rank.send_signal(signal.SIGSTOP if fault == "stalled" else signal.SIGKILL)

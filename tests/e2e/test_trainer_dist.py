@@ -29,11 +29,14 @@ from trainer_runs import (
     TINY,
     assert_same_run,
     final_weights,
+    kill_launcher_alone,
     metrics,
     rollouts,
     run,
     run_env,
+    start_logged,
     train_cmd,
+    wait_for_first_row,
 )
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
@@ -144,25 +147,11 @@ def test_a_killed_launcher_leaves_no_rank_running(work):
     rank and exits; nothing of the run is left."""
     root, model = work
     log = root / "orphans.log"  # the ranks' screen, shown when an assertion fails
-    proc = subprocess.Popen(
-        train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"),
-        cwd=REPO,
-        env=run_env(),
-        start_new_session=True,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-    )
-    path = root / "orphans" / "metrics.jsonl"
-    deadline = time.time() + 400
-    while time.time() < deadline and proc.poll() is None and not (path.exists() and path.read_text().strip()):
-        time.sleep(0.1)
+    proc = start_logged(train_cmd(root, "orphans", model, 2, "trainer.max_steps=200", "trainer.save_every=0"), log)
+    wait_for_first_row(root / "orphans", proc)
     ranks = psutil.Process(proc.pid).children(recursive=True)
     assert len([p for p in ranks if "megatron_dppo.cli" in " ".join(p.cmdline())]) == 2
-    proc.kill()
-    proc.wait()
-    gone, alive = psutil.wait_procs(ranks, timeout=180)
-    for p in alive:
-        p.kill()
+    alive = kill_launcher_alone(proc, ranks)
     screen = log.read_text()[-3000:]
     assert not alive, f"{len(alive)} process(es) of the run outlived its launcher\n{screen}"
     done = max(metrics(root / "orphans"))
