@@ -25,7 +25,6 @@ import torch
 
 from megatron_dppo.config import Config
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.rollout.validation import engine_generate, run_validation
 from megatron_dppo.run.bridge import Roles
 from megatron_dppo.run.process import rank_prefix
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
@@ -81,7 +80,13 @@ def serve(cfg: Config, roles: Roles) -> int:
                 idle = 0.0
             elif kind == "eval":
                 watchdog.phase("eval", payload["step"])
-                metrics = _evaluate(cfg, inputs, engine, scorer, place, roles, payload)
+                metrics = worker.evaluate(
+                    inputs.eval_sets,
+                    renderer=inputs.renderer,
+                    step=payload["step"],
+                    dump_dir=payload["dump_dir"],
+                    is_main=roles.local_rank == 0,
+                )
                 _call(control.gather_objects, metrics)
             else:
                 raise RuntimeError(f"rollout rank: unknown request {kind!r} from the trainer")
@@ -95,26 +100,6 @@ def serve(cfg: Config, roles: Roles) -> int:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 128 + signalled[0] if signalled else 0
-
-
-def _evaluate(cfg, inputs, engine, scorer, place, roles, payload) -> dict:
-    """The eval: sets on the rollout ranks' engines (collective over their world), as the
-    colocated trainer runs them on its own."""
-    rc = cfg.rollout
-    return run_validation(
-        inputs.eval_sets,
-        generate=engine_generate(engine, rc.max_new_tokens, rc.stop),
-        scorer=scorer,
-        renderer=inputs.renderer,
-        cfg=cfg.eval,
-        step=payload["step"],
-        dump_dir=payload["dump_dir"],
-        seed=cfg.trainer.seed,
-        engine_index=place.index,
-        num_engines=place.count,
-        engine_leader=place.leader,
-        is_main=roles.local_rank == 0,
-    )
 
 
 def _call(fn, *args):

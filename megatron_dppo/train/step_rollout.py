@@ -27,6 +27,7 @@ import torch
 
 from megatron_dppo.algorithms.records import Group, RolloutCounts, size_runs, stack_rewards
 from megatron_dppo.rewards import overlong_penalty
+from megatron_dppo.rollout.validation import engine_generate, run_validation
 from megatron_dppo.run import collectives as mdist
 
 
@@ -121,6 +122,25 @@ class EngineWorker:
             seconds["reward"] = time.perf_counter() - t0
         part.seconds = seconds if self.place.leader else {}
         return part
+
+    def evaluate(self, sets, *, renderer, step: int, dump_dir: str, is_main: bool) -> dict:
+        """The eval: sets on this engine and its peers (collective over the engines' world), each
+        engine its share, as a rollout splits its prompts."""
+        rc = self.cfg.rollout
+        return run_validation(
+            sets,
+            generate=engine_generate(self.engine, rc.max_new_tokens, rc.stop),
+            scorer=self.scorer,
+            renderer=renderer,
+            cfg=self.cfg.eval,
+            step=step,
+            dump_dir=dump_dir,
+            seed=self.cfg.trainer.seed,
+            engine_index=self.place.index,
+            num_engines=self.place.count,
+            engine_leader=self.place.leader,
+            is_main=is_main,
+        )
 
     def _generate(self, req: WaveRequest, mine, prompt_ids) -> list:
         """want[slot] completions (rollout.vllm_engine.Completion) for each of this engine's

@@ -40,7 +40,6 @@ from megatron_dppo.algorithms.pruning import get_strategy
 from megatron_dppo.algorithms.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
 from megatron_dppo.config import Config, save_config
 from megatron_dppo.rewards import RewardScorer, reward_metrics_by_source
-from megatron_dppo.rollout.validation import engine_generate, run_validation
 from megatron_dppo.run import collectives as mdist
 from megatron_dppo.run.cadence import save_cost_line, should_save
 from megatron_dppo.run.log import RunLogger, phase_summary
@@ -195,10 +194,8 @@ class Trainer:
         None, the engines, their log-prob mode)."""
         if self.roles is None:
             engine, self.engine_init_s = startup.start_engine(cfg)
-            self.engine_place = EnginePlace.of_rank(self.rank, self.world, cfg.parallel.rollout_tp)
-            worker = EngineWorker(
-                cfg, engine=engine, place=self.engine_place, tokenizer=self.tokenizer, scorer=self.scorer
-            )
+            place = EnginePlace.of_rank(self.rank, self.world, cfg.parallel.rollout_tp)
+            worker = EngineWorker(cfg, engine=engine, place=place, tokenizer=self.tokenizer, scorer=self.scorer)
             self.reward_description = self.scorer.describe()
             return engine, LocalEngines(worker), engine.logprobs_mode
         self.watchdog.phase("wait for the rollout ranks")
@@ -390,19 +387,11 @@ class Trainer:
                 self.roles.control.broadcast_object(("eval", request))
                 metrics = self.roles.control.gather_objects()[0]
             return mdist.broadcast_object(metrics)
-        rc = self.cfg.rollout
-        return run_validation(
+        return self.engines.worker.evaluate(
             self.eval_sets,
-            generate=engine_generate(self.engine, rc.max_new_tokens, rc.stop),
-            scorer=self.scorer,
             renderer=self.renderer,
-            cfg=self.cfg.eval,
             step=step,
             dump_dir=os.path.join(self.run_dir, "val"),
-            seed=self.cfg.trainer.seed,
-            engine_index=self.engine_place.index,
-            num_engines=self.engine_place.count,
-            engine_leader=self.engine_place.leader,
             is_main=self.is_main,
         )
 
