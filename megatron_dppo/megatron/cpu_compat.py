@@ -12,6 +12,8 @@ it breaks a forward, a PP step or a DDP + optimizer step with gradient clipping)
   - the alltoall dispatcher's split sizes             -> numpy arrays for CPU tensors too
     (maybe_move_tensor_to_cpu converts only CUDA tensors; all_to_all_single refuses tensors)
 `enable_cpu_compat()` applies them once per process. It does nothing when CUDA is available.
+`import_megatron_core()` (run by this package's __init__) imports Megatron-Core without
+TorchInductor when there is no CUDA (see there).
 `patch_moe_without_te()` (also needed on a GPU without Transformer Engine) defines the name
 `te_general_gemm` that Megatron-Core's router gating reads but imports only with TE.
 
@@ -21,6 +23,7 @@ use_cpu_initialization=True). Scripts that save a dist checkpoint need an
 """
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -77,6 +80,35 @@ def _split_sizes_to_numpy(tensor, as_numpy: bool = False, record_stream: bool = 
     if as_numpy and torch.is_tensor(tensor):
         return tensor.numpy()
     return tensor
+
+
+def _compile_nothing(model=None, **kwargs):
+    """torch.compile's signature, doing nothing (as decorator or call)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_core() -> None:
+    """Import megatron.core with its jit_fuser a no-op when there is no CUDA.
+
+    megatron.core.jit sets `jit_fuser = torch.compile` and ~40 fused kernels are decorated with it
+    at import; creating those compiled wrappers imports TorchDynamo and TorchInductor, ~4 of the
+    ~7 s that importing Megatron-Core costs a process that has not imported vLLM (every torchrun
+    worker of the conversion tools and the distributed tests). On CPU the model config turns every
+    fusion off (model.py), so no wrapper would ever be called. Megatron's own switch,
+    `megatron.core.jit.disable_jit_fuser()`, comes too late for the modules that megatron.core's
+    __init__ imports, so torch.compile is a no-op only while that import runs, then restored and
+    the switch thrown for later imports. With CUDA, or once megatron.core is imported, nothing
+    changes. Idempotent."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return
+    compile_ = torch.compile
+    torch.compile = _compile_nothing
+    try:
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = compile_
 
 
 def _cpu_rng_state(device=None, *args, **kwargs):

@@ -103,6 +103,19 @@ def routed_experts_kwargs() -> dict:
     return dict(enable_return_routed_experts=True, enable_prefix_caching=True)
 
 
+def _eager_token_ranks() -> None:
+    """vLLM's sampler ranks each sampled token (how many vocabulary entries score at least as high)
+    with `batched_count_greater_than`, a torch.compile'd `(x >= values).sum(-1)`. On CPU, compiling
+    it, or loading it from Inductor's cache, costs each process 5-10 s at its first sampling call
+    (about 10 s of a 2-step tiny run's 25): the function runs eagerly instead, with the same
+    integer counts. Its bool temporary (tokens x vocab bytes) is what the compiled kernel avoids;
+    CPU batches keep it to megabytes. Idempotent."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
 def _has_experts(model_dir: str) -> bool:
     import json
 
@@ -246,6 +259,7 @@ class RolloutEngine:
                     import vllm._custom_ops as vllm_ops
 
                     vllm_ops._supports_onednn = False
+                    _eager_token_ranks()
                     llm_kwargs = _cpu_whole_prefills(llm_kwargs, max_model_len, tensor_parallel_size)
 
                 llm_kwargs = sleep_release_kwargs(on_gpu, self._sleep_enabled, llm_kwargs)

@@ -134,6 +134,18 @@ def test_sampling_seeds_n_and_raw_logprobs(engine, tiny):
     assert len({request_seed(7, i) + k for i in range(100) for k in range(16)}) == 1600
 
 
+def test_sampling_compiles_nothing_on_cpu(engine):
+    """vLLM's sampled-token rank runs eagerly on CPU (vllm_engine._eager_token_ranks): sampling with
+    log-probs compiles no graph (compiling it cost each process 5-10 s at its first sampling call)."""
+    from torch._dynamo.utils import counters
+    from vllm.v1.sample import sampler
+
+    assert not hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
+    before = dict(counters["stats"])
+    engine.generate(SHORT, n=2, max_new_tokens=8, temperature=1.0, seed=3)
+    assert dict(counters["stats"]) == before
+
+
 def test_seeded_prompts_beyond_one_scheduler_step(engine, tiny):
     """More prompt tokens than one vLLM step admits (4096 on CPU): with chunked prefill on, the
     prompt that straddles the budget is split and vLLM's CPU runner fails it ("CPU Generator does

@@ -289,3 +289,31 @@ def test_thd_kernel_is_the_config_choice_fixed_at_build_time():
         load_config(config, ["model.thd_attention=fast"])
     with pytest.raises(ValueError, match="'model.thd_attention': expected one of"):
         PackedDotProductAttention.__init__(object.__new__(PackedDotProductAttention), thd_impl="fast")
+
+
+# ------------------------------------------------------------------------- importing Megatron-Core
+_IMPORT_CHECK = """
+import sys, torch
+compile_ = torch.compile
+import megatron_dppo.megatron
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_geglu, fused_bias_swiglu
+inductor = "torch._inductor.compile_fx" in sys.modules
+compiled = lambda fn: hasattr(fn, "_torchdynamo_orig_callable")  # what a torch.compile wrapper carries
+assert compiled(torch.compile(lambda x: x)), "the wrapper check cannot see a compiled function"
+print(torch.compile is compile_, jit.jit_fuser is jit.noop_decorator,
+      compiled(fused_bias_geglu.geglu) or compiled(fused_bias_swiglu.swiglu), inductor)
+"""
+
+
+def test_megatron_core_imports_without_torchinductor_on_cpu():
+    """cpu_compat.import_megatron_core: on CPU Megatron-Core's fused kernels are plain functions (the
+    model config turns every fusion off, so none is called), TorchInductor is not imported for them,
+    and torch.compile is torch's own again afterwards (a fresh process: the import happens once)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _IMPORT_CHECK], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    restored, switched_off, wrapped, inductor = res.stdout.split()
+    assert (restored, switched_off, wrapped, inductor) == ("True", "True", "False", "False"), res.stdout

@@ -24,6 +24,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
+import megatron_dppo.megatron  # noqa: E402, F401  (before megatron.core: imports it without TorchInductor on CPU)
+
+# isort: split
 from megatron.core import dist_checkpointing  # noqa: E402
 
 from megatron_dppo.config import AlgorithmConfig, OptimConfig

@@ -8,6 +8,9 @@ loaded at any TP/PP split, and local gradients can be compared with sharded refe
 
 import os
 
+import megatron_dppo.megatron  # noqa: F401  (before megatron.core: imports it without TorchInductor on CPU)
+
+# isort: split
 import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams

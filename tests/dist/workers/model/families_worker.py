@@ -14,6 +14,9 @@ what `megatron-dppo plan` counts for it (plan.stage_params)."""
 import os
 import sys
 
+import megatron_dppo.megatron  # noqa: F401  (before megatron.core: imports it without TorchInductor on CPU)
+
+# isort: split
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state

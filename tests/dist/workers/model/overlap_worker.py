@@ -15,6 +15,9 @@ spec = importlib.util.spec_from_file_location("grad_check", HERE.parent / "step"
 gc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gc)
 
+import megatron_dppo.megatron  # noqa: E402, F401  (before megatron.core: imports it without TorchInductor on CPU)
+
+# isort: split
 from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_dppo.algorithms import losses  # noqa: E402

@@ -8,6 +8,9 @@ which megatron-core 0.16-0.19 create without its timeout, is checked by name."""
 
 from datetime import timedelta
 
+import megatron_dppo.megatron  # noqa: F401  (before megatron.core: imports it without TorchInductor on CPU)
+
+# isort: split
 import torch.distributed as dist
 from megatron.core import parallel_state
 
