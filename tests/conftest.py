@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -144,6 +145,8 @@ def pytest_sessionfinish(session, exitstatus):
     """No process a test started may outlive the session: anything carrying this session's mark
     (but pytest and its own multiprocessing helpers, which end with it), and anything run_workers
     had to kill after its launch ended, is reported, killed, and fails the run."""
+    for server in _PREFORK:
+        server.close()
     token = os.environ.get(SESSION_VAR)
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller reports
         session.config.workeroutput["leftovers"] = _LEFTOVERS
@@ -172,15 +175,77 @@ def pytest_testnodedown(node, error):
     _LEFTOVERS.extend(getattr(node, "workeroutput", {}).get("leftovers", []))
 
 
+class _Prefork:
+    """This pytest process's tests/prefork_server.py, started at its first use, closed at the
+    session's end: forks the ranks of run_workers(..., fork=True) launches."""
+
+    def __init__(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "prefork_server.py")],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        ready = self.proc.stdout.readline()
+        assert ready.startswith('{"ready"'), f"tests/prefork_server.py did not start: {ready!r}"
+
+    def launch(self, script, nproc: int, args: tuple, env: dict, out: str, err: str, timeout: float) -> dict:
+        request = dict(script=str(script), args=list(map(str, args)), nproc=nproc, env=env, out=out, err=err)
+        request.update(port=free_port(), timeout=timeout)
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "tests/prefork_server.py ended during a launch"
+        return json.loads(line)
+
+    def close(self):
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_PREFORK: list[_Prefork] = []
+
+
+def _prefork() -> _Prefork:
+    if not _PREFORK or _PREFORK[0].proc.poll() is not None:
+        _PREFORK[:] = [_Prefork()]
+    return _PREFORK[0]
+
+
+def _forked_launch(script, nproc: int, args: tuple, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        result = _prefork().launch(script, nproc, args, env, out.name, err.name, timeout)
+        # What a rank started (exec'd helpers carry the RUN_VAR mark; forked ranks, the server's).
+        _kill_leftovers(processes_with_env(RUN_VAR, env[RUN_VAR]), f"{script} {' '.join(map(str, args))}"[:120])
+        stderr = err.read() + (f"\n(launch timed out after {timeout} s)" if result["timed_out"] else "")
+        cmd = ["prefork", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+        return subprocess.CompletedProcess(cmd, result["returncode"], out.read(), stderr)
+
+
 def run_workers(
-    script, nproc: int, *args, timeout: float = 600, user_warnings: bool = False
+    script, nproc: int, *args, timeout: float = 600, user_warnings: bool = False, fork: bool = False
 ) -> subprocess.CompletedProcess:
     """Run a worker script (under torchrun on a free port when nproc > 1) in its own process
     group. Output goes to files, not pipes, and everything it started is killed afterwards: its
     process group, and every process carrying its RUN_VAR mark (torchrun starts each worker in a
     session of its own, out of reach of the group kill, and a killed torchrun leaves them running).
     user_warnings: Python's warning filters as a user has them (no PYTHONWARNINGS=ignore), for the
-    tests that check a tool's stderr is empty."""
+    tests that check a tool's stderr is empty.
+    fork: the ranks are forked from tests/prefork_server.py, which has the imports done, instead
+    of started by torchrun (the compute checks; see there for what torchrun launches still test)."""
+    run_token = uuid.uuid4().hex
+    if fork and not user_warnings:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
+        return _forked_launch(script, nproc, args, env, timeout)
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
     else:
@@ -194,7 +259,6 @@ def run_workers(
             str(script),
             *map(str, args),
         ]
-    run_token = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
     if user_warnings:
         del env["PYTHONWARNINGS"]
@@ -214,9 +278,10 @@ def run_workers(
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
-def run_torchrun(script, nproc: int, *args, timeout: float = 300) -> str:
-    """Like run_workers, but return the combined output, or fail the test showing it."""
-    proc = run_workers(script, nproc, *args, timeout=timeout)
+def run_torchrun(script, nproc: int, *args, timeout: float = 300, fork: bool = True) -> str:
+    """Like run_workers (forked ranks unless fork=False), but return the combined output, or fail
+    the test showing it."""
+    proc = run_workers(script, nproc, *args, timeout=timeout, fork=fork)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(proc.args[2:])} exited with {proc.returncode}:\n{output[-20000:]}", pytrace=False)
@@ -235,11 +300,17 @@ def torchrun(request):
     return run_torchrun
 
 
+def run_forked(script, nproc: int, *args, fork: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """run_workers with forked ranks unless fork=False."""
+    return run_workers(script, nproc, *args, fork=fork, **kwargs)
+
+
 @pytest.fixture
 def launch(request):
-    """launch(script, nproc, *args) -> CompletedProcess, whatever the exit status."""
+    """launch(script, nproc, *args) -> CompletedProcess, whatever the exit status (forked ranks
+    unless fork=False: the fault tests that need torchrun's own handling ask for it)."""
     _no_workers_in_unit(request)
-    return run_workers
+    return run_forked
 
 
 def _save_tiny_hf(path: Path, tied: bool, dtype, shard: str) -> Path:

@@ -173,12 +173,21 @@ def saved_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
     old = [_fake_old_run_step(root, 0), _fake_old_run_step(root, 4)]
     (root / "latest").write_text("step_000004\n")
-    first = run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "1,2,3")
+    first = run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "1,2,3", fork=True)
     _ok(first)
     after_first = sorted(p.name for p in root.glob("step_*"))
     latest_first = (root / "latest").read_text().strip()
     second = run_workers(
-        WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--resume", "--save-steps", "999998,999999,1000000"
+        WORKER,
+        1,
+        "--phase",
+        "save-steps",
+        "--ckpt",
+        root,
+        "--resume",
+        "--save-steps",
+        "999998,999999,1000000",
+        fork=True,
     )
     _ok(second)
     return {
@@ -356,7 +365,9 @@ def loads(saved_run, tmp_path_factory):
         f.seek(offset + 8)
         f.write(os.urandom(400))
     roots = {"intact": saved_run["root"], "missing_rng": rng, "damaged": damaged}
-    res = run_workers(WORKER, 1, "--phase", "load", "--ckpt", roots["intact"], "--then", rng, "--then", damaged)
+    res = run_workers(
+        WORKER, 1, "--phase", "load", "--ckpt", roots["intact"], "--then", rng, "--then", damaged, fork=True
+    )
     assert res.returncode == 3, res.stdout[-2000:] + res.stderr[-4000:]  # two of the three fail
     blocks = {name: res.stdout.split(f"== load {root}\n", 1)[1].split("== load ", 1)[0] for name, root in roots.items()}
     return res, blocks, (model / rel, offset, fqn)
@@ -397,7 +408,7 @@ def test_latest_missing_or_not_text_names_the_step_dirs(tmp_path):
 def _load(ckpt_root, *args):
     from conftest import run_workers
 
-    return run_workers(WORKER, 1, "--phase", "load", "--ckpt", ckpt_root, *args)
+    return run_workers(WORKER, 1, "--phase", "load", "--ckpt", ckpt_root, *args, fork=True)
 
 
 def _one_error_line(res) -> str:
@@ -453,8 +464,8 @@ def test_disk_full_during_save_names_the_path(tmp_path):
     from conftest import run_workers
 
     root = tmp_path / "checkpoints"
-    _ok(run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "4"))
-    res = run_workers(WORKER, 1, "--phase", "save-disk-full", "--ckpt", root)
+    _ok(run_workers(WORKER, 1, "--phase", "save-steps", "--ckpt", root, "--save-steps", "4", fork=True))
+    res = run_workers(WORKER, 1, "--phase", "save-disk-full", "--ckpt", root, fork=True)
     assert res.returncode == 4, res.stdout[-2000:] + res.stderr[-4000:]
     line = next(x for x in res.stdout.splitlines() if x.startswith("OSError: "))
     assert line == (

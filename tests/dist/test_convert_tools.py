@@ -199,7 +199,11 @@ def conversions(hf_models, family_hf_models, tmp_path_factory):
     )
 
     run, ref = root / "run", root / "trained.safetensors"
-    _ok(run_workers(TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", untied, "--root", run, "--ref", ref, "--tp", 2))
+    _ok(
+        run_workers(
+            TRAINER_WORKER, 2, "--ckpt", mg, "--hf-dir", untied, "--root", run, "--ref", ref, "--tp", 2, fork=True
+        )
+    )
     runs.update(
         _tools(
             [

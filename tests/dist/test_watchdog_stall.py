@@ -17,7 +17,7 @@ def test_a_sigstopped_rank_is_named_and_the_job_ends(launch):
     --shutdown-timeout to the stop after a failure, so the test waits those 30 s)."""
     timeout_s = 3
     t0 = time.monotonic()
-    res = launch(WORKER, 2, "--timeout", timeout_s, "--stall", "sigstop", timeout=120)
+    res = launch(WORKER, 2, "--timeout", timeout_s, "--stall", "sigstop", timeout=120, fork=False)
     took = time.monotonic() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out[-4000:]
