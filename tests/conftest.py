@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import signal
@@ -242,9 +243,10 @@ def run_workers(
     tests that check a tool's stderr is empty.
     fork: the ranks are forked from tests/prefork_server.py, which has the imports done, instead
     of started by torchrun (the compute checks; see there for what torchrun launches still test)."""
-    run_token = uuid.uuid4().hex
-    if fork and not user_warnings:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: uuid.uuid4().hex})
+    if user_warnings:
+        del env["PYTHONWARNINGS"]
+    elif fork:
         return _forked_launch(script, nproc, args, env, timeout)
     if nproc == 1:
         cmd = [sys.executable, str(script), *map(str, args)]
@@ -259,9 +261,6 @@ def run_workers(
             str(script),
             *map(str, args),
         ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{RUN_VAR: run_token})
-    if user_warnings:
-        del env["PYTHONWARNINGS"]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=err, env=env, start_new_session=True)
         try:
@@ -272,7 +271,7 @@ def run_workers(
             except ProcessLookupError:
                 pass
             proc.wait()
-            _kill_leftovers(processes_with_env(RUN_VAR, run_token), " ".join(map(str, cmd[-len(args) - 1 :])))
+            _kill_leftovers(processes_with_env(RUN_VAR, env[RUN_VAR]), " ".join(map(str, cmd[-len(args) - 1 :])))
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
@@ -300,17 +299,12 @@ def torchrun(request):
     return run_torchrun
 
 
-def run_forked(script, nproc: int, *args, fork: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    """run_workers with forked ranks unless fork=False."""
-    return run_workers(script, nproc, *args, fork=fork, **kwargs)
-
-
 @pytest.fixture
 def launch(request):
     """launch(script, nproc, *args) -> CompletedProcess, whatever the exit status (forked ranks
     unless fork=False: the fault tests that need torchrun's own handling ask for it)."""
     _no_workers_in_unit(request)
-    return run_forked
+    return functools.partial(run_workers, fork=True)
 
 
 def _save_tiny_hf(path: Path, tied: bool, dtype, shard: str) -> Path:

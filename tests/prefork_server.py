@@ -12,7 +12,7 @@ rank) is tested through real torchrun launches, which the fault tests keep.
 
 Protocol (one JSON object per line): the server prints {"ready": pid} once imported, then for each
 request {"script", "args", "nproc", "env", "out", "err", "port", "timeout"} prints {"returncode",
-"pids", "timed_out"}. The server runs no torch op before forking, so no thread pool exists yet.
+"timed_out"}. The server runs no torch op before forking, so no thread pool exists yet.
 """
 
 import json
@@ -102,7 +102,7 @@ def _wait(pids: list[int], timeout: float) -> dict:
             if pid not in codes:
                 codes[pid] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     returncode = failed if failed is not None else (-signal.SIGKILL if timed_out else 0)
-    return {"returncode": returncode, "pids": pids, "timed_out": timed_out}
+    return {"returncode": returncode, "timed_out": timed_out}
 
 
 def main() -> None:
