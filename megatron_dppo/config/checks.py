@@ -101,6 +101,11 @@ def validate(cfg: Config) -> Config:
             t.stall_timeout_s is None or t.stall_timeout_s == 0 or t.stall_timeout_s >= 1,
             "a number of seconds >= 1, or 0 for no stall watchdog",
         ),
+        (
+            "trainer.start_timeout_s",
+            t.start_timeout_s is None or t.start_timeout_s >= 1,
+            "a number of seconds >= 1 (start-up without progress; the stall watchdog's own switch is stall_timeout_s)",
+        ),
         ("trainer.run_name", run_name_problem(t.run_name) is None, "one plain directory name (no '/', not . or ..)"),
         ("trainer.output_dir", bool(t.output_dir), "a directory path (the run dir is <output_dir>/<run_name>)"),
         ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
@@ -222,6 +227,8 @@ def inert_keys(cfg: Config) -> dict[str, str]:
         out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
     out.update(_inert_rollout_correction_keys(a.rollout_correction))
     out.update(registry.inert_keys(cfg))  # each method names its own
+    if cfg.trainer.stall_timeout_s == 0:
+        out["trainer.start_timeout_s"] = "trainer.stall_timeout_s=0 turns the stall watchdog off"
     if cfg.data.prompt_mode == "raw":
         out["data.system_prompt"] = "data.prompt_mode=raw applies no chat template, so no system turn"
     if cfg.parallel.rollout_ranks:

@@ -45,8 +45,11 @@ def resolve(
         cfg.optim.decay_steps = t.max_steps * t.minibatches_per_step * t.epochs_per_step
     if cfg.trainer.threads == 0:
         cfg.trainer.threads = threads
-    if cfg.trainer.stall_timeout_s is None:  # the longest healthy phase is minutes on GPUs (watchdog.py)
-        cfg.trainer.stall_timeout_s = 1800.0 if cuda else 600.0
+    default_timeout = 1800.0 if cuda else 600.0  # the longest healthy phase is minutes on GPUs (watchdog.py)
+    if cfg.trainer.stall_timeout_s is None:
+        cfg.trainer.stall_timeout_s = default_timeout
+    if cfg.trainer.start_timeout_s is None:
+        cfg.trainer.start_timeout_s = max(cfg.trainer.stall_timeout_s, default_timeout)
     return cfg
 
 

@@ -236,6 +236,9 @@ class TrainerConfig:
     # watchdog names the rank and phase it waits on and ends the job (exit 124); 0 = no watchdog.
     # Resolved: 600 on CPU, 1800 on GPUs (megatron_dppo/run/watchdog.py says why).
     stall_timeout_s: float | None = None
+    # Seconds start-up (model build, checkpoint load, engine start: until the first step) may go
+    # without progress; resolved: the larger of stall_timeout_s and its default above.
+    start_timeout_s: float | None = None
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
     # With dedicated rollout ranks (parallel.rollout_ranks > 0): 0 = each step's rollout waits for
     # its weights (what colocated runs do, token for token); 1 = the next step's rollout runs while

@@ -22,7 +22,11 @@ would give up after its timeout without naming the rank that stopped). Here:
 A rank whose main thread is stuck inside C code that holds the GIL cannot run its checker; its
 heartbeats stop too, so the other ranks' checkers name it when their own waits reach the timeout.
 The timeout must exceed the longest healthy phase: `margin_warning` says when a phase took over
-half of it, and `timing_line` gives the longest phase for the run's log.
+half of it, and `timing_line` gives the longest phase for the run's log. Start-up (model build,
+checkpoint load, engine start, and the other ranks' start-up it waits for) lasts until the first
+phase at a step; its length depends on the model and the machine's load, not on a step's shape, so
+it is watched with its own, longer start_timeout_s (trainer.start_timeout_s): a stall timeout
+sized to catch a hung step within seconds does not end a job whose engine takes a minute to start.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def describe_ranks(beats: dict, world: int, now: float, timeout_s: float, stale_
             key = (0, "never sent a heartbeat", None, None)
         elif now - b["beat"] > stale_s:
             key = (1, "stale", b["phase"], b["step"])
-        elif now - b["progress"] >= timeout_s:
+        elif now - b["progress"] >= b.get("timeout", timeout_s):  # a rank in start-up: its start timeout
             key = (3, "waits", b["phase"], b["step"])
         else:
             key = (2, "moving", b["phase"], b["step"])
@@ -124,8 +128,19 @@ def _main_thread_frames() -> str:
 class StallWatchdog:
     """See the module docstring. timeout_s <= 0 disables it (start() does nothing)."""
 
-    def __init__(self, timeout_s: float, *, rank: int = 0, world: int = 1, store=None, exit=os._exit):
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        start_timeout_s: float | None = None,
+        rank: int = 0,
+        world: int = 1,
+        store=None,
+        exit=os._exit,
+    ):
         self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(timeout_s if start_timeout_s is None else start_timeout_s)
+        self._starting = True  # until the first phase at a step: watched with start_timeout_s
         self.rank, self.world, self.store = rank, world, store
         self.beat_s = max(0.2, min(5.0, self.timeout_s / 4))
         self.stale_s = 3 * self.beat_s  # three missed beats: that rank's process is not running
@@ -133,7 +148,7 @@ class StallWatchdog:
         self._phase, self._step = "start", None
         self._progress_mono = time.monotonic()  # when the current phase began: the last progress
         self._progress_wall = time.time()
-        self.longest = (0.0, "start", None)  # (seconds, phase, step) of the longest phase so far
+        self.longest = (0.0, "start", None)  # (seconds, phase, step) of the longest phase after start-up
         self._warned = False
         self._stop = threading.Event()
         self._changed = threading.Event()
@@ -144,9 +159,10 @@ class StallWatchdog:
         """Progress: the previous phase ended, `name` began (at `step`)."""
         now = time.monotonic()
         took = now - self._progress_mono
-        if took > self.longest[0]:
+        if took > self.longest[0] and not self._starting:  # start-up has its own timeout
             self.longest = (took, self._phase, self._step)
         self._phase, self._step = name, step
+        self._starting = self._starting and step is None
         self._progress_mono = now
         self._progress_wall = time.time()
         self._changed.set()  # the heartbeat thread publishes it now (no store call on this thread)
@@ -193,6 +209,7 @@ class StallWatchdog:
             "step": self._step,
             "progress": self._progress_wall,
             "beat": time.time(),
+            "timeout": self._timeout()[1],
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
@@ -207,10 +224,16 @@ class StallWatchdog:
                 pass
             self._changed.wait(self.beat_s)
 
+    def _timeout(self) -> tuple[str, float]:
+        """(the option's name, its seconds) that bounds the current phase."""
+        if self._starting:
+            return "trainer.start_timeout_s", self.start_timeout_s
+        return "trainer.stall_timeout_s", self.timeout_s
+
     def _check_loop(self) -> None:
         while not self._stop.wait(min(self.beat_s, 1.0)):
             idle = time.monotonic() - self._progress_mono
-            if idle >= self.timeout_s:
+            if idle >= self._timeout()[1]:
                 self._report_and_exit(idle)
                 return
 
@@ -237,9 +260,10 @@ class StallWatchdog:
         beats = self._read_beats()
         beats[self.rank] = self._heartbeat()  # this rank's own state, fresh
         where = _main_thread_frames()
+        option, seconds = self._timeout()
         head = (
-            f"stall watchdog: rank {self.rank} made no progress for {idle:.0f} s (trainer.stall_timeout_s="
-            f"{self.timeout_s:g}) in {_where(self._phase, self._step)}" + (f", at {where}" if where else "")
+            f"stall watchdog: rank {self.rank} made no progress for {idle:.0f} s ({option}={seconds:g}) "
+            f"in {_where(self._phase, self._step)}" + (f", at {where}" if where else "")
         )
         lines = [head] + [
             "  " + line for line in describe_ranks(beats, self.world, time.time(), self.timeout_s, self.stale_s)

@@ -44,7 +44,11 @@ def serve(cfg: Config, roles: Roles) -> int:
     startup.resolve_config(cfg, inputs, world=roles.world)
     rollout_world = roles.rollout_ranks
     watchdog = StallWatchdog(
-        cfg.trainer.stall_timeout_s, rank=roles.local_rank, world=rollout_world, store=default_store()
+        cfg.trainer.stall_timeout_s,
+        start_timeout_s=cfg.trainer.start_timeout_s,
+        rank=roles.local_rank,
+        world=rollout_world,
+        store=default_store(),
     ).start()
     engine = scorer = None
     stopped = False

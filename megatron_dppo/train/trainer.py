@@ -131,7 +131,11 @@ class Trainer:
         self.rank, self.world = startup.claim_run_dir(paths.plan)
         self.is_main = self.rank == 0
         self.watchdog = StallWatchdog(
-            cfg.trainer.stall_timeout_s, rank=self.rank, world=self.world, store=default_store()
+            cfg.trainer.stall_timeout_s,
+            start_timeout_s=cfg.trainer.start_timeout_s,
+            rank=self.rank,
+            world=self.world,
+            store=default_store(),
         ).start()
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
         self.policy = startup.build_policy(cfg, self.hf_config)

@@ -67,6 +67,8 @@ def _changed(value, typ):
     """A value of the field's type other than `value` (validity does not matter: nothing validates)."""
     if typing.get_origin(typ) is typing.Literal:
         return next(c for c in typing.get_args(typ) if c != value)
+    if value is None and float in typing.get_args(typ):  # float | None: resolved later
+        return 60.0
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
@@ -113,6 +115,7 @@ INERT = [
     (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_cap"),  # a mask, no truncation
     ((), "trainer.max_staleness"),  # colocated: every rollout has the latest weights
     (("parallel.rollout_ranks=1",), "rollout.sleep_level"),  # dedicated engines share no device: never asleep
+    (("trainer.stall_timeout_s=0",), "trainer.start_timeout_s"),  # no watchdog
 ]
 
 

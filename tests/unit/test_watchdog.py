@@ -100,3 +100,38 @@ def test_stall_timeout_default_depends_on_the_device(cuda, expected):
 
     cfg = resolve(load_config(TINY), **dict(FACTS, cuda=cuda))
     assert cfg.trainer.stall_timeout_s == expected
+
+
+def test_start_up_is_watched_with_its_own_timeout():
+    """Start-up (phases before the first step) runs under start_timeout_s: a slow engine start does
+    not end a job whose stall timeout is short; once a step began, the stall timeout applies, and the
+    report names the option that fired."""
+    exits = []
+    w = StallWatchdog(0.6, start_timeout_s=30, exit=exits.append).start()
+    w.phase("load weights")
+    time.sleep(1.5)  # over the stall timeout, in start-up
+    assert exits == []
+    w.phase("prompts", 1)
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.stop()
+    assert exits == [STALL_EXIT_CODE]
+    assert w.timing_line().endswith("(phase start)")  # start-up's phases are not the longest step phase
+    starting = StallWatchdog(5, start_timeout_s=1)
+    assert "(trainer.start_timeout_s=1) in phase start" in starting.report_lines(1.0)[0]
+    starting.phase("rollout", 3)
+    assert "(trainer.stall_timeout_s=5) in phase rollout at step 3" in starting.report_lines(5.0)[0]
+
+
+def test_start_timeout_resolves_to_at_least_the_platform_default():
+    from tiny_config import FACTS, TINY
+
+    from megatron_dppo.config import load_config, resolve
+
+    short = resolve(load_config(TINY, ["trainer.stall_timeout_s=20"]), **FACTS)
+    assert (short.trainer.stall_timeout_s, short.trainer.start_timeout_s) == (20, 600)
+    long = resolve(load_config(TINY, ["trainer.stall_timeout_s=900"]), **FACTS)
+    assert long.trainer.start_timeout_s == 900
+    mine = resolve(load_config(TINY, ["trainer.stall_timeout_s=20", "trainer.start_timeout_s=45"]), **FACTS)
+    assert mine.trainer.start_timeout_s == 45

@@ -20,6 +20,11 @@ total = torch.tensor([rank + 1.0])
 dist.all_reduce(total)
 keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS")
 seen = {k: os.environ.get(k) for k in keys}
-print(f"RANK_CHECK {sorted(seen.items())} sum={total.item()} threads={torch.get_num_threads()} main={__name__}")
-print(f"argv={sys.argv[1:]} path0={os.path.basename(sys.path[0])}", flush=True)
+# One write for both lines: the two ranks share the output, and print's separate writes of a line
+# and its newline interleave under PYTHONUNBUFFERED (as they did in CI).
+sys.stdout.write(
+    f"RANK_CHECK {sorted(seen.items())} sum={total.item()} threads={torch.get_num_threads()} main={__name__}\n"
+    f"argv={sys.argv[1:]} path0={os.path.basename(sys.path[0])}\n"
+)
+sys.stdout.flush()
 dist.destroy_process_group()
