@@ -146,7 +146,7 @@ def pytest_sessionfinish(session, exitstatus):
     """No process a test started may outlive the session: anything carrying this session's mark
     (but pytest and its own multiprocessing helpers, which end with it), and anything run_workers
     had to kill after its launch ended, is reported, killed, and fails the run."""
-    for server in _PREFORK:
+    for server in _PREFORK.values():
         server.close()
     token = os.environ.get(SESSION_VAR)
     if hasattr(session.config, "workerinput"):  # a pytest-xdist worker: the controller reports
@@ -177,13 +177,14 @@ def pytest_testnodedown(node, error):
 
 
 class _Prefork:
-    """This pytest process's tests/prefork_server.py, started at its first use, closed at the
-    session's end: forks the ranks of run_workers(..., fork=True) launches."""
+    """One of this pytest process's tests/prefork_server.py, started at its first use, closed at
+    the session's end: forks the ranks of run_workers(..., fork=True) launches ("dist"), or the
+    CLI runs of run_cli ("cli": vLLM and the trainer imported too)."""
 
-    def __init__(self):
+    def __init__(self, kind: str):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests" / "prefork_server.py")],
+            [sys.executable, str(REPO / "tests" / "prefork_server.py"), *(["--cli"] if kind == "cli" else [])],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
@@ -195,8 +196,8 @@ class _Prefork:
         ready = self.proc.stdout.readline()
         assert ready.startswith('{"ready"'), f"tests/prefork_server.py did not start: {ready!r}"
 
-    def launch(self, script, nproc: int, args: tuple, env: dict, out: str, err: str, timeout: float) -> dict:
-        request = dict(script=str(script), args=list(map(str, args)), nproc=nproc, env=env, out=out, err=err)
+    def launch(self, target: dict, nproc: int, args: tuple, env: dict, out: str, err: str, timeout: float) -> dict:
+        request = dict(target, args=list(map(str, args)), nproc=nproc, env=env, out=out, err=err, cwd=str(REPO))
         request.update(port=free_port(), timeout=timeout)
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
@@ -213,23 +214,54 @@ class _Prefork:
             self.proc.wait()
 
 
-_PREFORK: list[_Prefork] = []
+_PREFORK: dict[str, _Prefork] = {}
 
 
-def _prefork() -> _Prefork:
-    if not _PREFORK or _PREFORK[0].proc.poll() is not None:
-        _PREFORK[:] = [_Prefork()]
-    return _PREFORK[0]
+def _prefork(kind: str) -> _Prefork:
+    if kind not in _PREFORK or _PREFORK[kind].proc.poll() is not None:
+        _PREFORK[kind] = _Prefork(kind)
+    return _PREFORK[kind]
 
 
-def _forked_launch(script, nproc: int, args: tuple, env: dict, timeout: float) -> subprocess.CompletedProcess:
+def _forked_launch(
+    script, nproc: int, args: tuple, env: dict, timeout: float, module: str | None = None
+) -> subprocess.CompletedProcess:
+    """script's ranks (or, with module, one plain `python -m module` process) forked from a
+    prefork server; its output as a CompletedProcess's."""
+    target = {"module": module} if module else {"script": str(script)}
     with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
-        result = _prefork().launch(script, nproc, args, env, out.name, err.name, timeout)
+        result = _prefork("cli" if module else "dist").launch(target, nproc, args, env, out.name, err.name, timeout)
+        what = f"{module or script} {' '.join(map(str, args))}"[:120]
         # What a rank started (exec'd helpers carry the RUN_VAR mark; forked ranks, the server's).
-        _kill_leftovers(processes_with_env(RUN_VAR, env[RUN_VAR]), f"{script} {' '.join(map(str, args))}"[:120])
+        _kill_leftovers(processes_with_env(RUN_VAR, env[RUN_VAR]), what)
         stderr = err.read() + (f"\n(launch timed out after {timeout} s)" if result["timed_out"] else "")
-        cmd = ["prefork", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+        cmd = ["prefork", f"--nproc_per_node={nproc}", *(["-m", module] if module else [str(script)]), *map(str, args)]
         return subprocess.CompletedProcess(cmd, result["returncode"], out.read(), stderr)
+
+
+def run_cli(cmd: list, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout), with
+    what it started killed afterwards; a one-process `python -m megatron_dppo.cli` run that is not
+    logging.verbose is forked from the "cli" prefork server (its ~13 s of imports done once per
+    pytest worker). A run that times out raises subprocess.TimeoutExpired either way."""
+    env = dict(env, **{RUN_VAR: uuid.uuid4().hex})
+    forkable = (
+        not os.environ.get("MEGATRON_DPPO_TEST_NO_FORK")  # =1: real processes (to compare, or debug)
+        and cmd[:3] == [sys.executable, "-m", "megatron_dppo.cli"]
+        and "logging.verbose=true" not in cmd
+        and not env.get("PYTHONWARNINGS", "").startswith("default")
+    )
+    if forkable:
+        res = _forked_launch(None, 1, tuple(cmd[3:]), env, timeout, module="megatron_dppo.cli")
+        if res.stderr.endswith(f"(launch timed out after {timeout} s)"):
+            raise subprocess.TimeoutExpired(cmd, timeout, res.stdout, res.stderr)
+        return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)
+    try:
+        return subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True
+        )
+    finally:
+        _kill_leftovers(processes_with_env(RUN_VAR, env[RUN_VAR]), " ".join(map(str, cmd))[:120])
 
 
 def run_workers(

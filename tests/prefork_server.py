@@ -10,11 +10,21 @@ launch ends, as under torchrun, when every rank has exited or one has failed (th
 stopped). What torchrun itself does (its agent, restarts, its failure report, signals to a stalled
 rank) is tested through real torchrun launches, which the fault tests keep.
 
+With --cli the server imports what `python -m megatron_dppo.cli train` imports (vLLM too, ~13 s
+of a 2-step tiny run's ~25), in the CLI's order: quiet_libraries first, as the CLI calls it before
+torch and vLLM are imported (their log levels are read then). Its requests run a module
+("module": "megatron_dppo.cli") as `python -m` would, as one plain process (no torchrun variables);
+tests/conftest.py's run_cli sends only non-verbose CLI runs there (logging.verbose=true needs the
+libraries' own log levels, which an import fixes).
+
 Protocol (one JSON object per line): the server prints {"ready": pid} once imported, then for each
-request {"script", "args", "nproc", "env", "out", "err", "port", "timeout"} prints {"returncode",
-"timed_out"}. The server runs no torch op before forking, so no thread pool exists yet.
+request {"script" or "module", "args", "nproc", "env", "cwd", "out", "err", "port", "timeout"}
+prints {"returncode", "timed_out"}. The server runs no torch op before forking, so no thread pool
+exists yet. A child ends as a process would: SystemExit's code, atexit's handlers (a reward pool's
+close), flushed output.
 """
 
+import atexit
 import json
 import os
 import runpy
@@ -24,25 +34,49 @@ import time
 import traceback
 
 
+def _pythonpath(env: dict) -> list[str]:
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# Environment variables the server's imports set (vllm_engine's VLLM_ENABLE_V1_MULTIPROCESSING=0,
+# quiet_libraries' log levels): a child's environment is the caller's plus these, as the same imports
+# in a fresh process would leave it.
+_SET_BY_IMPORTS: dict[str, str] = {}
+
+# sys.path without its first entry (the script's dir) and PYTHONPATH's: what every process has
+_BASE_PATH = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
+
+
 def _run_rank(req: dict, rank: int) -> int:
-    """In the forked child: become rank `rank` of the launch and run its script as __main__."""
+    """In the forked child: become rank `rank` of the launch (or, for a module, the one plain
+    process) and run its script or module as __main__."""
     os.environ.clear()
     os.environ.update(req["env"])
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(req["nproc"]),
-        LOCAL_WORLD_SIZE=str(req["nproc"]),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(req["port"]),
-    )
+    for key, value in _SET_BY_IMPORTS.items():  # what the imports would have set in this process
+        os.environ.setdefault(key, value)
+    if "script" in req:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(req["nproc"]),
+            LOCAL_WORLD_SIZE=str(req["nproc"]),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(req["port"]),
+        )
+    os.chdir(req.get("cwd") or os.getcwd())
     for fd, path in ((1, req["out"]), (2, req["err"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), fd)
     sys.stdin = open(os.devnull)
-    sys.argv = [req["script"], *req["args"]]
-    sys.path[0] = os.path.dirname(os.path.abspath(req["script"]))
+    # sys.path as the interpreter would build it: the script's dir (the cwd for -m), PYTHONPATH, the rest
+    first = os.getcwd() if "module" in req else os.path.dirname(os.path.abspath(req["script"]))
+    sys.path[:] = [first, *_pythonpath(req["env"]), *_BASE_PATH]
+    sys.argv = [req.get("script") or req["module"], *req["args"]]
     try:
-        runpy.run_path(req["script"], run_name="__main__")
+        if "module" in req:
+            sys.modules.pop(req["module"], None)  # as under -m: the module runs once, as __main__
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(req["script"], run_name="__main__")
         return 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -65,6 +99,7 @@ def _launch(req: dict) -> dict:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 code = _run_rank(req, rank)
             finally:
+                atexit._run_exitfuncs()  # what the interpreter's exit would run
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
@@ -105,13 +140,30 @@ def _wait(pids: list[int], timeout: float) -> dict:
     return {"returncode": returncode, "timed_out": timed_out}
 
 
+def _import_cli_stack() -> None:
+    """What a `megatron-dppo train` process imports, in its order (cli._train)."""
+    from megatron_dppo.run.quiet import quiet_libraries
+
+    quiet_libraries()
+    from megatron_dppo.run.collectives import set_launch_env_defaults
+
+    set_launch_env_defaults()
+    import megatron_dppo.cli  # noqa: F401
+    import megatron_dppo.rollout.vllm_engine  # noqa: F401  (vLLM)
+    import megatron_dppo.train.trainer  # noqa: F401
+
+
 def main() -> None:
+    before = dict(os.environ)
+    if "--cli" in sys.argv[1:]:
+        _import_cli_stack()
     import safetensors.torch  # noqa: F401
     import torch.distributed  # noqa: F401
     from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: F401  (transformers imports lazily)
 
     import megatron_dppo.megatron  # noqa: F401  (Megatron-Core, without TorchInductor on CPU)
 
+    _SET_BY_IMPORTS.update((k, v) for k, v in os.environ.items() if before.get(k) != v)
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         print(json.dumps(_launch(json.loads(line))), flush=True)

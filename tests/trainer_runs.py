@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import psutil
+from conftest import run_cli
 from safetensors.torch import load_file
 
 from megatron_dppo.run.process import free_port
@@ -82,9 +83,7 @@ def train_cmd(out, name, model_dir, nproc, *overrides, resume=False):
 
 
 def run(cmd, timeout=600):
-    res = subprocess.run(
-        cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=timeout, start_new_session=True
-    )
+    res = run_cli(cmd, run_env(), timeout)  # one-process CLI runs fork from a server with the imports done
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res
 

@@ -3,12 +3,12 @@ greedy from a Megatron checkpoint of it (answers = transformers' own greedy answ
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 from megatron_dppo.data.tasks import as_layout, write_parquet
 from megatron_dppo.rollout.validation import metrics_from_rows
@@ -29,7 +29,7 @@ def _evaluate(tmp_path, out, *args):
     cmd = [sys.executable, "-m", "megatron_dppo.cli", "evaluate", "--config", str(TINY / "addition.yaml")]
     cmd += ["--out-dir", str(tmp_path / out), *COMMON, f"eval.sets={{verl: {tmp_path / 'verl.parquet'}}}", *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    res = run_cli(cmd, env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return res.stdout
 

@@ -1,6 +1,7 @@
 """The whole step end to end: weight sync, pruning before rollout, resume after a kill,
-a hanging verifier, and the tiny run's accuracy rising. Each run is a subprocess (the
-Megatron CPU shim and vLLM change process-wide state)."""
+a hanging verifier, and the tiny run's accuracy rising. Each run is a process of its own (the
+Megatron CPU shim and vLLM change process-wide state): forked from a server with the imports done
+(tests/conftest.py's run_cli) where a run only has to finish, a subprocess where a test signals it."""
 
 import json
 import math
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from trainer_runs import SMALL
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
@@ -48,14 +50,14 @@ def train_cmd(tmp_path, name, *overrides, resume=False):
 
 
 def run(cmd, timeout=600):
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    res = run_cli(cmd, _env(), timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return res
 
 
 def run_failing(cmd, timeout=600):
     """A run that must fail with the CLI's one-line error (exit status 1)."""
-    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    res = run_cli(cmd, _env(), timeout)
     assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
@@ -212,14 +214,7 @@ def test_reward_failures_are_counted_shown_and_stop_the_run(tmp_path):
     assert any("raise" in k or "error" in k for k in kinds), kinds
     assert any("timeout" in k or "deadline" in k for k in kinds), kinds
     assert "reward checks failed" in res.stdout + res.stderr and "record " in res.stdout + res.stderr
-    bad = subprocess.run(
-        train_cmd(tmp_path, "nan", "trainer.max_steps=2", "reward.kind=trainer_rewards:always_nan"),
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    bad = run_cli(train_cmd(tmp_path, "nan", "trainer.max_steps=2", "reward.kind=trainer_rewards:always_nan"), _env())
     assert bad.returncode == 1
     lines = [line for line in bad.stderr.splitlines() if line.strip()]
     assert "max_error_frac" in lines[-1] and lines[-1].startswith("error:"), bad.stderr[-2000:]
@@ -632,3 +627,33 @@ def test_the_hf_dir_written_while_training_serves_in_vllm_as_the_trained_policy(
     written = {k: v for f in hf.glob("*.safetensors") for k, v in load_file(f).items()}
     start = load_file(REPO / "examples" / "tiny" / "model" / "model.safetensors")
     assert written.keys() == start.keys() and any(not (written[k] == start[k]).all() for k in start)  # trained
+
+
+def test_a_forked_run_equals_a_real_process(tmp_path):
+    """run_cli forks one-process runs from a server with the imports done (tests/prefork_server.py):
+    what that run computes and prints must be what a `python -m megatron_dppo.cli train` process
+    does: every metric but times equal at both steps, the rollouts token for token, the same screen
+    lines once timings are blanked."""
+    over = ("trainer.max_steps=2", "logging.rollouts=true", "pruning.r_q=0.5", "pruning.r_o=0.5")
+    forked = run_cli(train_cmd(tmp_path, "forked", *over), _env())
+    real = subprocess.run(
+        train_cmd(tmp_path, "real", *over), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert forked.returncode == real.returncode == 0, forked.stderr[-3000:] + real.stderr[-3000:]
+    assert forked.args[:3] == real.args[:3] == [sys.executable, "-m", "megatron_dppo.cli"]
+    skip = ("time/", "wall_time", "checkpoint/")
+    a, b = metrics(tmp_path, "forked"), metrics(tmp_path, "real")
+    assert sorted(a) == sorted(b) == [1, 2]
+    for step in (1, 2):
+        assert {k: v for k, v in a[step].items() if not k.startswith(skip)} == {
+            k: v for k, v in b[step].items() if not k.startswith(skip)
+        }
+        rows = [(tmp_path / n / "rollouts" / f"step_{step:06d}.jsonl").read_text() for n in ("forked", "real")]
+        assert rows[0] == rows[1]
+
+    def screen(res):  # numbers (times, rates), the run's name, and which phase was the longest blanked
+        text = (res.stdout + res.stderr).replace("forked", "NAME").replace("real", "NAME")
+        text = re.sub(r"the longest phase so far took .*", "the longest phase ...", text)
+        return [re.sub(r"\d+(\.\d+)?", "N", line) for line in text.splitlines()]
+
+    assert screen(forked) == screen(real)

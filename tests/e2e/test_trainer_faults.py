@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import psutil
+from conftest import run_cli
 from trainer_runs import SMALL as TRAINER_SMALL
 
 from megatron_dppo.run.process import free_port
@@ -79,8 +80,7 @@ def test_a_sigstopped_trainer_rank_ends_the_job_naming_it_and_keeps_the_checkpoi
 
 
 def test_resume_refuses_another_group_size_and_logs_the_save_cost(tmp_path):
-    run = lambda *a, **k: subprocess.run(train_cmd(tmp_path, "r", *a, **k), cwd=REPO, env=_env(),  # noqa: E731
-                                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    run = lambda *a, **k: run_cli(train_cmd(tmp_path, "r", *a, **k), _env())  # noqa: E731
     first = run("trainer.max_steps=2")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "checkpoint step_000002 saved in " in first.stdout + first.stderr
