@@ -40,7 +40,16 @@ setup(
         # tools/build_smollm2.py: transformers dequantizes a GGUF file only with both (its minimums).
         "smollm2": ["gguf>=0.10", "accelerate>=1.1"],
         # datasets: the tests write real save_to_disk dirs, which data_files.py reads with pyarrow alone.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff==0.17.5", "import-linter==2.1", "datasets"],
+        # pytest 9.1.1: pytest 9.2 derives a test's nodeid from an id that pytest-xdist 3.8.0 (the
+        # newest) does not rewrite, so `--dist loadgroup` stops grouping (tests/conftest.py checks it).
+        "dev": [
+            "pytest==9.1.1",
+            "pytest-timeout",
+            "pytest-xdist==3.8.0",
+            "ruff==0.17.5",
+            "import-linter==2.1",
+            "datasets",
+        ],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},
 )

@@ -104,6 +104,12 @@ def _torch_threads() -> int:
 def pytest_configure(config):
     os.environ.setdefault(SESSION_VAR, uuid.uuid4().hex)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # read when torch is imported (after this hook)
+    config.pluginmanager.register(_GroupCheck(), "megatron_dppo_group_check")
+    if config.getoption("dist", None) == "loadgroup" and _PYTEST_VERSION >= (9, 2):  # the controller
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup (its groups are not "
+            "kept on one worker); install setup.py's dev extra (pytest==9.1.1)"
+        )
     for tier, what in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {what}")
 
@@ -133,6 +139,28 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
         if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(str(path.relative_to(REPO / "tests"))))
+
+
+_PYTEST_VERSION = tuple(int(p) for p in pytest.__version__.split(".")[:2])
+
+
+class _GroupCheck:
+    """On a pytest-xdist worker under --dist loadgroup: every test with an xdist_group mark must have
+    been renamed "<nodeid>@<group>" by pytest-xdist's own hook, which is how the controller keeps a
+    group on one worker. pytest 9.2 made that rename a no-op (setup.py pins pytest): the tests of a
+    module fixture then spread over both workers and built it on each, silently. (The controller's
+    pytest_configure names the known case; this catches any other, as a worker's internal error.)"""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not config.getoption("loadgroup", False):
+            return
+        lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+        if lost:
+            raise pytest.UsageError(
+                f"--dist loadgroup does not group {lost[0]} (and {len(lost) - 1} more): this pytest "
+                f"({pytest.__version__}) and pytest-xdist do not work together; install setup.py's dev extra"
+            )
 
 
 def pytest_runtest_setup(item):
@@ -239,20 +267,48 @@ def _forked_launch(
         return subprocess.CompletedProcess(cmd, result["returncode"], out.read(), stderr)
 
 
+_TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+_CLI = ["-m", "megatron_dppo.cli"]
+
+
+def _cli_ranks(cmd: list) -> tuple[int, tuple | None]:
+    """(ranks, the CLI's arguments) of `python -m megatron_dppo.cli ...` (1 rank) or of a one-node
+    `python -m torch.distributed.run --nproc_per_node=N [--master_addr/--master_port] -m
+    megatron_dppo.cli ...` (N ranks); (1, None) for any other command."""
+    if cmd[:3] == [sys.executable, *_CLI]:
+        return 1, tuple(cmd[3:])
+    if cmd[:3] != _TORCHRUN or _CLI[0] not in cmd:
+        return 1, None
+    cut = cmd.index(_CLI[0])
+    flags = dict(f.split("=", 1) for f in cmd[3:cut] if f.startswith("--") and "=" in f)
+    if (
+        cmd[cut : cut + 2] != _CLI
+        or len(flags) != len(cmd[3:cut])
+        or set(flags) - {"--nproc_per_node", "--master_addr", "--master_port"}
+    ):
+        return 1, None
+    return int(flags.get("--nproc_per_node", 1)), tuple(cmd[cut + 2 :])
+
+
 def run_cli(cmd: list, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout), with
-    what it started killed afterwards; a one-process `python -m megatron_dppo.cli` run that is not
-    logging.verbose is forked from the "cli" prefork server (its ~13 s of imports done once per
-    pytest worker). A run that times out raises subprocess.TimeoutExpired either way."""
+    what it started killed afterwards; a `python -m megatron_dppo.cli` run, or a one-node torchrun
+    launch of it, that is not logging.verbose is forked from the "cli" prefork server (its ~13 s of
+    imports done once per pytest worker, torchrun's own start saved too): its ranks get torchrun's
+    variables, their output goes to one stdout and one stderr as torchrun's does. What torchrun
+    itself does (restarts, its failure report, its signals) is tested where a test starts the job
+    itself (start_logged, subprocess.Popen): those stay real. A run that times out raises
+    subprocess.TimeoutExpired either way."""
     env = dict(env, **{RUN_VAR: uuid.uuid4().hex})
+    nproc, cli_args = _cli_ranks(cmd)
     forkable = (
         not os.environ.get("MEGATRON_DPPO_TEST_NO_FORK")  # =1: real processes (to compare, or debug)
-        and cmd[:3] == [sys.executable, "-m", "megatron_dppo.cli"]
+        and cli_args is not None
         and "logging.verbose=true" not in cmd
         and not env.get("PYTHONWARNINGS", "").startswith("default")
     )
     if forkable:
-        res = _forked_launch(None, 1, tuple(cmd[3:]), env, timeout, module="megatron_dppo.cli")
+        res = _forked_launch(None, nproc, cli_args, env, timeout, module="megatron_dppo.cli")
         if res.stderr.endswith(f"(launch timed out after {timeout} s)"):
             raise subprocess.TimeoutExpired(cmd, timeout, res.stdout, res.stderr)
         return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)

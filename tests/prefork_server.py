@@ -13,7 +13,8 @@ rank) is tested through real torchrun launches, which the fault tests keep.
 With --cli the server imports what `python -m megatron_dppo.cli train` imports (vLLM too, ~13 s
 of a 2-step tiny run's ~25), in the CLI's order: quiet_libraries first, as the CLI calls it before
 torch and vLLM are imported (their log levels are read then). Its requests run a module
-("module": "megatron_dppo.cli") as `python -m` would, as one plain process (no torchrun variables);
+("module": "megatron_dppo.cli") as `python -m` would: one plain process (no torchrun variables), or
+with nproc > 1 the ranks of a one-node torchrun launch of it (its variables, as a script's ranks);
 tests/conftest.py's run_cli sends only non-verbose CLI runs there (logging.verbose=true needs the
 libraries' own log levels, which an import fixes).
 
@@ -48,13 +49,13 @@ _BASE_PATH = [p for p in sys.path[1:] if p not in _pythonpath(os.environ)]
 
 
 def _run_rank(req: dict, rank: int) -> int:
-    """In the forked child: become rank `rank` of the launch (or, for a module, the one plain
-    process) and run its script or module as __main__."""
+    """In the forked child: become rank `rank` of the launch (or, for a one-process module run, the
+    one plain process) and run its script or module as __main__."""
     os.environ.clear()
     os.environ.update(req["env"])
     for key, value in _SET_BY_IMPORTS.items():  # what the imports would have set in this process
         os.environ.setdefault(key, value)
-    if "script" in req:
+    if "script" in req or req["nproc"] > 1:  # a module with nproc > 1: torchrun's ranks of `-m module`
         os.environ.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),

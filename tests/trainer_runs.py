@@ -1,6 +1,7 @@
-"""Training runs of the e2e tests (`megatron-dppo train` in a subprocess, under torchrun for several
-processes): the small step budgets, the command, and how two runs are compared (rollouts token for
-token, metrics and final weights within 1e-5 relative)."""
+"""Training runs of the e2e tests (`megatron-dppo train`, a torchrun command line for several
+processes: `run` forks its ranks from the test's prefork server, start_logged starts real
+torchrun for the tests that signal it): the small step budgets, the command, and how two runs are
+compared (rollouts token for token, metrics and final weights within 1e-5 relative)."""
 
 import json
 import os

@@ -127,7 +127,7 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     within a minute or two and no process of it is left."""
     over = ["trainer.max_steps=200", "trainer.save_every=0", "trainer.save_every_minutes=0"]
     if fault == "stalled":
-        over.append("trainer.stall_timeout_s=30")
+        over.append("trainer.stall_timeout_s=10")  # start-up has its own trainer.start_timeout_s
     log = tmp_path / "run.log"
     proc = start_logged(train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over), log)
     try:

@@ -310,17 +310,8 @@ def test_rollouts_depend_on_the_seed_only_and_an_existing_run_dir_needs_resume_o
 
     run(train_cmd(tmp_path, "s0", "trainer.max_steps=2", *same_prompts))
     first = completions("s0")
-    refused = subprocess.run(
-        train_cmd(tmp_path, "s0", "trainer.max_steps=1", *same_prompts),
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert refused.returncode == 1 and "--resume" in refused.stderr and "--overwrite" in refused.stderr, refused.stderr[
-        -2000:
-    ]
+    refused = run_failing(train_cmd(tmp_path, "s0", "trainer.max_steps=1", *same_prompts))
+    assert "--resume" in refused.stderr and "--overwrite" in refused.stderr, refused.stderr[-2000:]
     run(train_cmd(tmp_path, "s0", "trainer.max_steps=1", *same_prompts) + ["--overwrite"])
     assert sorted(metrics(tmp_path, "s0")) == [1]
     assert sorted(os.listdir(tmp_path / "s0" / "checkpoints")) == ["latest", "step_000001"]
@@ -381,7 +372,10 @@ def test_a_nan_in_the_weights_stops_the_run_naming_the_tensor(tmp_path):
 
 
 def test_tiny_run_accuracy_rises(tmp_path):
-    """The main job's config with a small budget: held-out greedy accuracy clearly rises."""
+    """The main job's config with a small budget: held-out greedy accuracy clearly rises (measured
+    0.277 -> 0.373 at step 80; 0.317 at step 40, too close to the margin). One torch thread, as
+    every test run: two on the two cores that pytest-xdist's other worker also uses took 197 s in
+    `make test` where one thread takes 51 s alone, with the same accuracies."""
     run(
         train_cmd(
             tmp_path,
@@ -392,7 +386,6 @@ def test_tiny_run_accuracy_rises(tmp_path):
             "trainer.prompts_per_step=32",
             "rollout.group_size=8",
             "data.train_size=1024",
-            "trainer.threads=2",
         ),
         timeout=900,
     )

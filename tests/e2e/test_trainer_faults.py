@@ -37,7 +37,7 @@ def test_a_sigstopped_trainer_rank_ends_the_job_naming_it_and_keeps_the_checkpoi
     1 and its phase within trainer.stall_timeout_s, the job exits non-zero, `latest` names a step."""
     run_dir = tmp_path / "stall"
     cmd = train_cmd(tmp_path, "stall", "trainer.max_steps=50", "trainer.save_every=1",
-                    "trainer.stall_timeout_s=20", nproc=2)  # fmt: skip
+                    "trainer.stall_timeout_s=10", nproc=2)  # fmt: skip
     with open(tmp_path / "out.txt", "w+") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -76,7 +76,7 @@ def test_a_sigstopped_trainer_rank_ends_the_job_naming_it_and_keeps_the_checkpoi
     assert "exitcode  : 124" in text, text[-3000:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step_") and (run_dir / "checkpoints" / latest / "manifest.json").exists()
-    assert took < 20 + 30 + 30, took  # the timeout, torchrun's 30 s grace for the stopped rank, slack
+    assert took < 10 + 30 + 30, took  # the timeout, torchrun's 30 s grace for the stopped rank, slack
 
 
 def test_resume_refuses_another_group_size_and_logs_the_save_cost(tmp_path):
