@@ -293,6 +293,7 @@ def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(bui
     an engine per rank; SmolLM2's 9 heads do not split in 2) has the same rollouts token for token
     at both steps (so step 1's update gave the same weights), equal rewards and trained tokens,
     and losses and gradient norms within 1e-4 relative (measured: loss equal, grad norm 2e-5)."""
+    from conftest import run_cli
     from trainer_runs import assert_same_rollouts, metrics, rel_close, rollouts
 
     from megatron_dppo.rewards.spec import resolve_reward_fn
@@ -310,9 +311,7 @@ def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(bui
     for name, launcher in (("tp1", []), ("tp3", [*torchrun, f"--master_port={free_port()}"])):
         extra = ["parallel.tp=3"] if name == "tp3" else []
         cmd = [sys.executable, *launcher, *args, f"trainer.run_name={name}", *extra]
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, start_new_session=True
-        )
+        proc = run_cli(cmd, env, timeout=900)  # both forked from the prefork server (torchrun's variables at TP=3)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     one, tp3 = metrics(tmp_path / "tp1"), metrics(tmp_path / "tp3")
     assert one[1]["reward/failures"] == 0 and one[1]["tokens/generated"] > 0
