@@ -279,7 +279,7 @@ def _cli_ranks(cmd: list) -> tuple[int, tuple | None]:
         return 1, tuple(cmd[3:])
     if cmd[:3] != _TORCHRUN or _CLI[0] not in cmd:
         return 1, None
-    cut = cmd.index(_CLI[0])
+    cut = cmd.index(_CLI[0], len(_TORCHRUN))  # the -m after torchrun's flags, not its own
     flags = dict(f.split("=", 1) for f in cmd[3:cut] if f.startswith("--") and "=" in f)
     if (
         cmd[cut : cut + 2] != _CLI

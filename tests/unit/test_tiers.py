@@ -73,3 +73,27 @@ def test_a_test_with_a_module_fixture_shares_its_files_worker(request, built_onc
 
 def test_a_test_without_one_goes_to_any_worker(request):
     assert request.node.get_closest_marker("xdist_group") is None
+
+
+def test_only_a_one_node_cli_launch_is_forked_as_ranks():
+    """run_cli forks `python -m megatron_dppo.cli` (1 rank) and a one-node torchrun launch of it
+    (--nproc_per_node ranks); anything torchrun would do more (several nodes, a rendezvous) or any
+    other command stays a real process."""
+    import sys
+
+    from conftest import _cli_ranks
+
+    py = sys.executable
+    cli = ["-m", "megatron_dppo.cli", "train", "--config", "c.yaml", "trainer.max_steps=2"]
+    torchrun = [py, "-m", "torch.distributed.run"]
+    assert _cli_ranks([py, *cli]) == (1, tuple(cli[2:]))
+    one_node = [*torchrun, "--nproc_per_node=3", "--master_addr=127.0.0.1", "--master_port=29512", *cli]
+    assert _cli_ranks(one_node) == (3, tuple(cli[2:]))
+    for other in (
+        [*torchrun, "--nnodes=2", "--nproc_per_node=2", *cli],  # several nodes: torchrun's rendezvous
+        [*torchrun, "--nproc_per_node", "2", *cli],  # a flag form the parser does not read
+        [*torchrun, "--nproc_per_node=2", "-m", "megatron_dppo.jobs.plan"],  # another module
+        [py, "tools/compare_methods.py", "--quick"],
+        ["/usr/bin/python3", *cli],  # another interpreter
+    ):
+        assert _cli_ranks(other) == (1, None), other
