@@ -277,9 +277,10 @@ def _cli_ranks(cmd: list) -> tuple[int, tuple | None]:
     megatron_dppo.cli ...` (N ranks); (1, None) for any other command."""
     if cmd[:3] == [sys.executable, *_CLI]:
         return 1, tuple(cmd[3:])
-    if cmd[:3] != _TORCHRUN or _CLI[0] not in cmd:
+    launched = cmd[len(_TORCHRUN) :]  # what follows torchrun's own -m: its flags, then what it runs
+    if cmd[: len(_TORCHRUN)] != _TORCHRUN or _CLI[0] not in launched:
         return 1, None
-    cut = cmd.index(_CLI[0], len(_TORCHRUN))  # the -m after torchrun's flags, not its own
+    cut = len(_TORCHRUN) + launched.index(_CLI[0])
     flags = dict(f.split("=", 1) for f in cmd[3:cut] if f.startswith("--") and "=" in f)
     if (
         cmd[cut : cut + 2] != _CLI

@@ -3,6 +3,7 @@ asks for the fixtures that start workers, no test file imports another, and no t
 a basename (pytest imports them by basename, with each folder on sys.path)."""
 
 import ast
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -79,8 +80,6 @@ def test_only_a_one_node_cli_launch_is_forked_as_ranks():
     """run_cli forks `python -m megatron_dppo.cli` (1 rank) and a one-node torchrun launch of it
     (--nproc_per_node ranks); anything torchrun would do more (several nodes, a rendezvous) or any
     other command stays a real process."""
-    import sys
-
     from conftest import _cli_ranks
 
     py = sys.executable
@@ -93,6 +92,7 @@ def test_only_a_one_node_cli_launch_is_forked_as_ranks():
         [*torchrun, "--nnodes=2", "--nproc_per_node=2", *cli],  # several nodes: torchrun's rendezvous
         [*torchrun, "--nproc_per_node", "2", *cli],  # a flag form the parser does not read
         [*torchrun, "--nproc_per_node=2", "-m", "megatron_dppo.jobs.plan"],  # another module
+        [*torchrun, "--nproc_per_node=2", "worker.py", "--steps", "2"],  # a script: no -m after torchrun's
         [py, "tools/compare_methods.py", "--quick"],
         ["/usr/bin/python3", *cli],  # another interpreter
     ):
