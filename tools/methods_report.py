@@ -11,6 +11,7 @@ Reads each run's metrics.jsonl and validation dumps (<run>/val/step_N.jsonl) and
   tokens    tokens trained per step (prompt + completion: AdaPrefix's prefix tokens count), the
             FLOP proxy for "equal FLOPs" (training FLOPs are proportional to them at a fixed model)
   aux       SSOPD's aux loss over the first and the last 10 steps ("the aux loss falls")
+  (--json only: group_size, the mean completions drawn per group: fewer than G under BPPO's waves)
 and a second table of the methods' own logs, per step window (--windows, default 33-75,76-120: after
 the first epoch of addition's 1024 prompts, the controller's rise and its withdrawal):
   AdaPrefix adaprefix/assisted_success (what the controller steers toward 0.5), assisted_frac and
@@ -65,6 +66,10 @@ def run_summary(run: Path, windows: list[tuple[int, int]]) -> dict:
         "tokens": statistics.fmean(r.get("tokens/trained", 0) for r in steps),
         "aux_first": window("train/aux_loss", "first"),
         "aux_last": window("train/aux_loss", "last"),
+        # completions drawn per group: G, or fewer under BPPO's waves (a group stops once mixed)
+        "group_size": statistics.fmean(r["rollout/group_size"] for r in steps)
+        if steps and all("rollout/group_size" in r for r in steps)
+        else None,
     }
 
 

@@ -12,7 +12,17 @@ import sys
 
 # per-run fields that measure time or the machine, not what the code computed
 TIMES = {"train_time_s", "phase_time_s", "median_step_s", "train_cpu_s", "eval_time_s", "process_wall_s"}
-MACHINE = {"started", "code", "loadavg"}
+MACHINE = {"started", "code", "environment", "loadavg"}
+
+
+def environments(result: dict) -> list[dict | None]:
+    """The distinct environments (packages, processor: compare_methods.environment) of a JSON's
+    runs; None for runs recorded before it was."""
+    seen: list[dict | None] = []
+    for run in result["runs"]:
+        if run.get("environment") not in seen:
+            seen.append(run.get("environment"))
+    return seen
 
 
 def differences(old: dict, new: dict) -> list[str]:
@@ -33,6 +43,11 @@ def differences(old: dict, new: dict) -> list[str]:
     return found
 
 
+def differing_runs(old: dict, new: dict) -> list[tuple[str, int]]:
+    """The (method, seed) runs of `old` with at least one differing field."""
+    return sorted({(r["method"], r["seed"]) for r in old["runs"] if differences({"runs": [r]}, new)})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", help="a compare_methods.py JSON")
@@ -42,9 +57,16 @@ def main(argv=None) -> int:
     found = differences(old, new)
     for line in found[:50]:
         print(line)
+    envs = {path: environments(data) for path, data in ((args.old, old), (args.new, new))}
+    if any(None in e for e in envs.values()):
+        print("environment: not recorded for every run (JSONs before compare_methods recorded it)")
+    elif envs[args.old] != envs[args.new]:
+        for path, e in envs.items():
+            print(f"environment of {path}: {json.dumps(e)}")
     print(
         f"{len(old['runs'])} runs of {old['code_versions']} against {len(new['runs'])} of {new['code_versions']}: "
         f"{len(found)} differing fields (times excluded)"
+        + (f" in {len(differing_runs(old, new))} runs" if found else "")
     )
     return 1 if found else 0
 

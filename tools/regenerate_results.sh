@@ -60,3 +60,7 @@ step main-lt $PY tools/compare_methods.py --config $LT --methods $M --seeds 4 --
 # The methods' own claims and logs (reads the runs above; prints the tables quoted in the text).
 step report-add $PY tools/methods_report.py --runs runs/add --json docs/methods_report_addition.json
 step report-lt $PY tools/methods_report.py --runs runs/lt150 --json docs/methods_report_longtail.json
+step report-ssopd01 $PY tools/methods_report.py --runs runs/lt150-ssopd01 --methods grpo,ssopd \
+    --json docs/methods_report_ssopd01_longtail.json
+step report-waves $PY tools/methods_report.py --runs runs/lt150 --methods grpo,bppo,bppo-waves \
+    --json docs/methods_report_waves_longtail.json

@@ -3,6 +3,7 @@ on an idle 2-core machine, several times that when other jobs share it), the rep
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,6 +56,12 @@ def test_quick_pipeline_end_to_end(tmp_path):
         assert r["speedup"] == pytest.approx(train_time("grpo") / train_time(name))
         assert r["tokens_generated"] > 0 and 0 <= r["acc_final"] <= 1 and r["acc_initial"] is not None
     assert rows["grpo"]["speedup"] == pytest.approx(1.0)
+    # Each run records what besides the code sets its numbers: this interpreter's packages, the processor.
+    import torch
+
+    envs = [r["environment"] for r in result["runs"]]
+    assert all(e == envs[0] for e in envs) and envs[0]["packages"]["torch"] == torch.__version__
+    assert envs[0]["cpu"] and envs[0]["cpus"] == os.cpu_count()
     # Pruning fractions: the report's against the runs' own metrics. A method that draws one round a
     # step skips nothing at step 1 (no prompt has a history yet); refilling methods (GRESO, DAPO) may,
     # since their later rounds of step 1 revisit the first round's prompts of --quick's small set.
