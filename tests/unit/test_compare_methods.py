@@ -303,23 +303,85 @@ def test_goals_say_plainly_which_are_met():
 
 
 def test_numerics_diff_sees_a_changed_count_and_ignores_times(tmp_path):
-    """tools/numerics_diff.py on the committed addition and long-tail tables and their reruns (0
-    differences, the claim docs/results.md makes), then on a copy with one token count changed (found) and one with
-    only times changed (not found)."""
-    spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
-    nd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nd)
-    old, rerun = (str(REPO / "docs" / name) for name in ("results_longtail.json", "results_longtail_7757a29.json"))
-    assert nd.main([old, rerun]) == 0
-    assert nd.main([str(REPO / "docs" / name) for name in ("results.json", "results_7757a29.json")]) == 0
-    data = json.loads(Path(rerun).read_text())
+    """tools/numerics_diff.py on a committed table and copies of it: one with only times changed (no
+    difference), one with a token count and an accuracy changed (both found, in those two runs)."""
+    nd = _numerics_diff()
+    old = REPO / "docs" / "results_7757a29.json"
+    data = json.loads(old.read_text())
     data["runs"][3]["train_cpu_s"] *= 2
     data["runs"][3]["curve"][1][1] += 5.0  # a time inside the curve
     timed = tmp_path / "times.json"
     timed.write_text(json.dumps(data))
-    assert nd.differences(json.loads(Path(old).read_text()), data) == []
+    assert nd.differences(json.loads(old.read_text()), data) == []
+    assert nd.main([str(old), str(timed)]) == 0
     data["runs"][5]["tokens_trained"] += 1
     data["runs"][6]["curve"][2][2] += 0.01  # an accuracy
-    found = nd.differences(json.loads(Path(old).read_text()), data)
+    found = nd.differences(json.loads(old.read_text()), data)
     assert len(found) == 2 and "tokens_trained" in found[0] and "curve" in found[1]
-    assert nd.main([old, str(timed)]) == 0
+    runs = data["runs"]
+    assert nd.differing_runs(json.loads(old.read_text()), data) == sorted(
+        (runs[k]["method"], runs[k]["seed"]) for k in (5, 6)
+    )
+
+
+def test_numerics_diff_names_a_changed_environment_without_counting_it(tmp_path, capsys):
+    """Runs that record their environment (packages, processor): a different one is printed for
+    both files, and is not a differing field; runs from before it was recorded are said to be."""
+    nd = _numerics_diff()
+    data = json.loads((REPO / "docs" / "results_7757a29.json").read_text())
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    for r in data["runs"]:
+        r["environment"] = {"packages": {"torch": "2.13.0+cpu"}, "cpu": "AMD EPYC"}
+    old.write_text(json.dumps(data))
+    for r in data["runs"]:
+        r["environment"] = {"packages": {"torch": "2.13.0+cpu"}, "cpu": "Intel Xeon"}
+    new.write_text(json.dumps(data))
+    assert nd.main([str(old), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert f"environment of {old}:" in out and "Intel Xeon" in out and "0 differing fields" in out
+    assert nd.main([str(old), str(old)]) == 0 and "environment" not in capsys.readouterr().out
+    assert nd.main([str(REPO / "docs" / "results_7757a29.json"), str(new)]) == 0
+    assert "environment: not recorded for every run" in capsys.readouterr().out
+
+
+def test_the_tables_differ_from_their_previous_version_where_results_md_says():
+    """docs/results.md: the addition table at d90d8f2 equals 7757a29's (docs/results_7757a29.json,
+    itself equal to 5d75e64's) in 25 of its 32 runs; these 7 differ."""
+    nd = _numerics_diff()
+    old, new = (json.loads((REPO / "docs" / name).read_text()) for name in ("results_7757a29.json", "results.json"))
+    assert nd.differing_runs(old, new) == [
+        ("cppo-0.5", 0),
+        ("dppo-0.5-0.5", 2),
+        ("dppo-0.5-0.5-padded", 1),
+        ("greso-0.5", 0),
+        ("greso-0.5", 2),
+        ("greso-0.5", 3),
+        ("grpo-padded", 1),
+    ]
+
+
+def test_the_numerics_moved_with_the_environment_not_the_code():
+    """docs/results.md: the same runs from 7757a29, c3212b4, 7e6aac3 and d90d8f2, rerun on one day
+    (docs/numerics_bisect.json), all equal the d90d8f2 tables and differ from 7757a29's own tables of
+    2026-12-03; on the long-tailed task every one of the 32 runs moved."""
+    nd = _numerics_diff()
+    docs = REPO / "docs"
+    table = {name: json.loads((docs / f"{name}.json").read_text()) for name in ("results", "results_longtail")}
+    earlier = {name: json.loads((docs / f"{name}_7757a29.json").read_text()) for name in table}
+    bisect = json.loads((docs / "numerics_bisect.json").read_text())["runs"]
+    assert sorted(bisect) == ["7757a29", "7e6aac3", "c3212b4", "d90d8f2"]
+    for commit, tasks in bisect.items():
+        for task, name in (("addition", "results"), ("longtail", "results_longtail")):
+            if task not in tasks:
+                continue
+            assert tasks[task]["code_versions"] == [commit]
+            assert nd.differences(tasks[task], table[name]) == [], (commit, task)
+            assert nd.differing_runs(tasks[task], earlier[name]), (commit, task)
+    assert len(nd.differing_runs(earlier["results_longtail"], table["results_longtail"])) == 32
+
+
+def _numerics_diff():
+    spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
+    nd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nd)
+    return nd
