@@ -15,6 +15,9 @@ spec = importlib.util.spec_from_file_location("compare_methods", REPO / "tools" 
 cm = importlib.util.module_from_spec(spec)
 sys.modules["compare_methods"] = cm
 spec.loader.exec_module(cm)
+spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
+nd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(nd)
 
 REQUIRED = [
     "grpo",
@@ -305,7 +308,6 @@ def test_goals_say_plainly_which_are_met():
 def test_numerics_diff_sees_a_changed_count_and_ignores_times(tmp_path):
     """tools/numerics_diff.py on a committed table and copies of it: one with only times changed (no
     difference), one with a token count and an accuracy changed (both found, in those two runs)."""
-    nd = _numerics_diff()
     old = REPO / "docs" / "results_7757a29.json"
     data = json.loads(old.read_text())
     data["runs"][3]["train_cpu_s"] *= 2
@@ -327,7 +329,6 @@ def test_numerics_diff_sees_a_changed_count_and_ignores_times(tmp_path):
 def test_numerics_diff_names_a_changed_environment_without_counting_it(tmp_path, capsys):
     """Runs that record their environment (packages, processor): a different one is printed for
     both files, and is not a differing field; runs from before it was recorded are said to be."""
-    nd = _numerics_diff()
     data = json.loads((REPO / "docs" / "results_7757a29.json").read_text())
     old, new = tmp_path / "old.json", tmp_path / "new.json"
     for r in data["runs"]:
@@ -347,7 +348,6 @@ def test_numerics_diff_names_a_changed_environment_without_counting_it(tmp_path,
 def test_the_tables_differ_from_their_previous_version_where_results_md_says():
     """docs/results.md: the addition table at d90d8f2 equals 7757a29's (docs/results_7757a29.json,
     itself equal to 5d75e64's) in 25 of its 32 runs; these 7 differ."""
-    nd = _numerics_diff()
     old, new = (json.loads((REPO / "docs" / name).read_text()) for name in ("results_7757a29.json", "results.json"))
     assert nd.differing_runs(old, new) == [
         ("cppo-0.5", 0),
@@ -364,7 +364,6 @@ def test_the_numerics_moved_with_the_environment_not_the_code():
     """docs/results.md: the same runs from 7757a29, c3212b4, 7e6aac3 and d90d8f2, rerun on one day
     (docs/numerics_bisect.json), all equal the d90d8f2 tables and differ from 7757a29's own tables of
     2026-12-03; on the long-tailed task every one of the 32 runs moved."""
-    nd = _numerics_diff()
     docs = REPO / "docs"
     table = {name: json.loads((docs / f"{name}.json").read_text()) for name in ("results", "results_longtail")}
     earlier = {name: json.loads((docs / f"{name}_7757a29.json").read_text()) for name in table}
@@ -378,10 +377,3 @@ def test_the_numerics_moved_with_the_environment_not_the_code():
             assert nd.differences(tasks[task], table[name]) == [], (commit, task)
             assert nd.differing_runs(tasks[task], earlier[name]), (commit, task)
     assert len(nd.differing_runs(earlier["results_longtail"], table["results_longtail"])) == 32
-
-
-def _numerics_diff():
-    spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
-    nd = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nd)
-    return nd
