@@ -24,7 +24,9 @@ RATIO_TYPES = get_args(RatioType)
 KL_ESTIMATORS = get_args(KlEstimator)
 ROLLOUT_CORRECTIONS = get_args(RolloutCorrection)
 ROLLOUT_TRUNCATING = ("tis", "seq_tis", "tis_mask", "tis_seq_mask")  # read rollout_correction_cap
-ROLLOUT_MASKING = ("mask", "seq_mask", "tis_mask", "tis_seq_mask")  # read rollout_correction_low / _high
+ROLLOUT_TOKEN_MASKING = ("mask", "tis_mask")  # read rollout_correction_low / _high (token ratios)
+ROLLOUT_SEQ_MASKING = ("seq_mask", "tis_seq_mask")  # read rollout_correction_seq_low / _seq_high (geometric means)
+ROLLOUT_MASKING = ROLLOUT_TOKEN_MASKING + ROLLOUT_SEQ_MASKING
 
 
 def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -49,6 +51,8 @@ def rollout_correction(
     cap: float = 2.0,
     low: float = 0.5,
     high: float = 2.0,
+    seq_low: float = 0.999,
+    seq_high: float = 1.001,
 ) -> tuple[torch.Tensor, dict]:
     """The rollout correction's weight of each loss token (docs/algorithm.md section 8), from
     rho_t = pi_old(o_t) / pi_rollout(o_t): -> (weight [T] float64, no gradient; stats with the bool
@@ -58,9 +62,14 @@ def rollout_correction(
     tis           min(rho_t, cap)                            token-level truncated IS
     seq_tis       min(prod_t rho_t, cap), on every token     sequence level, the PRODUCT (verl's "sequence")
     mask          1[low <= rho_t <= high]                    token rejection (verl's token RS)
-    seq_mask      1[low <= exp(mean_t log rho_t) <= high]    sequence rejection, geometric mean (verl's "geometric")
+    seq_mask      1[seq_low <= exp(mean_t log rho_t) <= seq_high]   sequence rejection, geometric mean (verl)
     tis_mask      min(rho_t, cap) * the token mask           (verl token IS + token RS; OpenRLHF's icepop)
     tis_seq_mask  min(rho_t, cap) * the sequence mask        (NeMo-RL's / OpenRLHF's seq-mask-tis)
+
+    The geometric mean has bounds of its own: a mean of many per-token log-ratios barely moves
+    (at a bf16 gap of rho_t in [0.98, 1.03] it stays within ~1e-3 of 1), so the token mask's
+    [0.5, 2] could never bind on it; verl's geometric rejection defaults to [1/1.001, 1.001]
+    (its docs: "typical threshold 1.0002 - 1.001"), and the defaults here follow it.
 
     The weight multiplies the token's whole loss; what it divides by is unchanged (a masked
     token stays in the aggregation's denominator: section 8 says why)."""
@@ -82,7 +91,7 @@ def rollout_correction(
             keep = (rho >= low) & (rho <= high)
         elif kind in ("seq_mask", "tis_seq_mask"):
             geo = _segment_mean(log_rho, seq_index, num_seqs).exp()[seq_index]
-            keep = (geo >= low) & (geo <= high)
+            keep = (geo >= seq_low) & (geo <= seq_high)
         weight = torch.where(keep, weight, torch.zeros_like(weight))
         tokens = _segment_sum(torch.ones_like(log_rho), seq_index, num_seqs)
         masked = _segment_sum((~keep).double(), seq_index, num_seqs)

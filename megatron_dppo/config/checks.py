@@ -51,6 +51,12 @@ def validate(cfg: Config) -> Config:
             a.rollout_correction_high >= 1,
             "a number >= 1 (ratios above it are masked)",
         ),
+        ("algorithm.rollout_correction_seq_low", 0 <= a.rollout_correction_seq_low <= 1, "a number in [0, 1]"),
+        (
+            "algorithm.rollout_correction_seq_high",
+            a.rollout_correction_seq_high >= 1,
+            "a number >= 1 (sequences whose geometric-mean ratio is above it are masked)",
+        ),
         ("algorithm.max_resample_rounds", a.max_resample_rounds >= 0, "an integer >= 0"),
         ("algorithm.moe_aux_loss_coeff", a.moe_aux_loss_coeff >= 0, "a number >= 0 (0 = off)"),
         ("algorithm.moe_z_loss_coeff", a.moe_z_loss_coeff >= 0, "a number >= 0 (0 = off)"),
@@ -186,16 +192,25 @@ def _eval_checks(c: Config) -> list[tuple[str, bool, str]]:
 def _inert_rollout_correction_keys(kind: str) -> dict[str, str]:
     """The rollout correction's bounds that its kind does not read: the cap without a truncation,
     the mask's bounds without a mask (algorithms/losses.rollout_correction)."""
-    from megatron_dppo.algorithms.losses import ROLLOUT_MASKING, ROLLOUT_TRUNCATING
+    from megatron_dppo.algorithms.losses import ROLLOUT_SEQ_MASKING, ROLLOUT_TOKEN_MASKING, ROLLOUT_TRUNCATING
 
     out = {}
     if kind not in ROLLOUT_TRUNCATING:
         out["algorithm.rollout_correction_cap"] = (
             f"algorithm.rollout_correction={kind} truncates no weight (kinds that do: {', '.join(ROLLOUT_TRUNCATING)})"
         )
-    if kind not in ROLLOUT_MASKING:
-        why = f"algorithm.rollout_correction={kind} masks nothing (kinds that do: {', '.join(ROLLOUT_MASKING)})"
+    if kind not in ROLLOUT_TOKEN_MASKING:
+        why = (
+            f"algorithm.rollout_correction={kind} masks no token by its own ratio "
+            f"(kinds that do: {', '.join(ROLLOUT_TOKEN_MASKING)})"
+        )
         out["algorithm.rollout_correction_low"] = out["algorithm.rollout_correction_high"] = why
+    if kind not in ROLLOUT_SEQ_MASKING:
+        why = (
+            f"algorithm.rollout_correction={kind} masks no sequence by its geometric-mean ratio "
+            f"(kinds that do: {', '.join(ROLLOUT_SEQ_MASKING)})"
+        )
+        out["algorithm.rollout_correction_seq_low"] = out["algorithm.rollout_correction_seq_high"] = why
     return out
 
 

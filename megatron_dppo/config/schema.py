@@ -133,8 +133,12 @@ class AlgorithmConfig:
     # token by rho = pi_old / pi_rollout (docs/algorithm.md section 8). none = train as sampled.
     rollout_correction: RolloutCorrection = "none"
     rollout_correction_cap: float = 2.0  # tis / seq_tis / tis_*: the weight is min(rho, cap)
-    rollout_correction_low: float = 0.5  # mask / seq_mask / tis_*mask: tokens (sequences) with rho
-    rollout_correction_high: float = 2.0  # (their geometric mean) outside [low, high] get no loss
+    rollout_correction_low: float = 0.5  # mask / tis_mask: tokens with rho outside [low, high]
+    rollout_correction_high: float = 2.0  # get no policy-gradient loss
+    # seq_mask / tis_seq_mask: sequences whose geometric-mean rho is outside [seq_low, seq_high] get
+    # none; a mean of log-ratios barely moves, so its bounds sit near 1 (verl's geometric RS: 1.001)
+    rollout_correction_seq_low: float = 0.999
+    rollout_correction_seq_high: float = 1.001
     dynamic_sampling: bool = False  # DAPO: drop zero-variance groups, draw more prompts to refill B
     overlong_filter: bool = False  # DAPO: truncated completions (max_new_tokens reached) get no loss
     max_resample_rounds: int = 3

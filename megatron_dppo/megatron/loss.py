@@ -196,6 +196,8 @@ def _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, num_seqs):
         cap=algorithm.rollout_correction_cap,
         low=algorithm.rollout_correction_low,
         high=algorithm.rollout_correction_high,
+        seq_low=algorithm.rollout_correction_seq_low,
+        seq_high=algorithm.rollout_correction_seq_high,
     )
 
 

@@ -113,6 +113,10 @@ INERT = [
     ((), "algorithm.rollout_correction_high"),
     (("algorithm.rollout_correction=tis",), "algorithm.rollout_correction_low"),  # a truncation, no mask
     (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_cap"),  # a mask, no truncation
+    ((), "algorithm.rollout_correction_seq_low"),
+    ((), "algorithm.rollout_correction_seq_high"),
+    (("algorithm.rollout_correction=tis_mask",), "algorithm.rollout_correction_seq_high"),  # a token mask
+    (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_low"),  # a geometric mask
     ((), "trainer.max_staleness"),  # colocated: every rollout has the latest weights
     (("parallel.rollout_ranks=1",), "rollout.sleep_level"),  # dedicated engines share no device: never asleep
     (("trainer.stall_timeout_s=0",), "trainer.start_timeout_s"),  # no watchdog

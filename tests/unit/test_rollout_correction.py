@@ -17,6 +17,9 @@ from megatron_dppo.train.preflight import config_warnings
 from megatron_dppo.train.trainer import _train_metrics, rollout_gap_warning
 
 CAP, LOW, HIGH = 1.5, 0.8, 1.25
+# the geometric-mean masks' own bounds, chosen so that they mask another sequence than [LOW, HIGH]
+# would (geometric means 1.133, 0.797, 1.053): a geometric mask reading the token bounds fails
+SEQ_LOW, SEQ_HIGH = 0.75, 1.1
 
 
 def _rho_batch():
@@ -44,7 +47,7 @@ def _reference_weights(kind, log_rho, seq_index):
             w = min(math.exp(seq_sum[s]), CAP)
         if kind in ("mask", "tis_mask") and not LOW <= r <= HIGH:
             w = 0.0
-        if kind in ("seq_mask", "tis_seq_mask") and not LOW <= math.exp(seq_sum[s] / seq_len[s]) <= HIGH:
+        if kind in ("seq_mask", "tis_seq_mask") and not SEQ_LOW <= math.exp(seq_sum[s] / seq_len[s]) <= SEQ_HIGH:
             w = 0.0
         out.append(w)
     return out
@@ -53,7 +56,9 @@ def _reference_weights(kind, log_rho, seq_index):
 @pytest.mark.parametrize("kind", losses.ROLLOUT_CORRECTIONS)
 def test_each_kind_weighs_tokens_as_its_formula(kind):
     old, rollout, seq_index, log_rho = _rho_batch()
-    weight, stats = losses.rollout_correction(old, rollout, seq_index, 3, kind, cap=CAP, low=LOW, high=HIGH)
+    weight, stats = losses.rollout_correction(
+        old, rollout, seq_index, 3, kind, cap=CAP, low=LOW, high=HIGH, seq_low=SEQ_LOW, seq_high=SEQ_HIGH
+    )
     want = _reference_weights(kind, log_rho, seq_index)
     assert weight.tolist() == pytest.approx(want, rel=1e-12)
     assert stats["masked"].tolist() == [w == 0 for w in want]
@@ -171,15 +176,18 @@ def test_dppo_stays_unbiased_with_the_correction_on_every_token():
 
 def test_config_bounds_and_inert_keys():
     base = ("pruning.strategy=none", "pruning.r_q=0", "pruning.r_o=0")
-    for key, bad in (("cap", "0.5"), ("low", "1.5"), ("high", "0.9")):
+    for key, bad in (("cap", "0.5"), ("low", "1.5"), ("high", "0.9"), ("seq_low", "1.01"), ("seq_high", "0.99")):
         with pytest.raises(ValueError, match=f"config key 'algorithm.rollout_correction_{key}'"):
             load_config("examples/tiny/addition.yaml", [*base, f"algorithm.rollout_correction_{key}={bad}"])
     on = [*base, "algorithm.rollout_correction=tis_seq_mask"]
     cfg = load_config(
         "examples/tiny/addition.yaml",
-        [*on, "algorithm.rollout_correction_cap=3", "algorithm.rollout_correction_low=0.7"],
+        [*on, "algorithm.rollout_correction_cap=3", "algorithm.rollout_correction_seq_low=0.99"],
     )
-    assert config_warnings(cfg) == []  # a truncation and a mask read all three
+    assert config_warnings(cfg) == []  # a truncation and a geometric mask read the cap and the seq bounds
+    cfg.algorithm.rollout_correction_low = 0.7  # the token mask's bound: not read by a geometric mask
+    warned = [w.split(" is ignored")[0] for w in config_warnings(cfg)]
+    assert warned == ["warning: algorithm.rollout_correction_low=0.7"]
     with pytest.raises(ValueError, match="rollout_correction"):
         load_config("examples/tiny/addition.yaml", [*base, "algorithm.rollout_correction=icepop"])
 
