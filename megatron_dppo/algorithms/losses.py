@@ -99,6 +99,37 @@ def rollout_correction(
     return weight, {"truncated": truncated, "masked": ~keep, "masked_seqs": masked_seqs}
 
 
+def idle_mask_note(kind: str, bounds: dict, ranges: dict) -> str | None:
+    """The line for the log when the step's measured ratios could not reach the mask's bounds:
+    rollout_correction `kind`, bounds {low, high, seq_low, seq_high}, ranges {"token": (min, max) of
+    rho_t, "seq": (min, max) of the geometric means} (NaN where nothing was measured). A mask whose
+    bounds lie outside every ratio the step had masked nothing and, at this gap, acts as no mask;
+    None for a mask that could bind, for the kinds without a mask and when nothing was measured."""
+    checks = []
+    if kind in ROLLOUT_TOKEN_MASKING:
+        checks.append(("token ratios", "rollout_correction_low/_high", ranges["token"], bounds["low"], bounds["high"]))
+    if kind in ROLLOUT_SEQ_MASKING:
+        checks.append(
+            (
+                "geometric-mean ratios",
+                "rollout_correction_seq_low/_seq_high",
+                ranges["seq"],
+                bounds["seq_low"],
+                bounds["seq_high"],
+            )
+        )
+    for what, keys, (lo, hi), low, high in checks:
+        if not (lo == lo and hi == hi):  # NaN: nothing measured
+            continue
+        if low <= lo and hi <= high:
+            return (
+                f"note: algorithm.rollout_correction={kind} masked nothing: the step's {what} ranged "
+                f"[{lo:.6g}, {hi:.6g}], inside algorithm.{keys} [{low:g}, {high:g}]; at this gap the mask acts as "
+                "no mask (docs/algorithm.md section 8)"
+            )
+    return None
+
+
 def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_index: torch.Tensor, num_seqs: int):
     """How far the rollout policy mu is from pi_old on the sampled loss tokens, as sums for the
     step's metrics (rho_t = pi_old / mu; every expectation is over mu's samples):
@@ -106,7 +137,9 @@ def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_ind
     unbiased), rollout_kl_k3_sum (rho - 1 - log rho: the same KL, unbiased and >= 0),
     rollout_chi2_sum (rho^2 - 1: chi^2(pi_old || mu), the token IS weights' variance),
     rollout_chi2_seq_sum over the sequences that have loss tokens ((prod_t rho_t)^2 - 1) and
-    rollout_seqs, their count. float64 scalars; no host sync (no boolean indexing)."""
+    rollout_seqs, their count; rollout_geo_max/min, the largest and smallest geometric-mean ratio
+    exp(mean_t log rho_t) of those sequences (what the sequence masks compare with their bounds).
+    float64 scalars; no host sync (no boolean indexing)."""
     with torch.no_grad():
         log_rho = (old_logp.detach() - rollout_logp.detach()).double()
         rho = log_rho.exp()
@@ -114,6 +147,7 @@ def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_ind
         seq_log_rho = _segment_sum(log_rho, seq_index, num_seqs)
         present = _segment_sum(torch.ones_like(log_rho), seq_index, num_seqs) > 0
         seq_chi2 = torch.where(present, (2 * seq_log_rho).exp() - 1, torch.zeros_like(seq_log_rho))
+        geo = _segment_mean(log_rho, seq_index, num_seqs).exp()
         return {
             "rollout_ratio_sum": rho.sum(),
             "rollout_ratio_max": rho.max() if rho.numel() else zero,
@@ -123,6 +157,8 @@ def rollout_mismatch(old_logp: torch.Tensor, rollout_logp: torch.Tensor, seq_ind
             "rollout_chi2_sum": (rho.square() - 1).sum(),
             "rollout_chi2_seq_sum": seq_chi2.sum(),
             "rollout_seqs": present.double().sum(),
+            "rollout_geo_max": torch.where(present, geo, zero - math.inf).max() if geo.numel() else zero,
+            "rollout_geo_min": torch.where(present, geo, zero + math.inf).min() if geo.numel() else zero + math.inf,
         }
 
 
@@ -209,6 +245,20 @@ def token_coefficients(
 def aggregate(token_loss: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """The weighted-sum reduction every layout shares: sum_t coef_t * loss_t."""
     return (token_loss * coef.to(token_loss.dtype)).sum()
+
+
+def corrected_aggregate(
+    token_loss: torch.Tensor, kl_term: torch.Tensor | None, coef: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """The aggregate under the rollout correction: sum_t coef_t * (w_t * pg_t + kl_t), where
+    token_loss = pg_t + kl_t (kl_term: kl_coef * the KL estimate, None without a KL term) and w_t
+    the correction's weight (rollout_correction). The weight corrects the policy-gradient term's
+    sampling distribution only; the KL penalty towards the reference keeps its plain coefficient,
+    as in verl's objective (its rollout IS weights multiply the PG loss, not the KL loss), so a
+    verl recipe with kl_coef > 0 trains the same objective here."""
+    pg = token_loss if kl_term is None else token_loss - kl_term
+    loss = aggregate(pg, coef * weight)
+    return loss if kl_term is None else loss + aggregate(kl_term, coef)
 
 
 def full_batch_denominator(

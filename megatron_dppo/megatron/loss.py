@@ -46,7 +46,7 @@ SUMMED = (
     "aux_positions",
 )
 # The minimum ratio is reduced as the maximum of its negative.
-MAXED = ("ratio_dev_max", "rollout_ratio_max", "rollout_ratio_neg_min")
+MAXED = ("ratio_dev_max", "rollout_ratio_max", "rollout_ratio_neg_min", "rollout_geo_max", "rollout_geo_neg_min")
 
 
 @dataclass
@@ -74,6 +74,9 @@ class TrainReport:
     rollout_kl_k3: float
     rollout_chi2_token: float
     rollout_chi2_seq: float
+    # the sequences' geometric-mean rho exp(mean_t log rho_t): largest and smallest (the sequence masks' quantity)
+    rollout_seq_geo_max: float
+    rollout_seq_geo_min: float
     aux_loss: float  # SSOPD: lambda * L_aux, the auxiliary term in the loss (0 without it)
     aux_divergence: float  # SSOPD: mean d_t over the distilled positions (NaN without any)
     # Under algorithm.rollout_correction only (None otherwise: not reported): the share of loss
@@ -106,6 +109,8 @@ class TrainReport:
             rollout_kl_k3=per_token("rollout_kl_k3_sum"),
             rollout_chi2_token=per_token("rollout_chi2_sum"),
             rollout_chi2_seq=sums["rollout_chi2_seq_sum"] / seqs if seqs else float("nan"),
+            rollout_seq_geo_max=maxima["rollout_geo_max"] if seqs else float("nan"),
+            rollout_seq_geo_min=-maxima["rollout_geo_neg_min"] if seqs else float("nan"),
             loss=sums["loss"],
             tokens=sums["tokens"],
             clip_frac=sums["clip_frac_sum"] / n,
@@ -165,10 +170,15 @@ def micro_batch_loss(
     seq_weight, seq_len = batch.seq_weight.to(dev), batch.seq_len.to(dev)
     coef = losses.token_coefficients(seq_index, seq_weight, seq_len, algorithm.loss_agg, denominator)
     rollout_logp = picked(batch.rollout_logp) if batch.rollout_logp is not None else None
-    correction = _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, batch.num_seqs)
-    if correction is not None:  # rho's weight on each token's loss; the denominator stays
-        coef = coef * correction[0]
+    correction = None
+    if host_index.numel():  # a micro-batch without loss tokens (an idle DP slot's filler) has nothing to correct
+        correction = _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, batch.num_seqs)
     loss = losses.aggregate(token_loss, coef)
+    if correction is not None:  # rho's weight on each token's policy-gradient term; the denominator stays
+        kl_term = None
+        if algorithm.kl_coef:  # the KL term keeps its plain coefficient (losses.corrected_aggregate)
+            kl_term = algorithm.kl_coef * losses.kl_penalty(lp, picked(batch.ref_logp), algorithm.kl_estimator)
+        loss = losses.corrected_aggregate(token_loss, kl_term, coef, correction[0])
     report = _report(loss, n_tokens, lp, old_logp, stats)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     report.update(aux_loss=zero, aux_div_sum=zero, aux_positions=zero)
@@ -206,12 +216,14 @@ def _rollout_report(lp, old_logp, rollout_logp, seq_index, num_seqs, correction,
     zero = torch.zeros((), dtype=torch.float64, device=lp.device)
     out = {k: zero for k in SUMMED if k.startswith("rollout_")}
     out.update(rollout_ratio_max=zero, rollout_ratio_neg_min=zero - math.inf)
+    out.update(rollout_geo_max=zero - math.inf, rollout_geo_neg_min=zero - math.inf)
     if rollout_logp is None:
         return out
     out["rollout_gap_sum"] = (lp.detach() - rollout_logp).abs().double().sum()
     out["rollout_gap_tokens"] = n_tokens.double()
     mismatch = losses.rollout_mismatch(old_logp, rollout_logp, seq_index, num_seqs)
     out["rollout_ratio_neg_min"] = -mismatch.pop("rollout_ratio_min")
+    out["rollout_geo_neg_min"] = -mismatch.pop("rollout_geo_min")
     out.update(mismatch)
     if correction is not None:
         flags = correction[1]
@@ -289,6 +301,7 @@ def _aux_loss(batch, logits, cfg, vocab_size: int):
         aux_loss=loss.detach().double(), aux_div_sum=d.detach().double().sum(), aux_positions=zero + d.numel()
     )
     report.update({k: zero for k in MAXED}, rollout_ratio_neg_min=zero - math.inf)
+    report.update(rollout_geo_max=zero - math.inf, rollout_geo_neg_min=zero - math.inf)
     return loss, torch.zeros((), dtype=torch.int, device=dev), report
 
 

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_dppo.algorithms import batch, packing
+from megatron_dppo.algorithms import batch, losses, packing
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import get_strategy
@@ -522,6 +522,7 @@ class Trainer:
                 self.logger.log(row)
                 rows.append(row)
         self.last_step = self.first_step - 1
+        self._idle_mask_named = False
         last_save = time.monotonic()
         with stop_on_signals() as stop:
             for step in range(self.first_step, tc.max_steps + 1):
@@ -531,6 +532,11 @@ class Trainer:
                 )
                 if gap_line and self.is_main:
                     self.logger.message(gap_line)
+                mask_line = None if self._idle_mask_named else idle_mask_line(m, self.cfg.algorithm)
+                if mask_line:  # once a run: the mask's bounds lie outside every ratio this step measured
+                    self._idle_mask_named = True
+                    if self.is_main:
+                        self.logger.message(mask_line)
                 self.last_step = step
                 out_of_time = bool(tc.max_time_s and time.perf_counter() - t0 > tc.max_time_s)
                 signalled = mdist.all_reduce_max([stop.requested])[0] > 0  # any rank's signal stops all
@@ -618,6 +624,22 @@ def rollout_gap_warning(metrics: dict, correction: str) -> str | None:
         f"|log-prob gap| {metrics.get('train/logprob_gap_vllm', math.nan):.3g}, and algorithm.rollout_correction=none: "
         "consider algorithm.rollout_correction=tis (docs/algorithm.md section 8)"
     )
+
+
+def idle_mask_line(metrics: dict, a) -> str | None:
+    """The log's note for a rollout-correction mask that could not bind at this step's measured ratios."""
+    nan = math.nan
+    ranges = {
+        "token": (metrics.get("train/rollout_ratio_min", nan), metrics.get("train/rollout_ratio_max", nan)),
+        "seq": (metrics.get("train/rollout_seq_geo_min", nan), metrics.get("train/rollout_seq_geo_max", nan)),
+    }
+    bounds = dict(
+        low=a.rollout_correction_low,
+        high=a.rollout_correction_high,
+        seq_low=a.rollout_correction_seq_low,
+        seq_high=a.rollout_correction_seq_high,
+    )
+    return losses.idle_mask_note(a.rollout_correction, bounds, ranges)
 
 
 def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dict:

@@ -45,3 +45,18 @@ def test_megatron_gradient_mean_over_masks_is_the_full_batch_gradient(launch):
     found = dict(re.findall(r"monte carlo (.+?): draws=20000 rel\.err=\S+ mc\.s\.e\.=(\S+)", res.stdout))
     assert sorted(found) == ["dppo", "dppo x1.1", "unweighted"], res.stdout
     assert all(float(se) <= 0.03 for se in found.values()), found
+
+
+CORRECTION_WORKER = WORKER.with_name("correction_check.py")
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["single", "dp2"])
+def test_each_rollout_correction_equals_the_reference_with_an_idle_dp_slot(launch, nproc):
+    """Every algorithm.rollout_correction kind with a KL term, packed by the trainer's own
+    pack_samples: the Megatron loss and gradient equal the plain-PyTorch reference (the weight on
+    the policy-gradient term only), and a one-sequence mini-batch at DP=2, where one rank trains
+    only the filler micro-batch, trains instead of raising (issue 44)."""
+    res = launch(CORRECTION_WORKER, nproc)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    assert "CORRECTION CHECK PASSED" in res.stdout
+    assert res.stdout.count(f"ok dp={nproc} ") == 14, res.stdout

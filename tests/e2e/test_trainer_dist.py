@@ -84,6 +84,23 @@ def test_dp2_bppo_waves_equal_one_process(work, tmp_path):
     assert set(sizes.values()) == {4, 8} and len(sizes) == 8, sizes  # both ends of the rule (seeded)
 
 
+def test_dp2_rollout_correction_with_starved_minibatches_equals_one_process(work, tmp_path):
+    """A rollout correction at DP=2 where mini-batches hold fewer packs than DP ranks (one group a
+    mini-batch, three of its four completions pruned: one sequence): the idle rank trains the filler, and the
+    run equals the 1-process one (it raised "this micro-batch carries none" in step 1, the other
+    rank waiting in the all-reduce: issue 44). tis_seq_mask reads the cap and the geometric bounds."""
+    root, model = work
+    starved = [
+        "pruning.r_q=0",
+        "pruning.r_o=0.75",
+        "trainer.minibatches_per_step=8",
+        "algorithm.rollout_correction=tis_seq_mask",
+    ]
+    run(train_cmd(root, "corr1", model, 1, *starved))
+    run(train_cmd(root, "corr-dp2", model, 2, *starved))
+    assert_same_run(root / "corr1", root / "corr-dp2", tmp_path)
+
+
 def test_tp2_one_engine_over_both_ranks_equals_one_process(work, tmp_path):
     root, model = work
     run(train_cmd(root, "tp2", model, 2, "parallel.tp=2", "parallel.rollout_tp=2", f"trainer.save_hf_every={STEPS}"))
