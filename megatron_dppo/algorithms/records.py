@@ -48,6 +48,9 @@ class Group:
     # The weights it was sampled with: the step whose update they hold (0 = the starting weights).
     # Behind the trainer's by up to trainer.max_staleness steps with dedicated rollout ranks.
     policy_version: int = 0
+    # Each completion's own version when they differ: BPPO's later waves of a group are sampled
+    # after its first, possibly by newer weights (extend); empty: all of them policy_version.
+    completion_versions: list[int] = field(default_factory=list)
 
     @property
     def group_size(self) -> int:
@@ -71,12 +74,19 @@ class Group:
         """Append a later wave's completions of the same prompt (BPPO's waves), before planning."""
         if (more.record.id, more.round, more.slot) != (self.record.id, self.round, self.slot):
             raise ValueError(f"cannot extend group {self.record.id!r} with one of {more.record.id!r}")
+        mine, theirs = self.versions(), more.versions()
+        if mine + theirs != [self.policy_version] * (len(mine) + len(theirs)):
+            self.completion_versions = mine + theirs
         self.completions += more.completions
         self.rewards += more.rewards
         self.truncated += more.truncated
         self.sampling_logprobs += more.sampling_logprobs
         self.routed_experts += more.routed_experts
         self.reward_extras += more.reward_extras
+
+    def versions(self) -> list[int]:
+        """The weights' version that sampled each completion."""
+        return list(self.completion_versions) or [self.policy_version] * len(self.completions)
 
     def completion_lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
@@ -184,6 +194,13 @@ class RolloutCounts:
         for kind, n in by_kind.items():
             self.reward_failures[kind] = self.reward_failures.get(kind, 0) + n
         self.first_failures += first[: max(0, 5 - len(self.first_failures))]
+
+
+def policy_lags(groups: list[Group], trained_version: int) -> list[int]:
+    """How many updates each completion's sampling weights are behind `trained_version` (the
+    weights the step trains from), completion by completion: a group whose later waves came from
+    newer weights counts each wave at its own lag."""
+    return [trained_version - v for g in groups for v in g.versions()]
 
 
 def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCounts) -> dict:

@@ -181,3 +181,23 @@ def test_the_overlap_simulation_reads_the_bench_and_applies_the_plans_formula():
     rollout_s, train_s = 16000 / (4000 * 6), 4000 / (2000 * 2)
     assert math.isclose(st["rows"]["staleness 1"]["step_s"], max(rollout_s, train_s) + 0.2)
     assert math.isclose(st["rows"]["staleness 0"]["step_s"], rollout_s + train_s + 0.2)
+
+
+def test_a_later_wave_from_newer_weights_counts_at_its_own_lag():
+    """BPPO's waves at trainer.max_staleness=1: a group's first wave sampled by version 3, its second
+    by version 4 (the weights arrived in between). Trained from version 4, the first wave is 1
+    update behind and the second 0: the lags are per completion, not the first wave's for all
+    (the group used to report [1, 1, 1, 1]); the versions survive the checkpoint state."""
+    from megatron_dppo.algorithms.records import policy_lags
+
+    rec = _Prompt(0)
+    first = Group(rec, 0, 0, [5], [[1], [2]], [1.0, 0.0], policy_version=3)
+    second = Group(rec, 0, 0, [5], [[3], [4]], [0.0, 1.0], policy_version=4)
+    first.extend(second)
+    assert first.versions() == [3, 3, 4, 4]
+    assert policy_lags([first], 4) == [1, 1, 0, 0]
+    same = Group(rec, 0, 0, [5], [[1]], [1.0], policy_version=4)
+    same.extend(Group(rec, 0, 0, [5], [[2]], [0.0], policy_version=4))
+    assert same.completion_versions == [] and policy_lags([same], 5) == [1, 1]  # one version: nothing stored
+    back = Group.from_state(json.loads(json.dumps(first.to_state())), rec)
+    assert back.versions() == [3, 3, 4, 4]
