@@ -4,6 +4,7 @@ the resolved config saved with a run."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -14,11 +15,32 @@ from megatron_dppo.config.checks import inert_keys, validate
 from megatron_dppo.config.schema import OPTIONAL_KEYS, Config
 
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+# Infinity as a command line or YAML 1.1 gives it: `.inf` is YAML's float, `inf` reaches us a string.
+_INFINITY = re.compile(r"^[+-]?\.?(inf|infinity)$", re.IGNORECASE)
+# The number keys where infinity means something (what it means): every other one must be finite.
+UNBOUNDED_KEYS = {"algorithm.rollout_correction_cap": "untruncated weights"}
+
+
+def _number(key: str, value) -> float:
+    """A float key's value: a number, a numeric string ("1e-5": YAML 1.1 reads a float without a
+    dot as a string), or infinity where UNBOUNDED_KEYS allow it. ValueError saying what is allowed."""
+    if isinstance(value, str) and _INFINITY.match(value.strip()):
+        value = float(value.strip().replace(".", ""))
+    elif isinstance(value, str) and _FLOAT.match(value.strip()):
+        value = float(value)
+    unbounded = UNBOUNDED_KEYS.get(key)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value) or (unbounded and value == math.inf):
+            return float(value)
+    allowed = f"a finite number (e.g. 2, 0.5, 1e-3){f', or inf for {unbounded}' if unbounded else ''}"
+    got = f"{value!r} ({type(value).__name__})" if not isinstance(value, float) else f"{value}"
+    raise ValueError(f"config key {key!r}: expected {allowed}, got {got}")
 
 
 def _coerce(key: str, value, typ):
     """Check value against the dataclass field type; ints are accepted for floats, and so are
-    strings like "1e-5" (YAML 1.1 reads a float without a dot as a string)."""
+    strings like "1e-5" (YAML 1.1 reads a float without a dot as a string) and infinity where
+    UNBOUNDED_KEYS allow it (_number)."""
     origin = typing.get_origin(typ)
     if typ is typing.Any:
         return value
@@ -47,10 +69,8 @@ def _coerce(key: str, value, typ):
     if origin is dict and isinstance(value, dict):  # {name: value}: each entry checked, named key.name
         key_type, value_type = typing.get_args(typ)
         return {_coerce(f"{key}.{k}", k, key_type): _coerce(f"{key}.{k}", v, value_type) for k, v in value.items()}
-    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if typ is float and isinstance(value, str) and _FLOAT.match(value.strip()):
-        return float(value)
+    if typ is float:
+        return _number(key, value)
     if typ in (int, str, bool) and type(value) is typ:
         return value
     raise ValueError(

@@ -57,6 +57,7 @@ from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.model import qwen3
 from megatron_dppo.model.arch import Arch
+from megatron_dppo.model.hf_dir import check_weights
 from megatron_dppo.model.hf_io import (
     HFCheckpoint,
     SafetensorsShardWriter,
@@ -249,6 +250,7 @@ def check_hf_source(hf_dir: str, tp: int, pp: int, ep: int = 1):
     layout = qwen3.layout_from_hf_config(hf_config, padded_vocab=padded_vocab_size(hf_config.vocab_size, tp))
     check_model_layout(hf.config_path, Arch.from_hf_config(hf_config), tp, pp, ep)
     hf.check_has(qwen3.hf_tensor_names(layout))
+    check_weights(hf, layout)  # shapes and a tied config's own lm_head, named as the trainer names them
     return hf, hf_config, layout
 
 

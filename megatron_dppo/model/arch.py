@@ -33,12 +33,15 @@ class Arch:
         (from_hf_config): a model `train` refuses is a ValueError here too, naming the field."""
         from transformers import CONFIG_MAPPING
 
+        from megatron_dppo.model.families import check_config_keys
+
         model_type = c.get("model_type", "qwen3")
         if model_type not in CONFIG_MAPPING:
             raise ValueError(f"config.json model_type={model_type!r}: not a model type transformers knows")
-        return cls.from_hf_config(
-            CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
-        )
+        config = CONFIG_MAPPING[model_type].from_dict({k: v for k, v in c.items() if k != "transformers_version"})
+        # The sizes the trainer requires (not architectures: the arithmetic does not need vLLM's class).
+        check_config_keys(c, config, architectures_needed=False)
+        return cls.from_hf_config(config)
 
     @classmethod
     def from_hf_config(cls, hf) -> Arch:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dppo.model.families import check_supported
+from megatron_dppo.model.families import check_config_keys, check_supported
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Qwen3Layout:
 
 def load_hf_config(path: str):
     """A transformers config from a config.json file (hf_config.json in our checkpoints).
-    ValueError naming the file for one that is not JSON or has no known model_type."""
+    ValueError naming the file for one that is not JSON, has no known model_type, or lacks a key
+    a supported family needs (families.check_config_keys)."""
     from transformers import CONFIG_MAPPING
 
     if not os.path.isfile(path):
@@ -94,7 +95,9 @@ def load_hf_config(path: str):
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{path}: unknown model_type={model_type!r}")
-    return CONFIG_MAPPING[model_type].from_json_file(path)
+    config = CONFIG_MAPPING[model_type].from_json_file(path)
+    check_config_keys(raw, config, path)  # before a default another model's size is built on
+    return config
 
 
 def read_model_config(path: str):
@@ -272,6 +275,33 @@ def hf_tensor_names(layout: Qwen3Layout) -> list:
     for i in range(layout.num_layers):
         names += [n for srcs, _ in _layer_rules(i, layout).values() for n in srcs]
     return names
+
+
+def hf_tensor_shape(name: str, layout: Qwen3Layout) -> tuple:
+    """(shape, the config.json keys that set it) of an HF tensor the mapping reads, as
+    transformers builds it from the config (embedding and head rows: vocab_size)."""
+    h, d, v = layout.hidden, layout.head_dim, layout.vocab
+    q, kv = layout.num_heads * d, layout.num_kv_heads * d
+    q_keys, kv_keys = ("num_attention_heads", "head_dim"), ("num_key_value_heads", "head_dim")
+    expert = ".experts." in name
+    mlp = (layout.moe_intermediate, "moe_intermediate_size") if expert else (layout.intermediate, "intermediate_size")
+    rules = (
+        (("embed_tokens.weight", "lm_head.weight"), (v, h), ("vocab_size", "hidden_size")),
+        (("layernorm.weight", "model.norm.weight"), (h,), ("hidden_size",)),
+        (("q_norm.weight", "k_norm.weight"), (d,), ("head_dim",)),
+        (("q_proj.weight",), (q, h), (*q_keys, "hidden_size")),
+        (("q_proj.bias",), (q,), q_keys),
+        (("k_proj.weight", "v_proj.weight"), (kv, h), (*kv_keys, "hidden_size")),
+        (("k_proj.bias", "v_proj.bias"), (kv,), kv_keys),
+        (("o_proj.weight",), (h, q), ("hidden_size", *q_keys)),
+        (("mlp.gate.weight",), (layout.num_experts, h), ("num_experts", "hidden_size")),
+        (("gate_proj.weight", "up_proj.weight"), (mlp[0], h), (mlp[1], "hidden_size")),
+        (("down_proj.weight",), (h, mlp[0]), ("hidden_size", mlp[1])),
+    )
+    for suffixes, shape, keys in rules:
+        if name.endswith(suffixes):
+            return shape, keys
+    raise KeyError(f"no shape rule for HF tensor {name!r}")
 
 
 def _megatron_mlp_to_hf(i: int, get, layout: Qwen3Layout) -> dict:

@@ -89,8 +89,35 @@ def test_scientific_notation_floats_parse(tmp_path):
     cfg = load_config(str(path))
     assert cfg.optim.lr == 1e-5 and cfg.optim.min_lr == 1e-7
     assert load_config(TINY, ["optim.lr=3e-4"]).optim.lr == 3e-4
-    with pytest.raises(ValueError, match="'optim.lr': expected float"):
+    with pytest.raises(ValueError, match=r"'optim.lr': expected a finite number \(e.g. 2, 0.5, 1e-3\), got 'fast'"):
         load_config(TINY, ["optim.lr=fast"])
+
+
+def test_infinity_is_an_untruncated_rollout_correction_cap(tmp_path):
+    """Issue 43: algorithm.rollout_correction_cap=inf was "expected float, got 'inf' (str)". Infinity
+    (inf on the command line, inf or .inf in YAML) is a cap that truncates nothing, and survives the
+    saved config; a key where infinity means nothing, and any other string, say what is allowed."""
+    tis = "algorithm.rollout_correction=tis"
+    for text in ("inf", ".inf", "+inf", "Infinity"):
+        cfg = load_config(TINY, [tis, f"algorithm.rollout_correction_cap={text}"])
+        assert cfg.algorithm.rollout_correction_cap == float("inf"), text
+    for text in ("inf", ".inf"):  # YAML reads the first as a string, the second as a float
+        path = tmp_path / "c.yaml"
+        extra = f"algorithm:\n  rollout_correction: tis\n  rollout_correction_cap: {text}\n"
+        path.write_text(open(TINY).read().replace("algorithm:\n", extra))
+        assert load_config(str(path)).algorithm.rollout_correction_cap == float("inf"), text
+    cfg = resolve(load_config(TINY, [tis, "algorithm.rollout_correction_cap=inf"]), **FACTS)
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(str(tmp_path / "config.yaml")).algorithm.rollout_correction_cap == float("inf")
+    allowed = "expected a finite number (e.g. 2, 0.5, 1e-3), or inf for untruncated weights"
+    for text, got in (("big", "'big' (str)"), ("-inf", "-inf"), (".nan", "nan")):
+        with pytest.raises(ValueError) as e:
+            load_config(TINY, [tis, f"algorithm.rollout_correction_cap={text}"])
+        assert str(e.value) == f"config key 'algorithm.rollout_correction_cap': {allowed}, got {got}"
+    for text in ("inf", ".inf"):
+        with pytest.raises(ValueError) as e:
+            load_config(TINY, [f"optim.lr={text}"])
+        assert str(e.value) == "config key 'optim.lr': expected a finite number (e.g. 2, 0.5, 1e-3), got inf"
 
 
 def test_a_section_written_twice_is_an_error(tmp_path):
