@@ -78,6 +78,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 MODEL_DIR = "model_optim"
+PENDING_ROLLOUT = "pending_rollout.json"  # the next step's first round, rolled out before the save
 _STEP_DIR = re.compile(r"step_(\d+)")
 # What a missing file costs, for the error message.
 _WHAT = {
@@ -85,6 +86,7 @@ _WHAT = {
     "rng/": "the RNG state",
     MODEL_DIR + "/": "model and optimizer weights",
     TRAINER_STATE: "the step, scheduler and data order",
+    PENDING_ROLLOUT: "the next step's rollout, saved at trainer.max_staleness=1",
 }
 
 
@@ -736,6 +738,27 @@ def _find_unreadable_item(model_dir: str):
         except Exception:  # noqa: BLE001 - whatever torch says, this item is the unreadable one
             return shard, fqn, offset
     return None
+
+
+def read_pending_rollout(path: str) -> dict | None:
+    """The checkpoint's PENDING_ROLLOUT (a save at trainer.max_staleness=1 with dedicated rollout
+    ranks), None without one. Damaged bytes (the manifest checks only its size) are a CheckpointError
+    naming the file."""
+    full = os.path.join(path, PENDING_ROLLOUT)
+    if not os.path.exists(full):
+        return None
+    with open(full, "rb") as f:
+        raw = f.read()
+    try:
+        state = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 (UnicodeDecodeError)
+        raise CheckpointError(
+            f"{full} is not valid JSON ({e}): the file is damaged ({_WHAT[PENDING_ROLLOUT]}); to resume from "
+            f"an earlier checkpoint, write its step_* name into {os.path.join(os.path.dirname(path), LATEST)}"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{full}: expected a JSON object ({_WHAT[PENDING_ROLLOUT]}), got {type(state).__name__}")
+    return state
 
 
 def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:

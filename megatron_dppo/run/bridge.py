@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 _TAG_LENGTH, _TAG_PAYLOAD = 1, 2
+_PEER_GONE = ("Connection closed by peer", "Connection reset")  # gloo's words for a member whose process ended
 _ALIGN = 16  # bytes: every dtype's alignment, so that a received tensor is a view of its bucket's buffer
 
 
@@ -96,12 +97,17 @@ def split_world(rollout_ranks: int, timeout: timedelta) -> Roles:
     return roles
 
 
+class BridgeBroken(RuntimeError):
+    """A member of the bridge went away in the middle of a call (its process ended: killed, or it failed)."""
+
+
 class Bridge:
     """A process group of training rank 0 (bridge rank 0) and the rollout ranks, outside both
     halves' worlds (split_world). Collective calls: every member calls them in the same order."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, backend: str = "gloo"):
         self.rank, self.size, self.backend = rank, size, backend
+        self.store = store  # the members' own messages outside the group (a stop nobody waits for)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
             self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
@@ -109,10 +115,22 @@ class Bridge:
             self.device = torch.device("cpu")
             self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
 
+    def _wait(self, op, *args) -> None:
+        """One group operation, op(*args), to its end; a member gone (gloo's words) as BridgeBroken."""
+        try:
+            op(*args).wait()
+        except RuntimeError as e:
+            if any(words in str(e) for words in _PEER_GONE):
+                raise BridgeBroken(
+                    "a member of the bridge between training rank 0 and the rollout ranks went away (its process "
+                    "ended: killed, or it failed; see its output)"
+                ) from e
+            raise
+
     def _broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.group.broadcast([tensor], opts).wait()
+        self._wait(self.group.broadcast, [tensor], opts)
         if self.backend == "nccl":  # wait() orders the stream only: the buffer is let go or read right after
             torch.cuda.current_stream().synchronize()
 
@@ -138,16 +156,16 @@ class Bridge:
         if self.rank != 0:
             payload = pickle.dumps(obj)
             length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-            self.group.send([length], 0, _TAG_LENGTH).wait()
+            self._wait(self.group.send, [length], 0, _TAG_LENGTH)
             data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-            self.group.send([data], 0, _TAG_PAYLOAD).wait()
+            self._wait(self.group.send, [data], 0, _TAG_PAYLOAD)
             return None
         out = []
         for src in range(1, self.size):
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self.group.recv([length], src, _TAG_LENGTH).wait()
+            self._wait(self.group.recv, [length], src, _TAG_LENGTH)
             data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-            self.group.recv([data], src, _TAG_PAYLOAD).wait()
+            self._wait(self.group.recv, [data], src, _TAG_PAYLOAD)
             out.append(pickle.loads(data.cpu().numpy().tobytes()))
         return out
 

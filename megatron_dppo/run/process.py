@@ -19,9 +19,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RANK_NAME: list[str] = []  # set_rank_name's name, when given
+
+
+def set_rank_name(name: str) -> None:
+    """The name rank_prefix gives this process from now on: a dedicated rollout rank's RANK is its
+    rank among the rollout ranks (run/bridge.split_world), so it says which launcher rank it is."""
+    _RANK_NAME[:] = [name]
+
+
 def rank_prefix() -> str:
-    """'[rank N] ' on a non-zero rank of a launched job (torchrun sets RANK), '' otherwise: the start
-    of a line that every rank may print, so that the user can tell the ranks apart."""
+    """'[rank N] ' on a non-zero rank of a launched job (torchrun sets RANK), or '[<name>] ' once
+    set_rank_name gave one; '' otherwise: the start of a line that every rank may print, so that the
+    user can tell the ranks apart."""
+    if _RANK_NAME:
+        return f"[{_RANK_NAME[0]}] "
     rank = os.environ.get("RANK", "0")
     return "" if rank == "0" else f"[rank {rank}] "
 

@@ -59,8 +59,12 @@ def default_store():
     return dist.PrefixStore(_PREFIX, store)
 
 
-def _ranks(ranks: list[int]) -> str:
-    """[0, 2, 3, 4, 7] -> 'ranks 0, 2-4, 7'; [1] -> 'rank 1'."""
+def _ranks(ranks: list[int], role: str | None = None, first: int = 0) -> str:
+    """[0, 2, 3, 4, 7] -> 'ranks 0, 2-4, 7'; [1] -> 'rank 1'. role: the ranks are those of one part of
+    the launcher's world (dedicated rollout ranks), whose rank 0 is launcher rank `first`: [0] ->
+    'rank 1 (rollout rank 0)', the rank the launcher and the other ranks' lines know first."""
+    if role:
+        return f"{_ranks([first + r for r in ranks])} ({role} {_ranks(ranks)})"
     parts, start = [], None
     for i, r in enumerate(ranks):
         if start is None:
@@ -75,9 +79,12 @@ def _where(phase: str, step) -> str:
     return f"phase {phase}" + (f" at step {step}" if step is not None else "")
 
 
-def describe_ranks(beats: dict, world: int, now: float, timeout_s: float, stale_s: float) -> list[str]:
+def describe_ranks(
+    beats: dict, world: int, now: float, timeout_s: float, stale_s: float, role: str | None = None, first: int = 0
+) -> list[str]:
     """One line per group of ranks with the same state, the likely culprits first. beats: rank ->
-    heartbeat dict (phase, step, progress, beat: wall-clock seconds) for the ranks that sent one."""
+    heartbeat dict (phase, step, progress, beat: wall-clock seconds) for the ranks that sent one.
+    role, first: the ranks' names (_ranks)."""
     groups: dict[tuple, list] = {}
     for r in range(world):
         b = beats.get(r)
@@ -92,7 +99,7 @@ def describe_ranks(beats: dict, world: int, now: float, timeout_s: float, stale_
         groups.setdefault(key, []).append((r, now - b["progress"] if b else 0.0, now - b["beat"] if b else 0.0))
     lines = []
     for (_, kind, phase, step), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[1][0][0])):
-        who = _ranks([m[0] for m in members])
+        who = _ranks([m[0] for m in members], role, first)
         idle, silent = max(m[1] for m in members), max(m[2] for m in members)
         if kind == "never sent a heartbeat":
             lines.append(f"{who} never sent a heartbeat (did not start, or died before its first beat)")
@@ -126,7 +133,9 @@ def _main_thread_frames() -> str:
 
 
 class StallWatchdog:
-    """See the module docstring. timeout_s <= 0 disables it (start() does nothing)."""
+    """See the module docstring. timeout_s <= 0 disables it (start() does nothing). rank and world
+    are those of the ranks that share its store; on dedicated rollout ranks, a part of the launcher's
+    world: role ("rollout") and first_rank (the launcher rank of their rank 0) name them in the report."""
 
     def __init__(
         self,
@@ -137,11 +146,14 @@ class StallWatchdog:
         world: int = 1,
         store=None,
         exit=os._exit,
+        role: str | None = None,
+        first_rank: int = 0,
     ):
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(timeout_s if start_timeout_s is None else start_timeout_s)
         self._starting = True  # until the first phase at a step: watched with start_timeout_s
         self.rank, self.world, self.store = rank, world, store
+        self.role, self.first_rank = role, first_rank
         self.beat_s = max(0.2, min(5.0, self.timeout_s / 4))
         self.stale_s = 3 * self.beat_s  # three missed beats: that rank's process is not running
         self._exit = exit
@@ -166,6 +178,11 @@ class StallWatchdog:
         self._progress_mono = now
         self._progress_wall = time.time()
         self._changed.set()  # the heartbeat thread publishes it now (no store call on this thread)
+
+    @property
+    def step(self) -> int | None:
+        """The step of the phase in progress (None in start-up)."""
+        return self._step
 
     def timing_line(self) -> str:
         took, phase, step = self.longest
@@ -256,20 +273,24 @@ class StallWatchdog:
         reader.join(timeout=10)
         return dict(beats)
 
+    def _name(self) -> str:
+        return _ranks([self.rank], self.role, self.first_rank)
+
     def report_lines(self, idle: float) -> list[str]:
         beats = self._read_beats()
         beats[self.rank] = self._heartbeat()  # this rank's own state, fresh
         where = _main_thread_frames()
         option, seconds = self._timeout()
         head = (
-            f"stall watchdog: rank {self.rank} made no progress for {idle:.0f} s ({option}={seconds:g}) "
+            f"stall watchdog: {self._name()} made no progress for {idle:.0f} s ({option}={seconds:g}) "
             f"in {_where(self._phase, self._step)}" + (f", at {where}" if where else "")
         )
-        lines = [head] + [
-            "  " + line for line in describe_ranks(beats, self.world, time.time(), self.timeout_s, self.stale_s)
-        ]
+        described = describe_ranks(
+            beats, self.world, time.time(), self.timeout_s, self.stale_s, self.role, self.first_rank
+        )
+        lines = [head] + ["  " + line for line in described]
         lines.append(
-            f"stall watchdog: rank {self.rank} exits with status {STALL_EXIT_CODE} so that the launcher ends "
+            f"stall watchdog: {self._name()} exits with status {STALL_EXIT_CODE} so that the launcher ends "
             "the job; the last complete checkpoint is kept (--resume continues from it)"
         )
         return lines

@@ -12,21 +12,30 @@ ranks is tensor parallel over them, as colocated engines are over the trainer's 
 A signal (SIGTERM from the launcher or a scheduler) does not stop a rollout rank by itself: the
 trainer finishes its step, which needs the rollout in flight, saves, and then says stop. When the
 training ranks go away without a word (a crash), the next bridge call fails and the rank exits
-with an error, which ends the job.
+with an error, which ends the job; a rollout rank that goes away is reported by training rank 0
+the same way (RolloutRanksGone: which rank, at which step, the checkpoint --resume would use).
+
+A start-up failure of the training ranks cannot say stop over the bridge: the rollout ranks may
+still be starting their engines or sending their start-up reports, and a broadcast would wait for
+them until a watchdog fired. Training rank 0 leaves the word in the bridge's store instead
+(stop_without_waiting), which a thread of each rollout rank looks for (watch_for_stop): the rank
+says so and exits at once, status 0 (the training rank's error is the job's).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from contextlib import contextmanager
 
 import torch
 
 from megatron_dppo.config import Config
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.run.bridge import Roles
-from megatron_dppo.run.process import rank_prefix
+from megatron_dppo.run.bridge import BridgeBroken, Roles
+from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
 from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker
@@ -36,10 +45,20 @@ class TrainingRanksGone(RuntimeError):
     """The bridge to training rank 0 broke before it said stop (it crashed or was killed)."""
 
 
+class RolloutRanksGone(RuntimeError):
+    """Training rank 0's side: the bridge to a rollout rank broke in the middle of the run."""
+
+
+STOP_KEY = "stop"  # in the control bridge's store: training rank 0's word to stop, when it cannot broadcast it
+STOP_POLL_S = 0.5  # how often a rollout rank looks for it (a store request: cheap, even for many ranks)
+
+
 def serve(cfg: Config, roles: Roles) -> int:
     """Run this rollout rank until training rank 0 says stop. -> the process's exit status: 0, or
     128 + the signal that arrived meanwhile (the run as a whole was interrupted)."""
+    set_rank_name(f"rank {roles.rank} (rollout rank {roles.local_rank})")
     signalled = _note_signals()
+    watcher = watch_for_stop(roles.control.store, lambda why: _exit_on_stop(why, signalled))
     inputs = startup.load_inputs(cfg)
     startup.resolve_config(cfg, inputs, world=roles.world)
     rollout_world = roles.rollout_ranks
@@ -49,6 +68,8 @@ def serve(cfg: Config, roles: Roles) -> int:
         rank=roles.local_rank,
         world=rollout_world,
         store=default_store(),
+        role="rollout",
+        first_rank=roles.train_ranks,
     ).start()
     engine = scorer = None
     stopped = False
@@ -95,6 +116,7 @@ def serve(cfg: Config, roles: Roles) -> int:
             else:
                 raise RuntimeError(f"rollout rank: unknown request {kind!r} from the trainer")
     finally:
+        watcher.set()
         watchdog.stop()
         for part in (scorer, engine):
             if part is not None:
@@ -107,15 +129,13 @@ def serve(cfg: Config, roles: Roles) -> int:
 
 
 def _call(fn, *args):
-    """A bridge call; a broken connection (the training ranks are gone) as TrainingRanksGone."""
+    """A bridge call; a broken bridge (the training ranks are gone) as TrainingRanksGone."""
     try:
         return fn(*args)
-    except RuntimeError as e:
-        if "Connection closed by peer" in str(e) or "Connection reset" in str(e):
-            raise TrainingRanksGone(
-                "the training ranks went away without saying stop (see their output): this rollout rank exits"
-            ) from None
-        raise
+    except BridgeBroken:
+        raise TrainingRanksGone(
+            "the training ranks went away without saying stop (see their output): this rollout rank exits"
+        ) from None
 
 
 def _call_iter(it):
@@ -141,3 +161,76 @@ def _note_signals() -> list[int]:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, handler)
     return seen
+
+
+# ---- a stop that waits for nobody (start-up failures) -------------------------------------------------
+def stop_without_waiting(control, why: str) -> None:
+    """Training rank 0: tell the rollout ranks to exit through the bridge's store (module docstring),
+    `why` being the line they print. A store that is gone too leaves them to find the bridge broken."""
+    try:
+        control.store.set(STOP_KEY, why)
+    except Exception:  # noqa: BLE001 - nothing more to tell them with
+        pass
+
+
+def watch_for_stop(store, on_stop, every_s: float = STOP_POLL_S) -> threading.Event:
+    """A daemon thread that calls on_stop(why) once training rank 0 left STOP_KEY in store (through a
+    clone of it: its own connection); -> the Event that ends the thread."""
+    done = threading.Event()
+    own = store.clone()
+
+    def watch():
+        while not done.wait(every_s):
+            try:
+                if own.check([STOP_KEY]):
+                    on_stop(own.get(STOP_KEY).decode())
+                    return
+            except Exception:  # noqa: BLE001 - a store that went away: the bridge calls find the trainer gone
+                pass
+
+    threading.Thread(target=watch, name="rollout-stop-watch", daemon=True).start()
+    return done
+
+
+def _exit_on_stop(why: str, signalled: list[int]) -> None:
+    """The main thread may be starting the engine or blocked in a bridge call: say why and exit the
+    process from here (os._exit, as the stall watchdog does), 0 or 128 + a signal that came meanwhile."""
+    os.write(2, f"{rank_prefix()}{why}: this rollout rank exits\n".encode())
+    os._exit(128 + signalled[0] if signalled else 0)
+
+
+# ---- training rank 0's side ---------------------------------------------------------------------------
+@contextmanager
+def reporting_rollout_ranks_gone(roles, watchdog, ckpt_dir: str):
+    """Around training rank 0's loop: a rollout rank that went away (the bridge broke) ends the run
+    with one line that names it, the step, and what --resume would continue from."""
+    try:
+        yield
+    except BridgeBroken:
+        raise RolloutRanksGone(rollout_ranks_gone_line(roles, watchdog.step, ckpt_dir)) from None
+
+
+def rollout_ranks_gone_line(roles, step: int | None, ckpt_dir: str) -> str:
+    """'rank 1 (rollout rank 0) went away during step 5 ...: no checkpoint saved for step 5; the last
+    is step 4 (...)'. Which rollout rank broke the bridge gloo does not say when there are several."""
+    first, count = roles.train_ranks, roles.rollout_ranks
+    who = (
+        f"rank {first} (rollout rank 0)" if count == 1 else f"one of ranks {first}-{first + count - 1} (rollout ranks)"
+    )
+    when = f"during step {step}" if step is not None else "before the first step"
+    unsaved = f"no checkpoint saved for step {step}" if step is not None else "no checkpoint saved"
+    return f"{who} went away {when} (killed, or it failed: see its output): {unsaved}; {_last_checkpoint(ckpt_dir)}"
+
+
+def _last_checkpoint(ckpt_dir: str) -> str:
+    from megatron_dppo.megatron.checkpoint import latest_checkpoint
+
+    try:
+        path = latest_checkpoint(ckpt_dir)
+    except (OSError, ValueError) as e:
+        return f"the last checkpoint cannot be read ({e})"
+    if path is None:
+        return f"none was saved before it either (none under {ckpt_dir}): --resume has nothing to continue from"
+    number = os.path.basename(path).removeprefix("step_")
+    which = f"step {int(number)}" if number.isdigit() else os.path.basename(path)
+    return f"the last is {which}, {path} (--resume continues from it)"

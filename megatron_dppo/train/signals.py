@@ -1,5 +1,6 @@
 """SIGTERM / SIGINT during training: finish the step in progress, save, exit non-zero; a second
-signal stops at once. What SLURM and torchrun send before a kill is SIGTERM."""
+signal stops at once. What SLURM and torchrun send before a kill is SIGTERM. After the loop failed,
+a signal no longer ends the process before its error is shown (_while_reporting_an_error)."""
 
 from __future__ import annotations
 
@@ -51,8 +52,35 @@ def stop_on_signals():
         os.write(2, (msg + " (send it again to stop at once)\n").encode())
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    failed = True
     try:
         yield flag
+        failed = False
+    except StopRequested:
+        failed = False
+        raise
     finally:
+        after = _reporting_handler() if failed and "RANK" in os.environ else None
         for s, h in previous.items():
-            signal.signal(s, h)
+            signal.signal(s, after or h)
+
+
+def _reporting_handler():
+    """-> the handler for a rank of a launched job whose loop failed: its error is shown once the
+    trainer is closed, and the launcher sends SIGTERM as soon as another rank ended by the same fault
+    (a rollout rank killed): dying of it would lose the error. The signal is said and the exit goes on;
+    the signal again (later than REPEAT_WINDOW_S) exits at once."""
+    first = SignalFlag()
+
+    def handler(signum, frame):
+        now, name = time.monotonic(), signal.Signals(signum).name
+        if not first.requested:
+            first.requested, first.at = True, now
+            os.write(
+                2, f"{rank_prefix()}{name} received while stopping on an error: exiting once it is shown\n".encode()
+            )
+        elif now - first.at > REPEAT_WINDOW_S:
+            os.write(2, f"{rank_prefix()}{name} again: exiting now\n".encode())
+            os._exit(128 + signum)
+
+    return handler

@@ -143,14 +143,15 @@ def check_hf_export_dir(cfg: Config, plan: RunDirPlan) -> None:
 
 
 def check_resumable(cfg: Config, ckpt_dir: str, resume_meta: dict) -> str:
-    """Before anything slow: the checkpoint exists, is intact, is not past trainer.max_steps,
-    and was trained with this run's model and fixed settings -> its path."""
-    from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint
+    """Before anything slow: the checkpoint exists, is intact (its pending rollout readable too), is
+    not past trainer.max_steps, and was trained with this run's model and fixed settings -> its path."""
+    from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint, read_pending_rollout
 
     path = latest_checkpoint(ckpt_dir)
     if path is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {ckpt_dir} (no 'latest' file)")
     state = check_checkpoint(path)
+    read_pending_rollout(path)  # read again after the model loads: damaged bytes are found now
     check_resume_compatible(state, cfg, path, current=resume_meta)
     if state["step"] >= cfg.trainer.max_steps:
         raise ValueError(

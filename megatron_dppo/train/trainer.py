@@ -47,6 +47,7 @@ from megatron_dppo.run.process import malloc_trim
 from megatron_dppo.run.profiling import PHASES
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import microbatches, startup
+from megatron_dppo.train.rollout_rank import reporting_rollout_ranks_gone, stop_without_waiting
 from megatron_dppo.train.signals import StopNow, StopRequested, stop_on_signals
 from megatron_dppo.train.step_rollout import (
     EnginePlace,
@@ -524,7 +525,7 @@ class Trainer:
         self.last_step = self.first_step - 1
         self._idle_mask_named = False
         last_save = time.monotonic()
-        with stop_on_signals() as stop:
+        with stop_on_signals() as stop, reporting_rollout_ranks_gone(self.roles, self.watchdog, self.ckpt_dir):
             for step in range(self.first_step, tc.max_steps + 1):
                 m = self.step(step)
                 gap_line = (
@@ -599,7 +600,10 @@ class Trainer:
         self._rollout_stopped = True
         try:
             engines = getattr(self, "engines", None)
-            if engines is not None and engines.in_flight:
+            if engines is None:  # start-up failed before their reports were taken: they may be sending them
+                stop_without_waiting(control, "training rank 0 stopped during start-up (its error says why)")
+                return
+            if engines.in_flight:
                 control.gather_objects()
             control.broadcast_object(("stop", None))
         except RuntimeError:

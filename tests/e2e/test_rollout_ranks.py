@@ -8,16 +8,24 @@ rollout process under torchrun), against the colocated 1-process run of the same
   are checked against transformers: those of the starting weights at step 2, not step 1's. A
   launcher killed mid-run leaves a checkpoint that holds the step in flight; the resumed run
   repeats the uninterrupted one exactly.
-* A rollout rank that stalls or dies ends the job, and no process outlives it.
+* A rollout rank that stalls or dies ends the job, and no process outlives it; a killed one is
+  named by the trainer, with the checkpoint --resume would continue from.
+* A start-up failure of the training rank (a damaged pending_rollout.json on --resume) ends the
+  job within seconds with its error, at the default timeouts: it used to wait for the rollout
+  rank's start-up watchdog (600 s on CPU), the two blocked in the bridge.
 """
 
 import contextlib
 import os
 import re
+import shutil
 import signal
+import subprocess
+import time
 
 import psutil
 import pytest
+from conftest import run_cli
 from trainer_runs import (
     TINY,
     assert_same_rollouts,
@@ -26,6 +34,7 @@ from trainer_runs import (
     rel_close,
     rollouts,
     run,
+    run_env,
     start_logged,
     train_cmd,
     wait_for_first_row,
@@ -125,9 +134,11 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     """The rollout rank is frozen (SIGSTOP: the trainer's stall watchdog names the wait and ends
     the job) or killed (SIGKILL: torchrun ends the job) after step 1: the job exits non-zero
     within a minute or two and no process of it is left."""
-    over = ["trainer.max_steps=200", "trainer.save_every=0", "trainer.save_every_minutes=0"]
+    over = ["trainer.max_steps=200", "trainer.save_every_minutes=0"]
     if fault == "stalled":
-        over.append("trainer.stall_timeout_s=10")  # start-up has its own trainer.start_timeout_s
+        over += ["trainer.save_every=0", "trainer.stall_timeout_s=10"]  # start-up has its own start_timeout_s
+    else:
+        over.append("trainer.save_every=1")  # the trainer's line names the last checkpoint
     log = tmp_path / "run.log"
     proc = start_logged(train_cmd(tmp_path, fault, MODEL, 2, *STALE, *over), log)
     try:
@@ -147,6 +158,15 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
         # (phase rollout_wait) or, when the signal lands between steps, to hand it the next wave
         # request (phase prompts, a broadcast); which one is timing
         assert re.search(r"stall watchdog: rank 0 made no progress .* at bridge\.py:\d+ ", screen), screen
+    else:
+        # was gloo's "Connection closed by peer ... GLHF!", or nothing at all: torchrun's SIGTERM (sent
+        # when the rollout rank ended) killed the trainer before its error was shown
+        gone = re.search(
+            r"error: rank 1 \(rollout rank 0\) went away during step (\d+) \(killed, or it failed: see its output\): "
+            r"no checkpoint saved for step \1; the last is step (\d+), \S+ \(--resume continues from it\)",
+            screen,
+        )
+        assert gone and int(gone[2]) == int(gone[1]) - 1, screen  # every step before it was saved
 
 
 def _launcher_rank(p: psutil.Process):
@@ -155,3 +175,52 @@ def _launcher_rank(p: psutil.Process):
     except psutil.Error:
         return None
     return int(env["RANK"]) if "RANK" in env and "megatron_dppo.cli" in " ".join(p.cmdline()) else None
+
+
+@pytest.fixture(scope="module")
+def stale_checkpoint(tmp_path_factory):
+    """A 2-step run at trainer.max_staleness=1 whose step 1 checkpoint holds step 2's rollout
+    (pending_rollout.json): the run dir, its `latest` naming step 1."""
+    out = tmp_path_factory.mktemp("stale-checkpoint")
+    run(train_cmd(out, "saved", MODEL, 2, *STALE, "trainer.save_every=1"))
+    ckpt = out / "saved" / "checkpoints"
+    assert (ckpt / "step_000001" / "pending_rollout.json").exists()
+    (ckpt / "latest").write_text("step_000001\n")
+    return out / "saved"
+
+
+def _damage(pending, how: str) -> str:
+    """-> what the error must say about the file."""
+    if how == "missing":
+        pending.unlink()
+        return "is missing (the next step's rollout, saved at trainer.max_staleness=1): the checkpoint's manifest"
+    raw = pending.read_bytes()
+    if how == "truncated":
+        pending.write_bytes(raw[:1000])
+        return f"is 1000 bytes, but {len(raw)} were written (the next step's rollout"
+    pending.write_bytes(raw[:4997] + b"#garb#" + raw[5003:])  # the size the manifest says
+    return "is not valid JSON (Expecting "  # json's words: which, and where, depends on the bytes replaced
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing", "garbled"])
+def test_a_damaged_pending_rollout_ends_the_resumed_job_in_seconds(stale_checkpoint, tmp_path, how):
+    """--resume from a checkpoint whose pending_rollout.json is damaged: the training rank's start-up
+    check fails while the rollout rank starts its engine. The default timeouts (start_timeout_s 600 s
+    on CPU): truncated or missing, the job waited for the rollout rank's start-up watchdog, the
+    training rank blocked saying stop to a rollout rank still sending its start-up report; garbled,
+    it failed after the model loaded with json's words and no file named."""
+    run_dir = tmp_path / "saved"
+    shutil.copytree(stale_checkpoint, run_dir)
+    pending = run_dir / "checkpoints" / "step_000001" / "pending_rollout.json"
+    said = _damage(pending, how)
+    t0 = time.monotonic()
+    try:
+        res = run_cli(train_cmd(tmp_path, "saved", MODEL, 2, *STALE, resume=True), run_env(), timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"still running after 60 s:\n{(e.stderr or '')[-3000:]}")
+    took = time.monotonic() - t0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 1 and errors, res.stderr[-3000:]
+    assert errors[0].startswith(f"error: {pending} {said}"), errors
+    assert how != "garbled" or "): the file is damaged (the next step's rollout" in errors[0], errors
+    assert took < 60, took

@@ -135,3 +135,18 @@ def test_start_timeout_resolves_to_at_least_the_platform_default():
     assert long.trainer.start_timeout_s == 900
     mine = resolve(load_config(TINY, ["trainer.stall_timeout_s=20", "trainer.start_timeout_s=45"]), **FACTS)
     assert mine.trainer.start_timeout_s == 45
+
+
+def test_a_rollout_ranks_report_names_its_launcher_rank_and_role():
+    """On dedicated rollout ranks the watchdog's ranks are the rollout ranks' own (RANK rewritten by
+    run/bridge.split_world): its lines said "rank 0" on launcher rank 1 (issue 43); they name both."""
+    w = StallWatchdog(5, start_timeout_s=600, rank=0, world=2, role="rollout", first_rank=1)
+    w.phase("start engine")
+    lines = w.report_lines(600.0)
+    assert lines[0].startswith(
+        "stall watchdog: rank 1 (rollout rank 0) made no progress for 600 s (trainer.start_timeout_s=600) in "
+        "phase start engine"
+    ), lines
+    assert "  rank 2 (rollout rank 1) never sent a heartbeat (did not start, or died before its first beat)" in lines
+    assert lines[-1].startswith("stall watchdog: rank 1 (rollout rank 0) exits with status 124"), lines
+    assert _ranks([0, 1, 3], "rollout", 4) == "ranks 4-5, 7 (rollout ranks 0-1, 3)"
