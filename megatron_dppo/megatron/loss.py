@@ -159,10 +159,13 @@ def micro_batch_loss(
             return t.flatten().index_select(0, index)
         return t.flatten().index_select(0, host_index).to(dev, non_blocking=True)
 
-    # No old log-probs: the batch is trained right after it was generated, in one optimizer step,
-    # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate
-    # old-log-prob pass would recompute the same numbers. With several mini-batches or epochs the
-    # trainer attaches pi_old (the rollout policy's log-probs, taken before any update).
+    # pi_old is the TRAINER's weights at the start of the step, before any update. Colocated
+    # (trainer.max_staleness=0) they are the weights vLLM sampled with (up to the engines' numerics:
+    # the rollout correction's rho); with dedicated rollout ranks at max_staleness=1 they are one
+    # update newer than the sampler's. No old log-probs: the batch is trained in one optimizer step,
+    # so pi_old = pi_theta exactly and the ratio is 1 (with its gradient): the separate old-log-prob
+    # pass would recompute the same numbers. With several mini-batches or epochs the trainer
+    # attaches pi_old's log-probs, taken before any update.
     lp, seq_index = logp.index_select(0, index), picked(batch.seq_index)  # the loss tokens' (one gather each)
     old_logp = picked(batch.old_logp) if batch.old_logp is not None else lp.detach()
     reweighting = reweighting or registry.recipe(algorithm).reweighting

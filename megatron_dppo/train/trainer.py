@@ -37,7 +37,14 @@ from megatron_dppo.algorithms import batch, losses, packing
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import get_strategy
-from megatron_dppo.algorithms.records import Group, RolloutCounts, rollout_metrics, size_runs, stack_rewards
+from megatron_dppo.algorithms.records import (
+    Group,
+    RolloutCounts,
+    policy_lags,
+    rollout_metrics,
+    size_runs,
+    stack_rewards,
+)
 from megatron_dppo.config import Config, save_config
 from megatron_dppo.rewards import RewardScorer, reward_metrics_by_source
 from megatron_dppo.run import collectives as mdist
@@ -354,7 +361,7 @@ class Trainer:
         each trained group's sampling weights were; more than trainer.max_staleness is a bug."""
         if not self.roles:
             return {}
-        lags = [step - 1 - g.policy_version for g in trained]
+        lags = policy_lags(trained, step - 1)  # completion by completion (BPPO's later waves may be newer)
         if lags and max(lags) > self.cfg.trainer.max_staleness:
             raise RuntimeError(
                 f"step {step} would train on completions sampled {max(lags)} updates behind, more than "
