@@ -58,7 +58,8 @@ class Method:
         trained groups' weights stand for the unpruned DAPO batch), "kept" (what was trained,
         CPPO as published) or the selection's own (BPPO's: its selected prefixes, docs/methods.md 1.1.7).
     selection, reweighting, curriculum, aux: the options the config chose for the method slots
-        (algorithms/methods/registry.py), whose hooks the step calls.
+        (algorithms/methods/registry.py), whose hooks the step calls with this Method; the hooks
+        read it as methods/base.StepSettings, so the methods never import this module.
     """
 
     strategy: str

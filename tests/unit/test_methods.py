@@ -10,7 +10,7 @@ import torch
 
 from megatron_dppo.algorithms import batch
 from megatron_dppo.algorithms.methods import registry
-from megatron_dppo.algorithms.methods.base import Reweighting
+from megatron_dppo.algorithms.methods.base import Reweighting, StepSettings
 from megatron_dppo.algorithms.methods.reco.method import ReCo
 from megatron_dppo.algorithms.methods.ssopd import distill
 from megatron_dppo.algorithms.packing import PackLayout
@@ -199,7 +199,7 @@ def test_a_method_is_one_class_and_one_registry_line(monkeypatch):
 # Names of the methods' options (not the plain step's): no code outside algorithms/methods/ compares
 # a string with one of them, nor a slot key (method.selection, cfg.algorithm.aux ...) with a string.
 METHOD_NAMES = {name for options in registry.SLOTS.values() for name in list(options)[1:]}
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "megatron_dppo"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "megatron_dppo"
 
 
 def name_comparisons(source: str, where: str) -> list[str]:
@@ -217,12 +217,9 @@ def name_comparisons(source: str, where: str) -> list[str]:
 
 def test_no_method_name_is_compared_outside_the_registry():
     methods_dir = PACKAGE / "algorithms" / "methods"
-    found = [
-        f
-        for p in sorted(PACKAGE.rglob("*.py"))
-        if methods_dir not in p.parents
-        for f in name_comparisons(p.read_text(), str(p.relative_to(PACKAGE.parent)))
-    ]
+    sources = [p for p in sorted(PACKAGE.rglob("*.py")) if methods_dir not in p.parents]
+    assert PACKAGE / "algorithms" / "batch.py" in sources  # the walk reads the package (from tests/unit it read none)
+    found = [f for p in sources for f in name_comparisons(p.read_text(), str(p.relative_to(PACKAGE.parent)))]
     assert found == []
 
 
@@ -230,3 +227,18 @@ def test_the_name_comparison_walk_finds_one():
     """The walk can fail: the dispatch the registry replaced is found."""
     old = 'def f(method, a):\n    return method.reweighting == "reco" or a.aux != "none" or "bppo" == a.x\n'
     assert name_comparisons(old, "old.py") == ["old.py:2"] * 3
+
+
+def test_the_hooks_read_of_the_step_only_what_step_settings_lists():
+    """The methods read the step's batch.Method through base.StepSettings and never import
+    algorithms/batch.py (which imports them: pyproject.toml's import-linter contract): every
+    `method.<field>` read under algorithms/methods/ is a member of the protocol, and Method has each."""
+    listed = {name for name in vars(StepSettings) if not name.startswith("_")}
+    read = {
+        node.attr
+        for p in (PACKAGE / "algorithms" / "methods").rglob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "method"
+    }
+    assert read and read <= listed, f"read through `method` but not in StepSettings: {sorted(read - listed)}"
+    assert isinstance(_method(), StepSettings)

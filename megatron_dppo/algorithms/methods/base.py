@@ -11,21 +11,41 @@ The classes below are the plain step's options ("all", "none"): every hook does 
 (algorithms/batch.py, the trainer, the loss, config/checks.py) calls the hooks of the options the
 config chose, built once (`registry.recipe`), and never compares a method's name.
 
-Hooks take the step's settings as `method` (algorithms/batch.Method) and plain records (Groups,
-tensors); nothing here imports Megatron or vLLM.
+Hooks take the step's settings as `method` (algorithms/batch.Method, read through the
+StepSettings protocol below) and plain records (Groups, tensors); nothing here imports the step
+(algorithms/batch.py imports this package: pyproject.toml's import-linter contract keeps it one
+way), Megatron or vLLM.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: batch imports the registry, which imports these
-    from megatron_dppo.algorithms.batch import Method
+if TYPE_CHECKING:
     from megatron_dppo.algorithms.pruning import PruningStrategy
     from megatron_dppo.algorithms.records import Group
+
+
+@runtime_checkable
+class StepSettings(Protocol):
+    """What the hooks read of the step's settings, algorithms/batch.Method (which has these and
+    more). A hook that needs another of Method's fields names it here too (tests/unit/test_methods
+    checks that every `method.<field>` read under algorithms/methods/ is listed)."""
+
+    @property
+    def r_o(self) -> float: ...  # the completion-pruning ratio
+
+    @property
+    def group_size(self) -> int: ...  # G
+
+    @property
+    def loss_agg(self) -> str: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...  # Lmax of the Dr.GRPO normaliser
 
 
 class Option:
@@ -79,12 +99,12 @@ class Selection(Option):
     slot, name = "selection", "all"
     denominator = None  # the name Method.denominator shows when the selection normalises itself
 
-    def select(self, method: Method, strategy: PruningStrategy, groups: list[Group], advantages, generator):
+    def select(self, method: StepSettings, strategy: PruningStrategy, groups: list[Group], advantages, generator):
         """-> (keep [P, G] bool, w_o [P, G] float, trained prefix lengths [P, G] or None)."""
         keep, w_o = strategy.prune_completions(advantages, method.r_o, generator)
         return keep, w_o, None
 
-    def own_denominator(self, method: Method, groups: list[Group]) -> float | None:
+    def own_denominator(self, method: StepSettings, groups: list[Group]) -> float | None:
         """The mini-batch's denominator when the selection has its own; None: the step's (full, refill, kept)."""
         return None
 
@@ -104,7 +124,7 @@ class Reweighting(Option):
     needs_token_scale = False  # a pi_old pass over every trained token before the first update
     needs_impurity = False  # that pass also returns each position's Gini impurity
 
-    def response_weights(self, method: Method, groups: list[Group]) -> torch.Tensor | None:
+    def response_weights(self, method: StepSettings, groups: list[Group]) -> torch.Tensor | None:
         """u [P, G] multiplying w_o, fixed before any update; None: no response weights."""
         return None
 
@@ -145,7 +165,7 @@ class AuxLoss(Option):
 
     slot, name = "aux", "none"
 
-    def pairs(self, method: Method, groups: list[Group]) -> list:
+    def pairs(self, method: StepSettings, groups: list[Group]) -> list:
         """The mini-batch's auxiliary items, chosen from its full groups; [] for none."""
         return []
 
