@@ -20,10 +20,15 @@ def _verify_unbiased(args) -> int:
         print(f"verify-unbiased: --strategy must be one of {sorted(STRATEGIES)}, got {unknown[0]!r}", file=sys.stderr)
         return 2
     aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
+    corrected = args.rollout_correction != "none" or args.staleness or args.negative_control != "none"
+    bad = _correction_arguments_error(args) if corrected else ""
+    if bad:
+        print(f"verify-unbiased: {bad}", file=sys.stderr)
+        return 2
     if args.method:
         return _verify_methods(args, strategies, aggs)
-    corrected = args.rollout_correction != "none" or args.staleness
-    all_ok = _verify_rollout_correction(args.seed, args.staleness) if corrected else True
+    failures, checked = _verify_rollout_correction(args) if corrected else ([], None)
+    all_ok = True
     for strategy in strategies:
         for agg in aggs:
             cfg = CheckConfig(
@@ -33,7 +38,7 @@ def _verify_unbiased(args) -> int:
                 r_q=args.r_q,
                 r_o=args.r_o,
                 loss_agg=agg,
-                advantage=args.advantage,
+                advantage="drgrpo" if corrected else args.advantage,
                 ratio_type=args.ratio_type,
                 kl_coef=args.kl_coef,
                 draws=args.draws,
@@ -45,6 +50,7 @@ def _verify_unbiased(args) -> int:
                 without_prompt_weight=args.without_prompt_weight,
                 rollout_correction=args.rollout_correction,
                 staleness=args.staleness,
+                negative_control=args.negative_control,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -53,29 +59,62 @@ def _verify_unbiased(args) -> int:
                 return 2
             print(result.summary(cfg), flush=True)
             all_ok &= result.unbiased
+            if corrected and getattr(result, "error", ""):
+                failures.append(f"{strategy} {agg} + {args.rollout_correction}: {result.error}")
+    if corrected:
+        return _correction_verdict(args, failures, checked)
     print("all unbiased" if all_ok else "bias detected beyond Monte Carlo noise")
     return 0 if all_ok else 1
 
 
-def _verify_rollout_correction(seed: int, staleness: int = 0) -> bool:
-    """--rollout-correction: the exact table of megatron_dppo/jobs/verify_rollout.py (untruncated
-    IS unbiased, none biased, each cap and mask's bias); True when every verdict is the expected one.
-    staleness 1: the rollout policy is pi_old before its last update (trainer.max_staleness=1)."""
-    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_checks, stale_kl
-
-    ok = True
-    cfg = RolloutCheckConfig(length=3, seed=seed, staleness=staleness)
-    if staleness:
-        print(
-            f"rollout correction: the rollout policy is pi_old {staleness} update(s) earlier "
-            f"(KL(rollout || pi_old) = {stale_kl(cfg):.3g} a token); target: the on-policy gradient at pi_old",
-            flush=True,
+def _correction_arguments_error(args) -> str:
+    """What --rollout-correction / --staleness / --negative-control cannot be combined with ("" if fine)."""
+    if args.dynamic_sampling:
+        return "--dynamic-sampling checks the refill rule without a rollout correction: drop it, or drop " + (
+            "--rollout-correction/--staleness/--negative-control"
         )
-    for result, expected in run_rollout_checks(cfg):
-        note = "" if expected is None else (" (expected)" if result.unbiased == expected else " (NOT as expected)")
-        print(f"rollout correction: {result.summary()}{note}", flush=True)
-        ok &= expected is None or result.unbiased == expected
-    return ok
+    if args.method:
+        return "--method checks the methods' own losses without a rollout correction: drop one of the two"
+    if args.kl_coef:
+        return (
+            "--kl-coef must be 0 with --rollout-correction/--staleness: the correction weighs the policy-gradient "
+            "term only (losses.corrected_aggregate), so the check's on-policy target has no KL term"
+        )
+    return ""
+
+
+def _verify_rollout_correction(args):
+    """The exact table of megatron_dppo/jobs/verify_rollout.py on a toy policy (every kind's bias against
+    the on-policy gradient and its bound; the versions that sampled and trained) -> (the reasons the
+    run fails: a bias beyond its bound, an untruncated estimator not exact, a recommended or the
+    checked kind more biased than no correction; the checked kind's row)."""
+    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, describe_setting, run_rollout_checks
+
+    cfg = RolloutCheckConfig(length=3, seed=args.seed, staleness=args.staleness, control=args.negative_control)
+    print(f"rollout correction: {describe_setting(cfg)}", flush=True)
+    rows = run_rollout_checks(cfg, checked=args.rollout_correction)
+    for row in rows:
+        print(f"rollout correction: {row.line()}", flush=True)
+    checked = next(row for row in rows if "checked" in row.role)
+    return [row.failure for row in rows if row.failure], checked
+
+
+def _correction_verdict(args, failures: list[str], checked) -> int:
+    """The last line under --rollout-correction / --staleness: what counts against the run, or
+    what passed, and the recommendation (never "all unbiased" when a kind is biased)."""
+    from megatron_dppo.jobs.verify_rollout import recommended_correction
+
+    setting = f"staleness {args.staleness}" if args.staleness else "a bf16/MoE rollout (staleness 0)"
+    rec = f"recommended for {setting}: {recommended_correction(args.staleness)} (docs/algorithm.md section 8)"
+    if failures:
+        print(f"bias detected: {'; '.join(failures)}; {rec}")
+        return 1
+    r = checked.result
+    print(
+        f"no line counts against {r.kind}: {r.verdict} on the toy (no correction's bias {r.none_bias:.3g}) and no "
+        f"bias beyond its bound in DPPO's Monte Carlo check; every other BIASED line is within its bound; {rec}"
+    )
+    return 0
 
 
 def _verify_methods(args, strategies, aggs) -> int:
@@ -298,8 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rollout-correction",
         choices=get_args(RolloutCorrection),
         default="none",
-        help="algorithm.rollout_correction: first its exact check on a toy policy (untruncated IS unbiased, "
-        "none biased, the bias of each cap and mask), then pruning's Monte Carlo check with it on every token",
+        help="algorithm.rollout_correction: first its exact check on a toy policy (every kind's bias against the "
+        "on-policy gradient and its bound), then pruning's Monte Carlo check sampling from the rollout policy, "
+        "with the correction on every token, against the on-policy gradient",
     )
     v.add_argument(
         "--staleness",
@@ -307,7 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[0, 1],
         default=0,
         help="trainer.max_staleness: 1 = the rollout sampled with the weights before the last update (the exact "
-        "table with that rollout policy, then pruning's Monte Carlo check with its log-probs)",
+        "table with that rollout policy, then pruning's Monte Carlo check sampling from it)",
+    )
+    v.add_argument(
+        "--negative-control",
+        choices=["none", "inverted", "one", "stale"],
+        default="none",
+        help="a self-test of the rollout-correction check (must report BIASED and exit 1): feed it wrong "
+        "inputs, rho inverted (mu / pi_old), rho = 1 (no reweighting while claiming one), or stale (sampled by "
+        "the weights one version older than the ones rho is computed against)",
     )
     v.set_defaults(func=_verify_unbiased)
     return parser

@@ -1,49 +1,212 @@
 """Exact check of the rollout correction (algorithm.rollout_correction, docs/algorithm.md section 8).
 
 A toy policy small enough to enumerate: completions of `length` tokens, each drawn independently
-from a categorical over `vocab` tokens, pi_old = softmax(theta); the rollout policy mu =
-softmax(theta + mismatch * noise) differs from it by a known amount. Every completion o has a
-fixed advantage A(o). The target is the on-policy gradient E_{o ~ pi_old}[grad l(o)] of the
-library's own loss (losses.policy_loss over the sequence's tokens, seq-mean-token-mean), and each
-correction's estimator is the same loss weighted by losses.rollout_correction and taken over
-mu's samples: E_{o ~ mu}[grad (w . l)(o)]. Both expectations are sums over all vocab^length
-completions, so the bias is computed exactly (no Monte Carlo noise): an estimator is UNBIASED
-when its relative bias is below float64 rounding (`tol`), BIASED otherwise.
+from a categorical over `vocab` tokens, pi = softmax(theta). Every completion o has a fixed
+advantage A(o). The TARGET is the on-policy gradient E_{o ~ pi_old}[grad l(o)] of the library's own
+loss (losses.policy_loss over the sequence's tokens, seq-mean-token-mean) with no correction
+weight; each correction's ESTIMATE is the same loss weighted by losses.rollout_correction and
+taken over the samples of the policy that really sampled: E_{o ~ sampler}[grad (w . l)(o)]. Both
+are sums over all vocab^length completions: no Monte Carlo noise.
 
-Expected, and checked by tests/unit/test_rollout_correction.py: untruncated token IS is
-unbiased at length 1 (there rho_t is the completion's whole ratio); the untruncated product
-(seq_tis) at every length; no correction is biased (the negative control); a cap or a mask
-is biased by an amount reported here.
+The trainer's staleness path: the policy has versions v0, v1, ..., each an exact gradient-ascent
+step of the expected advantage from the one before; the trained weights (pi_old) are the current
+version c = staleness + 1, and the group was sampled by the weights of version c - staleness
+(trainer.max_staleness with dedicated rollout ranks; at staleness 0 the same weights, their
+rollout log-probs carrying the engine's numerics: logit noise of std `mismatch`). The check
+records which version sampled and which one the ratio rho = pi_old / mu is computed against.
 
-staleness > 0 (trainer.max_staleness with dedicated rollout ranks): the rollout policy is not
-pi_old plus noise but pi_old as it was `staleness` updates earlier: theta_prev, and pi_old's theta
-is theta_prev moved by `staleness` exact gradient-ascent steps of the expected advantage. The
-same verdicts hold: only the size of the mismatch and its structure (along the update) change.
+Verdict of each kind: its relative bias X = ||estimate - target|| / ||target|| and its BOUND
+Y = E_sampler[sum_t coef_t |w_t - rho(o)| ||grad l_t||] / ||target||, rho(o) = prod_t rho_t the
+completion's ratio as the weights compute it. When rho is the true ratio, E[rho(o) grad l(o)] is
+the target, so X <= Y (the triangle inequality): Y is what the cap cuts off, the mask removes, or
+a token weight misses of the completion's ratio. UNBIASED: X within float64 rounding (`tol`);
+BIASED (bounded): X <= Y; BIASED beyond the bound: X > Y, possible only when the weights are
+not the ratio of the policies that sampled and are trained, an error. The negative controls
+(`control`) make exactly that happen: rho inverted (mu / pi_old), rho = 1 (no reweighting while
+claiming one), and `stale` (sampled by version c - staleness - 1 while rho is computed against
+c - staleness, the trainer's record of it).
+
+A recommended kind (RECOMMENDED_CORRECTION, measured by tools/rollout_correction_table.py) must
+also be less biased than no correction: a correction that leaves more bias than training as
+sampled (token `tis` one update behind on this toy) is an error to recommend.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_dppo.algorithms import losses
+from megatron_dppo.config import AlgorithmConfig
+
+# The lowest-MSE correction per setting, from tools/rollout_correction_table.py (docs/
+# rollout_correction_table.json, docs/algorithm.md section 8): "staleness" for trainer.max_staleness
+# >= 1 (the samples are an update behind), "bf16" for a rollout whose numerics differ from the
+# trained policy's (rollout.dtype=bfloat16, MoE routing). The start-up warning and README read it.
+RECOMMENDED_CORRECTION = {"staleness": "seq_tis", "bf16": "tis"}
+NEGATIVE_CONTROLS = ("none", "inverted", "one", "stale")  # none: the check as it should run
+_DEFAULTS = AlgorithmConfig()
+
+
+def recommended_correction(staleness: int) -> str:
+    """The recommended algorithm.rollout_correction for a run at this trainer.max_staleness."""
+    return RECOMMENDED_CORRECTION["staleness" if staleness else "bf16"]
 
 
 @dataclass
 class RolloutCheckConfig:
     vocab: int = 6
     length: int = 1  # tokens per completion; token-level IS is exact only at 1
-    mismatch: float = 1.0  # std of the rollout policy's logit noise against pi_old
-    cap: float = 2.0
-    low: float = 0.5
-    high: float = 2.0
+    mismatch: float = 1.0  # staleness 0: std of the rollout's logit noise against the sampling weights
+    cap: float = _DEFAULTS.rollout_correction_cap
+    low: float = _DEFAULTS.rollout_correction_low
+    high: float = _DEFAULTS.rollout_correction_high
+    seq_low: float = _DEFAULTS.rollout_correction_seq_low
+    seq_high: float = _DEFAULTS.rollout_correction_seq_high
     seed: int = 0
     tol: float = 1e-9  # relative bias below which an exact sum counts as unbiased (float64 rounding)
-    staleness: int = 0  # > 0: the rollout policy is pi_old this many updates earlier (module docstring)
-    lr: float = 2.0  # those updates' step size on the expected advantage
+    staleness: int = 0  # updates between the sampling weights and pi_old (module docstring)
+    lr: float = 2.0  # each version's step size on the expected advantage
+    control: str = "none"  # a negative control of NEGATIVE_CONTROLS (module docstring)
+
+    def bounds(self) -> dict:
+        return dict(cap=self.cap, low=self.low, high=self.high, seq_low=self.seq_low, seq_high=self.seq_high)
+
+
+@dataclass
+class ToyPolicies:
+    """The versions of the toy's policy and which of them sampled, trained, and entered rho."""
+
+    versions: list[torch.Tensor]  # theta of v0 .. v_current
+    current: int  # pi_old: the trained weights
+    sampled: int  # the version whose weights sampled
+    claimed: int  # the version rho's denominator is computed from (the trainer's record)
+    old_logp: torch.Tensor  # [V] log pi_old
+    sample_logp: torch.Tensor  # [V] the sampler's log-probs (what really drew the tokens)
+    rollout_logp: torch.Tensor  # [V] the log-probs the correction divides by
+
+    def describe(self, staleness: int) -> str:
+        noise = "" if staleness else " with the engine's numerics (logit noise)"
+        return (
+            f"policy versions v0..v{self.current}: pi_old = v{self.current}, sampled by v{self.sampled}{noise}, "
+            f"rho computed against v{self.claimed}"
+        )
+
+
+def policy_versions(theta: torch.Tensor, steps: int, lr: float, objective_gradient) -> list[torch.Tensor]:
+    """theta, then `steps` exact gradient-ascent updates of the objective: the run's versions."""
+    out = [theta]
+    for _ in range(steps):
+        out.append(out[-1] + lr * objective_gradient(out[-1]))
+    return out
+
+
+def version_policies(cfg, versions: list[torch.Tensor], noise: torch.Tensor, mismatch: float) -> ToyPolicies:
+    """Which version samples and which one rho is computed against, at cfg.staleness and under
+    cfg.control (versions: v0 .. v_current, current = staleness + 1 so that the stale control
+    has a version one older than the one the run sampled with)."""
+    current = len(versions) - 1
+    claimed = current - cfg.staleness
+    sampled = claimed - 1 if cfg.control == "stale" else claimed
+    engine = mismatch * noise if cfg.staleness == 0 else 0.0  # the rollout engine's numerics
+
+    def logp(v):
+        return torch.log_softmax(versions[v] + engine, -1)
+
+    return ToyPolicies(
+        versions=versions,
+        current=current,
+        sampled=sampled,
+        claimed=claimed,
+        old_logp=torch.log_softmax(versions[current], -1),
+        sample_logp=logp(sampled),
+        rollout_logp=logp(claimed),
+    )
+
+
+def check_control(control: str, staleness: int) -> None:
+    if control not in NEGATIVE_CONTROLS:
+        raise ValueError(f"negative control must be one of {NEGATIVE_CONTROLS}, got {control!r}")
+
+
+def _toy(cfg: RolloutCheckConfig):
+    """(policies, completions [C, L], advantages [C]) of the check's toy."""
+    check_control(cfg.control, cfg.staleness)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    theta = torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
+    noise = torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
+    completions = torch.tensor(list(itertools.product(range(cfg.vocab), repeat=cfg.length)))
+    advantages = torch.rand(len(completions), generator=gen, dtype=torch.float64) * 2 - 1
+
+    def gradient(th):
+        return expected_reward_gradient(th, completions, advantages)
+
+    versions = policy_versions(theta, cfg.staleness + 1, cfg.lr, gradient)
+    return version_policies(cfg, versions, noise, cfg.mismatch), completions, advantages
+
+
+def stale_kl(cfg: RolloutCheckConfig) -> float:
+    """KL(sampler || pi_old) per token of the check's policies: how far apart they are."""
+    p, _, _ = _toy(cfg)
+    return float((p.sample_logp.exp() * (p.sample_logp - p.old_logp)).sum())
+
+
+def describe_setting(cfg: RolloutCheckConfig) -> str:
+    """The report's header: which versions sampled, trained and entered rho, and how far apart."""
+    p, _, _ = _toy(cfg)
+    control = "" if cfg.control == "none" else f"NEGATIVE CONTROL {cfg.control} (a self-test: must fail): "
+    return (
+        f"{control}{p.describe(cfg.staleness)}; KL(sampler || pi_old) = {stale_kl(cfg):.3g} a token; "
+        "target: the on-policy gradient at pi_old (no correction weight)"
+    )
+
+
+def expected_reward_gradient(theta, completions, rewards) -> torch.Tensor:
+    """grad_theta sum_o pi_theta(o) r(o), exactly (an update the policy could have made). rewards [C]
+    for completions [C, L] of i.i.d. tokens."""
+    theta = theta.clone().requires_grad_()
+    logp = torch.log_softmax(theta, -1)
+    objective = (logp[completions].sum(-1).exp() * rewards).sum()
+    (grad,) = torch.autograd.grad(objective, theta)
+    return grad
+
+
+def token_jacobian(theta, tokens, seq_index, advantages, num_seqs, ratio_type: str = "token") -> torch.Tensor:
+    """J [T, V]: d l_t / d theta of the library's per-token loss at theta = pi_old (ratio 1), the
+    tokens' log-probs log_softmax(theta)[tokens]. With the token ratio l_t depends on logp_t alone:
+    J_t = (d l_t / d logp_t)(e_{o_t} - p), one backward pass; GSPO's sequence ratio takes the full
+    Jacobian."""
+    if ratio_type == "token":
+        logp = torch.log_softmax(theta, -1)[tokens].requires_grad_()
+        loss, _ = losses.policy_loss(logp, logp.detach(), advantages)
+        (dloss,) = torch.autograd.grad(loss.sum(), logp)
+        score = torch.nn.functional.one_hot(tokens, theta.shape[0]).double() - torch.softmax(theta, -1)
+        return dloss[:, None] * score
+
+    def token_loss(th):
+        logp = torch.log_softmax(th, -1)[tokens]
+        loss, _ = losses.policy_loss(
+            logp, logp.detach(), advantages, ratio_type=ratio_type, seq_index=seq_index, num_seqs=num_seqs
+        )
+        return loss
+
+    return torch.autograd.functional.jacobian(token_loss, theta, vectorize=True)
+
+
+def correction_weights(old_logp, rollout_logp, seq_index, num_seqs, kind, bounds, control):
+    """(w [T], rho [T]: the completion's ratio prod_t rho_t as the weights compute it, at each of
+    its tokens) of `kind`, with the negative control's wrong inputs: inverted swaps the two
+    log-probs (rho = mu / pi_old), one passes pi_old's as the rollout's (rho = 1)."""
+    if control == "inverted":
+        old_logp, rollout_logp = rollout_logp, old_logp
+    elif control == "one":
+        rollout_logp = old_logp
+    weight, _ = losses.rollout_correction(old_logp, rollout_logp, seq_index, num_seqs, kind, **bounds)
+    seq_log_rho = torch.zeros(num_seqs, dtype=torch.float64).index_add(0, seq_index, (old_logp - rollout_logp).double())
+    return weight, seq_log_rho.exp()[seq_index]
 
 
 @dataclass
@@ -51,94 +214,139 @@ class RolloutCheckResult:
     kind: str
     length: int
     cap: float
-    rel_bias: float  # ||E_mu[estimator] - target|| / ||target||
-    unbiased: bool
+    rel_bias: float  # X = ||E_sampler[estimator] - target|| / ||target||
+    bound: float  # Y (module docstring)
+    unbiased: bool  # X <= tol
+    sampled_version: int = 0
+    claimed_version: int = 0
+    current_version: int = 0
+    control: str = "none"
+    none_bias: float = math.nan  # X of no correction on the same toy (what a correction must beat)
+    tol: float = 1e-9
+
+    @property
+    def within_bound(self) -> bool:
+        return self.rel_bias <= self.bound * (1 + 1e-9) + self.tol
+
+    @property
+    def verdict(self) -> str:
+        if self.unbiased:
+            return "UNBIASED (exact)"
+        if self.within_bound:
+            return f"BIASED (bounded: {self.rel_bias:.3g} <= {self.bound:.3g})"
+        return f"BIASED ({self.rel_bias:.3g} > bound {self.bound:.3g}: the weights are not pi_old / sampler)"
+
+    @property
+    def beats_none(self) -> bool:
+        """Unbiased, or less biased than training as sampled."""
+        return self.unbiased or self.rel_bias < self.none_bias
 
     def summary(self) -> str:
         bound = "no cap" if math.isinf(self.cap) else f"cap {self.cap:g}"
         bound = bound if self.kind in losses.ROLLOUT_TRUNCATING else ""
-        verdict = "UNBIASED" if self.unbiased else "BIASED"
-        return f"{self.kind:12s} {bound:8s} length {self.length}: relative bias {self.rel_bias:.3e}: {verdict}"
-
-
-def _policies(cfg: RolloutCheckConfig):
-    gen = torch.Generator().manual_seed(cfg.seed)
-    theta = torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
-    mu_logits = theta + cfg.mismatch * torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
-    completions = list(itertools.product(range(cfg.vocab), repeat=cfg.length))
-    advantages = torch.rand(len(completions), generator=gen, dtype=torch.float64) * 2 - 1
-    if cfg.staleness:  # the rollout sampled with the weights before pi_old's last updates
-        mu_logits = theta.clone()
-        for _ in range(cfg.staleness):
-            theta = theta + cfg.lr * _expected_advantage_gradient(theta, completions, advantages)
-    return theta, torch.log_softmax(mu_logits, -1), completions, advantages
-
-
-def stale_kl(cfg: RolloutCheckConfig) -> float:
-    """KL(rollout policy || pi_old) per token of the check's policies: how far apart they are."""
-    theta, rollout_logp, _, _ = _policies(cfg)
-    old = torch.log_softmax(theta, -1)
-    return float((rollout_logp.exp() * (rollout_logp - old)).sum())
-
-
-def _expected_advantage_gradient(theta, completions, advantages) -> torch.Tensor:
-    """grad_theta sum_o pi_theta(o) A(o), exactly (an update the policy could have made)."""
-    theta = theta.clone().requires_grad_()
-    logp = torch.log_softmax(theta, -1)
-    ids = torch.tensor(completions)
-    objective = (logp[ids].sum(-1).exp() * advantages).sum()
-    (grad,) = torch.autograd.grad(objective, theta)
-    return grad
-
-
-def _gradient(theta, rollout_logp_table, tokens, advantage, kind, cfg) -> torch.Tensor:
-    """grad_theta of the one completion's corrected loss at theta = theta_old."""
-    theta = theta.clone().requires_grad_()
-    ids = torch.tensor(tokens)
-    logp = torch.log_softmax(theta, -1)[ids]
-    seq_index = torch.zeros(len(tokens), dtype=torch.long)
-    loss, _ = losses.policy_loss(logp, logp.detach(), torch.full_like(logp, float(advantage)))
-    coef = losses.token_coefficients(
-        seq_index, torch.ones(1), torch.tensor([len(tokens)]), "seq-mean-token-mean", denominator=1.0
-    )
-    if kind != "none":
-        weight, _ = losses.rollout_correction(
-            logp.detach(), rollout_logp_table[ids], seq_index, 1, kind, cap=cfg.cap, low=cfg.low, high=cfg.high
+        return (
+            f"{self.kind:12s} {bound:8s} length {self.length}: relative bias {self.rel_bias:.3e}, "
+            f"bound {self.bound:.3e}: {self.verdict}"
         )
-        coef = coef * weight
-    (grad,) = torch.autograd.grad(losses.aggregate(loss, coef), theta)
-    return grad
 
 
-def run_rollout_check(cfg: RolloutCheckConfig, kind: str) -> RolloutCheckResult:
-    """The exact relative bias of `kind` (its cap from cfg; math.inf = untruncated)."""
-    theta, rollout_logp, completions, advantages = _policies(cfg)
-    old_logp = torch.log_softmax(theta, -1)
-    target = torch.zeros_like(theta)
-    estimate = torch.zeros_like(theta)
-    for o, a in zip(completions, advantages):
-        ids = torch.tensor(o)
-        p_old, p_mu = old_logp[ids].sum().exp(), rollout_logp[ids].sum().exp()
-        target += p_old * _gradient(theta, rollout_logp, o, a, "none", cfg)
-        estimate += p_mu * _gradient(theta, rollout_logp, o, a, kind, cfg)
-    rel = float((estimate - target).norm() / target.norm())
-    return RolloutCheckResult(kind=kind, length=cfg.length, cap=cfg.cap, rel_bias=rel, unbiased=rel <= cfg.tol)
+def _exact_sums(cfg: RolloutCheckConfig, kind: str):
+    """(estimate [V], target [V], bound numerator) of `kind` by summing over every completion."""
+    p, completions, advantages = _toy(cfg)
+    num, length = completions.shape
+    tokens = completions.flatten()
+    seq_index = torch.arange(num).repeat_interleave(length)
+    theta = p.versions[p.current]
+    J = token_jacobian(theta, tokens, seq_index, advantages[seq_index], num)
+    coef = losses.token_coefficients(seq_index, torch.ones(num), torch.full((num,), length), "seq-mean-token-mean", 1.0)
+    weight, rho = correction_weights(
+        p.old_logp[tokens], p.rollout_logp[tokens], seq_index, num, kind, cfg.bounds(), cfg.control
+    )
+    p_sample = p.sample_logp[completions].sum(-1).exp()
+    p_old = p.old_logp[completions].sum(-1).exp()
+
+    def per_completion(values):  # [T, ...] -> [C, ...] summed over each completion's tokens
+        return torch.zeros((num, *values.shape[1:]), dtype=torch.float64).index_add(0, seq_index, values)
+
+    estimate = p_sample @ per_completion((coef * weight)[:, None] * J)
+    target = p_old @ per_completion(coef[:, None] * J)  # no correction weight: the on-policy gradient
+    deviation = p_sample @ per_completion(coef * (weight - rho).abs() * J.norm(dim=1))
+    return estimate, target, float(deviation), p
 
 
-def run_rollout_checks(cfg: RolloutCheckConfig) -> list[tuple[RolloutCheckResult, bool]]:
-    """The report of `megatron-dppo verify-unbiased --rollout-correction`: (result, expected
-    verdict; None: biased by design, its size reported) for the untruncated estimators (token IS at
-    length 1, and at the config's length where it is not exact; the product at the config's
-    length), none (the negative control), and every kind at the config's cap and bounds."""
-    from dataclasses import replace
+def run_rollout_check(cfg: RolloutCheckConfig, kind: str, none_bias: float = math.nan) -> RolloutCheckResult:
+    """The exact relative bias of `kind` and its bound (its cap from cfg; math.inf = untruncated)."""
+    estimate, target, deviation, p = _exact_sums(cfg, kind)
+    norm = float(target.norm())
+    rel = float((estimate - target).norm()) / norm
+    return RolloutCheckResult(
+        kind=kind,
+        length=cfg.length,
+        cap=cfg.cap,
+        rel_bias=rel,
+        bound=deviation / norm,
+        unbiased=rel <= cfg.tol,
+        sampled_version=p.sampled,
+        claimed_version=p.claimed,
+        current_version=p.current,
+        control=cfg.control,
+        none_bias=none_bias,
+        tol=cfg.tol,
+    )
 
-    out = []
-    one = replace(cfg, length=1, cap=math.inf)
-    out.append((run_rollout_check(one, "tis"), True))
-    out.append((run_rollout_check(replace(cfg, cap=math.inf), "seq_tis"), True))
-    if cfg.length > 1:  # token IS ignores the other tokens' ratios: biased for a completion's advantage
-        out.append((run_rollout_check(replace(cfg, cap=math.inf), "tis"), None))
-    out.append((run_rollout_check(cfg, "none"), False))
-    for kind in losses.ROLLOUT_CORRECTIONS[1:]:
-        out.append((run_rollout_check(cfg, kind), None))
-    return out
+
+@dataclass
+class CheckedRow:
+    """A line of the report: the result, what it was expected to be, and whether it counts against
+    the run (exit 1) and why."""
+
+    result: RolloutCheckResult
+    expect_unbiased: bool  # a reference row: the untruncated estimator exact by theory
+    role: str = ""  # "recommended" / "checked": the kind must beat no correction
+
+    @property
+    def label(self) -> str:
+        r = self.result
+        cap = (" no cap" if math.isinf(r.cap) else f" cap {r.cap:g}") if r.kind in losses.ROLLOUT_TRUNCATING else ""
+        return f"{r.kind}{cap} length {r.length}"
+
+    @property
+    def failure(self) -> str:
+        r = self.result
+        if not r.within_bound:
+            return f"{self.label}: bias {r.rel_bias:.3g} beyond its bound {r.bound:.3g}"
+        if self.expect_unbiased and not r.unbiased:
+            return f"{self.label}: not exact ({r.rel_bias:.3g})"
+        if self.role and not r.beats_none:
+            if r.kind == "none":
+                return f"none ({self.role}): the samples as they are give a biased gradient ({r.rel_bias:.3g})"
+            return f"{r.kind} ({self.role}): more biased than no correction ({r.rel_bias:.3g} >= {r.none_bias:.3g})"
+        return ""
+
+    def line(self) -> str:
+        notes = []
+        if self.expect_unbiased:
+            notes.append("exact by theory")
+        if self.role:
+            notes.append(f"{self.role}; no correction's bias {self.result.none_bias:.3g}")
+        tail = f" ({', '.join(notes)})" if notes else ""
+        return self.result.summary() + tail + (f": COUNTS: {self.failure}" if self.failure else "")
+
+
+def run_rollout_checks(cfg: RolloutCheckConfig, checked: str | None = None) -> list[CheckedRow]:
+    """The report of `megatron-dppo verify-unbiased --rollout-correction`: the untruncated estimators
+    that theory says are exact (token IS at length 1, the product at the config's length), then
+    every kind at the config's cap and bounds, each with its verdict. The kind recommended for this
+    staleness (RECOMMENDED_CORRECTION) and the one under check (`checked`) must beat no correction."""
+    none = run_rollout_check(cfg, "none")
+    rows = [
+        CheckedRow(run_rollout_check(replace(cfg, length=1, cap=math.inf), "tis"), expect_unbiased=True),
+        CheckedRow(run_rollout_check(replace(cfg, cap=math.inf), "seq_tis"), expect_unbiased=True),
+    ]
+    recommended = recommended_correction(cfg.staleness)
+    for kind in losses.ROLLOUT_CORRECTIONS:
+        result = none if kind == "none" else run_rollout_check(cfg, kind)
+        result.none_bias = none.rel_bias
+        roles = [r for r, k in (("recommended", recommended), ("checked", checked)) if k == kind]
+        rows.append(CheckedRow(result, expect_unbiased=False, role=" and ".join(roles)))
+    return rows

@@ -19,12 +19,20 @@ informative prompts of the stream, each with weight 1. Each draw runs the traine
 (batch.collect with dynamic sampling: draw, prune prompts, drop zero-variance groups, refill by
 weight; then completion pruning inside the trained groups and the refill denominator) and is
 compared with that batch's gradient, and its total weight with B.
+
+Rollout-correction mode (`run_correction_check`, docs/algorithm.md sections 8 and 10): the
+completions are SAMPLED each draw, by the rollout policy of a small toy (verify_rollout.py's policy
+versions: at staleness k the weights of version current - k), pruned and weighted by the trainer's
+planning, and each token's loss weighted by algorithm.rollout_correction; the target is the
+on-policy gradient, the mean over batches sampled by pi_old itself of the full batch's gradient
+without pruning and without a correction weight. So a wrong weight cannot cancel out.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import torch
@@ -55,14 +63,16 @@ class CheckConfig:
     max_len: int = 16
     overlong_filter: bool = False  # DAPO's filter: completions of max_len tokens are truncated, no loss
     method: str = "grpo"  # verify_methods.run_method_check: bppo | reco | adaprefix | ssopd
-    # algorithm.rollout_correction on every token's loss, its rollout log-probs old_logp + noise of
-    # this std (verify_rollout.py checks the correction itself; here DPPO must stay unbiased for it)
+    # algorithm.rollout_correction: run_correction_check samples the completions from the rollout
+    # policy of a toy (verify_rollout.py's versions) and compares the pruned, corrected gradient with
+    # the on-policy one. rollout_noise: at staleness 0, the std of the rollout engine's logit noise
     rollout_correction: str = "none"
     rollout_noise: float = 0.3
-    # > 0: the rollout's log-probs are those of the weights before pi_old's last update (dedicated
-    # rollout ranks at trainer.max_staleness=1): theta0 shifted along one direction of this std,
-    # rather than independent noise per token
+    # > 0: the completions were sampled by the weights of version current - staleness (dedicated
+    # rollout ranks at trainer.max_staleness=1), each version an exact update of size rollout_lr
     staleness: int = 0
+    rollout_lr: float = 4.5
+    negative_control: str = "none"  # verify_rollout.NEGATIVE_CONTROLS: inverted / one / stale (a self-test)
     without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
@@ -188,14 +198,6 @@ def _token_loss_jacobian(cfg, adv, lengths, gen, reco_scale=None):
         return loss
 
     J = torch.autograd.functional.jacobian(token_loss, theta0, vectorize=True)
-    if cfg.rollout_correction != "none":  # the trainer's composition: coef_t * weight_t (megatron/loss.py)
-        if cfg.staleness:  # sampled by the weights one update back: a shift of theta, not per-token noise
-            shift = cfg.rollout_noise * torch.randn(cfg.dim, generator=gen, dtype=torch.float64)
-            rollout_logp = old_logp - phi @ shift
-        else:
-            rollout_logp = old_logp + cfg.rollout_noise * torch.randn(T, generator=gen, dtype=torch.float64)
-        weight, _ = losses.rollout_correction(old_logp, rollout_logp, seq_index, S, cfg.rollout_correction)
-        J = J * weight[:, None]
     return J, seq_index, seq_len
 
 
@@ -346,7 +348,10 @@ def without_prompt_weight(strategy):
     return control
 
 
-def run_check(cfg: CheckConfig) -> CheckResult:
+def run_check(cfg: CheckConfig):
+    """The static check; with a rollout correction or staleness, run_correction_check's."""
+    if cfg.rollout_correction != "none" or cfg.staleness or cfg.negative_control != "none":
+        return run_correction_check(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     rewards, stats, lengths = _synthetic_step(cfg, gen)
     adv = group_advantages(rewards, cfg.advantage)
@@ -581,4 +586,285 @@ def _dynamic_result(cfg, strategy, diffs, refs, totals, rolled, rolled_ref, shor
         unbiased=bool(unbiased),
         bias_along=along,
         corrected=strategy.unbiased,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout correction with pruning: completions sampled by the rollout policy, against the
+# on-policy gradient (docs/algorithm.md sections 8 and 10).
+
+CORRECTION_VOCAB, CORRECTION_LENGTH = 6, 3  # the toy's completions: 3 tokens over 6 (216 of them)
+
+
+@dataclass
+class _CorrectionToy:
+    policies: object  # verify_rollout.ToyPolicies
+    rewards: torch.Tensor  # [B, C] each prompt's reward of each completion (0 or 1)
+    stats: object  # the prompt history's stats, fixed before the step (as the trainer's)
+
+
+def _correction_toy(cfg: CheckConfig) -> _CorrectionToy:
+    """A policy over 3-token completions shared by B prompts, each prompt with its own 0/1 reward of
+    each completion; its versions are exact updates of the mean expected reward (verify_rollout)."""
+    from megatron_dppo.jobs import verify_rollout as vr
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    _, stats, _ = _synthetic_step(cfg, gen)
+    theta = torch.randn(CORRECTION_VOCAB, generator=gen, dtype=torch.float64)
+    noise = torch.randn(CORRECTION_VOCAB, generator=gen, dtype=torch.float64)
+    completions = torch.tensor(list(itertools.product(range(CORRECTION_VOCAB), repeat=CORRECTION_LENGTH)))
+    success = torch.rand(cfg.num_prompts, 1, generator=gen, dtype=torch.float64)
+    rewards = (torch.rand(cfg.num_prompts, len(completions), generator=gen, dtype=torch.float64) < success).double()
+
+    def gradient(th):
+        return vr.expected_reward_gradient(th, completions, rewards.mean(0))
+
+    versions = vr.policy_versions(theta, cfg.staleness + 1, cfg.rollout_lr, gradient)
+    control = vr.RolloutCheckConfig(staleness=cfg.staleness, control=cfg.negative_control)
+    return _CorrectionToy(vr.version_policies(control, versions, noise, cfg.rollout_noise), rewards, stats)
+
+
+def _sample_batch(toy: _CorrectionToy, cfg: CheckConfig, logp: torch.Tensor, gen: torch.Generator):
+    """B x G completions drawn from the categorical exp(logp): (tokens [B*G*L], rewards [B, G])."""
+    B, G, L = cfg.num_prompts, cfg.group_size, CORRECTION_LENGTH
+    tokens = torch.multinomial(logp.exp(), B * G * L, replacement=True, generator=gen).view(B, G, L)
+    index = (tokens * CORRECTION_VOCAB ** torch.arange(L - 1, -1, -1)).sum(-1)
+    return tokens.flatten(), toy.rewards.gather(1, index)
+
+
+def _toy_jacobian(toy, cfg, tokens, rewards):
+    """(J [T, V] of the library's per-token loss at pi_old, seq_index, seq_len) for a sampled batch."""
+    from megatron_dppo.jobs.verify_rollout import token_jacobian
+
+    S = rewards.numel()
+    seq_len = torch.full((S,), CORRECTION_LENGTH)
+    seq_index = torch.arange(S).repeat_interleave(CORRECTION_LENGTH)
+    adv = group_advantages(rewards, cfg.advantage).flatten().double()
+    p = toy.policies
+    J = token_jacobian(p.versions[p.current], tokens, seq_index, adv[seq_index], S, cfg.ratio_type)
+    return J, seq_index, seq_len
+
+
+def _version_rollout(rewards: torch.Tensor, version: int):
+    """The trainer's rollout callback over one sampled batch: each group records the weights'
+    version that (the trainer believes) sampled it, Group.policy_version."""
+
+    def rollout(rnd: int, items: list[tuple]) -> list[Group]:
+        return [
+            Group(
+                record=rec,
+                round=rnd,
+                slot=slot,
+                prompt_ids=[0],
+                completions=[[0] * CORRECTION_LENGTH for _ in range(rewards.shape[1])],
+                rewards=rewards[rec.index].tolist(),
+                prompt_weight=w_q,
+                truncated=[False] * rewards.shape[1],
+                policy_version=version,
+            )
+            for rec, slot, w_q in items
+        ]
+
+    return rollout
+
+
+def policy_lags(step: int, trained: list[Group]) -> list[int]:
+    """Trained weights' version minus each group's sampling version, the trainer's rule
+    (train/trainer.Trainer._check_staleness: at step t the trained weights are version t - 1)."""
+    return [step - 1 - g.policy_version for g in trained]
+
+
+@dataclass
+class CorrectionCheckResult:
+    rel_error: float  # ||mean pruned corrected - mean on-policy|| / ||on-policy||
+    rel_std_error: float  # both sides' Monte Carlo s.e.
+    max_z: float
+    z_threshold: float
+    bound: float  # E[sum_t coef_t |w_t - rho(o)| ||grad l_t||] / ||target|| over the full batches
+    kept_completion_frac: float
+    kept_prompt_frac: float
+    exact: bool  # pruning exact and the weights the completions' ratios in every draw
+    pruning_exact: bool
+    corrected: bool  # the strategy reweights what it keeps
+    sampled_version: int
+    claimed_version: int
+    current_version: int
+    max_lag: int  # by the trainer's rule, from the versions the groups record
+    unbiased: bool  # no bias beyond the noise (exact), or none the draws resolve beyond the bound
+    error: str  # why the line counts against the run ("" if it does not)
+    allowed: float = 0.0  # the bound, + the tolerance where pruning is only consistent
+    bias_along: float = math.nan
+
+    def summary(self, cfg: CheckConfig) -> str:
+        kind = cfg.rollout_correction
+        numerics = "" if cfg.staleness else " with the engine's numerics"
+        control = "" if cfg.negative_control == "none" else f" NEGATIVE CONTROL {cfg.negative_control}:"
+        bias = bias_estimate(self.rel_error, self.rel_std_error)
+        z = f"max|z| {self.max_z:.2f} {'<=' if self.max_z <= self.z_threshold else '>'} limit {self.z_threshold:.2f}"
+        if self.exact:
+            how = "exact" if self.corrected else "no reweighting"
+            verdict = f"{how}, decided by the z-test: {z}: {'UNBIASED' if self.unbiased else 'BIASED'}"
+        elif self.max_z <= self.z_threshold:
+            verdict = f"bias not resolved by the draws ({z}; bound {self.bound:.3g}): UNBIASED"
+        else:
+            tol = "" if self.pruning_exact else f" + tolerance {cfg.approx_tol:.0%}"
+            head = f"bias {bias:.3g} +- {self.rel_std_error:.2g} ({z})"
+            if bias <= self.allowed:
+                verdict = f"{head} <= bound {self.bound:.3g}{tol}: BIASED (bounded: {bias:.3g} <= {self.bound:.3g})"
+            elif self.unbiased:
+                verdict = (
+                    f"{head} > bound {self.bound:.3g}{tol} by less than {self.z_threshold:.2f} s.e.: BIASED "
+                    "(beyond its bound by less than the noise: more draws decide)"
+                )
+            else:
+                verdict = f"{head} > bound {self.bound:.3g}{tol} by more than {self.z_threshold:.2f} s.e.: "
+                verdict += "BIASED beyond its bound"
+        return (
+            f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} +{control} {kind} "
+            f"(advantage {cfg.advantage}), sampled by v{self.sampled_version}{numerics}, rho against "
+            f"v{self.claimed_version}, "
+            f"pi_old v{self.current_version} (policy lag {self.max_lag} by the trainer's rule) | kept prompts "
+            f"{self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | against the on-policy "
+            f"gradient: rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.) | {verdict}"
+        )
+
+
+def _compare_two(estimates: torch.Tensor, references: torch.Tensor, alpha: float):
+    """The draws' mean against the references' mean (independent draws): (rel. error, rel. s.e.,
+    max |z|, z limit, target)."""
+    n, dim = estimates.shape
+    target = references.mean(0)
+    diff = estimates.mean(0) - target
+    se = (estimates.var(0) / n + references.var(0) / len(references)).sqrt()
+    z = diff.abs() / se.clamp(min=1e-300)
+    norm = float(target.norm())
+    z_limit = NormalDist().inv_cdf(1 - alpha / (2 * dim))
+    return float(diff.norm()) / norm, float(se.square().sum().sqrt()) / norm, float(z.max()), z_limit, target
+
+
+def _correction_draw(cfg, toy, method, strategy, prompts, stats_of, gen):
+    """One step as the trainer takes it: a batch sampled by the sampling weights, its groups
+    recording the claimed version, the strategy's pruning and weights, each token's loss weighted
+    by the correction. -> (gradient, bound's numerator, collected, full-batch coefficients)."""
+    from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, correction_weights
+
+    p = toy.policies
+    tokens, rewards = _sample_batch(toy, cfg, p.sample_logp, gen)
+    J, seq_index, seq_len = _toy_jacobian(toy, cfg, tokens, rewards)
+    S = rewards.numel()
+    bounds = RolloutCheckConfig().bounds()  # the config's defaults
+    weight, rho = correction_weights(
+        p.old_logp[tokens], p.rollout_logp[tokens], seq_index, S, cfg.rollout_correction, bounds, cfg.negative_control
+    )
+    rollout = _version_rollout(rewards, p.claimed)
+    grad, collected = _trainers_draw(
+        cfg, method, strategy, lambda n: prompts, stats_of, rollout, gen, (seq_index, seq_len, J * weight[:, None])
+    )
+    full_coef = _full_coefficients(cfg, seq_index, seq_len)
+    deviation = float((full_coef * (weight - rho).abs() * J.norm(dim=1)).sum())
+    return grad, deviation, collected
+
+
+def _full_coefficients(cfg, seq_index, seq_len) -> torch.Tensor:
+    """Every completion weight 1 over the full batch's denominator (the unpruned loss's coef)."""
+    B, G = cfg.num_prompts, cfg.group_size
+    denom = losses.full_batch_denominator(
+        cfg.loss_agg,
+        num_prompts=B,
+        group_size=G,
+        completion_lengths=seq_len.view(B, G),
+        prompt_weight=torch.ones(B),
+        max_response_length=CORRECTION_LENGTH,
+    )
+    return losses.token_coefficients(seq_index, torch.ones(B * G), seq_len, cfg.loss_agg, denom)
+
+
+def _on_policy_draw(cfg, toy, gen) -> torch.Tensor:
+    """The target's draw: a batch sampled by pi_old itself, the full batch, no pruning, no weight."""
+    p = toy.policies
+    tokens, rewards = _sample_batch(toy, cfg, p.old_logp, gen)
+    J, seq_index, seq_len = _toy_jacobian(toy, cfg, tokens, rewards)
+    return _full_coefficients(cfg, seq_index, seq_len) @ J
+
+
+def _check_correction_config(cfg: CheckConfig) -> None:
+    from megatron_dppo.jobs.verify_rollout import check_control
+
+    check_control(cfg.negative_control, cfg.staleness)
+    if cfg.kl_coef != 0:
+        raise ValueError(
+            "the rollout-correction check needs kl_coef 0: the correction weighs the policy-gradient term "
+            "only (losses.corrected_aggregate), so a KL term's gradient keeps the rollout policy's expectation"
+        )
+    if cfg.rollout_correction not in losses.ROLLOUT_CORRECTIONS:
+        raise ValueError(
+            f"rollout_correction must be one of {losses.ROLLOUT_CORRECTIONS}, got {cfg.rollout_correction!r}"
+        )
+
+
+def run_correction_check(cfg: CheckConfig) -> CorrectionCheckResult:
+    """DPPO (cfg.strategy) with algorithm.rollout_correction, completions sampled by the rollout
+    policy (the version the trainer's staleness path samples with; verify_rollout.version_policies),
+    against the ON-POLICY target: the mean, over batches sampled by pi_old itself, of the full
+    batch's unpruned gradient with no correction weight. Exact when the pruning is and the weights
+    are the completions' ratios in every draw (the untruncated product with a group-mean advantage:
+    the group mean's share vanishes in expectation): then the z-test decides. Otherwise the bias
+    must stay within the correction's bound (the weights' distance from the completion's ratio,
+    verify_rollout's Y, here over the full batches), beyond the draws' noise."""
+    _check_correction_config(cfg)
+    cfg = replace(cfg, max_len=CORRECTION_LENGTH, overlong_filter=False)
+    toy = _correction_toy(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    strategy = get_strategy(cfg.strategy)
+    method = _method(cfg, strategy, dynamic_sampling=False)
+    B = cfg.num_prompts
+    method = method.replace(prompts_per_round=B, rounds=1, refill=False, redraw_skipped=False, drop_uninformative=False)
+    prompts = [_SyntheticPrompt(f"q{i}", i) for i in range(B)]
+    stats_of = _stats_of(toy.stats, prompts)
+    grads, refs, deviations, lags, kept_q, kept_o = [], [], [], [], 0.0, 0.0
+    for _ in range(cfg.draws):
+        grad, deviation, collected = _correction_draw(cfg, toy, method, strategy, prompts, stats_of, gen)
+        grads.append(grad)
+        deviations.append(deviation)
+        lags += policy_lags(toy.policies.current + 1, collected.trained)
+        kept_q += len(collected.rolled) / B
+        kept_o += sum(w > 0 for g in collected.trained for w in g.completion_weights) / (B * cfg.group_size)
+        refs.append(_on_policy_draw(cfg, toy, gen))
+    draws = (torch.stack(grads), torch.stack(refs), deviations, lags, kept_q, kept_o)
+    return _correction_result(cfg, toy, strategy, *draws)
+
+
+def _correction_result(cfg, toy, strategy, grads, refs, deviations, lags, kept_q, kept_o) -> CorrectionCheckResult:
+    rel_err, rel_se, max_z, z_limit, target = _compare_two(grads, refs, cfg.alpha)
+    bound = sum(deviations) / len(deviations) / float(target.norm())
+    ratio_estimate = cfg.loss_agg == "token-mean" and cfg.r_q > 0 and "r_q" in strategy.ratios
+    pruning_exact = strategy.unbiased and not ratio_estimate
+    exact = (pruning_exact and bound <= 1e-12) or not strategy.unbiased
+    allowed = bound + (0.0 if pruning_exact else cfg.approx_tol)
+    if exact:
+        unbiased, error = max_z <= z_limit, "" if max_z <= z_limit else "bias beyond the Monte Carlo noise"
+    else:
+        # Only a bias the draws resolve beyond the bound counts (bias - z * s.e. > bound): no false alarm.
+        excess = bias_estimate(rel_err, rel_se) - z_limit * rel_se > allowed and max_z > z_limit
+        unbiased, error = not excess, "bias beyond its bound" if excess else ""
+    p = toy.policies
+    return CorrectionCheckResult(
+        rel_error=rel_err,
+        rel_std_error=rel_se,
+        max_z=max_z,
+        z_threshold=z_limit,
+        bound=bound,
+        kept_completion_frac=kept_o / cfg.draws,
+        kept_prompt_frac=kept_q / cfg.draws,
+        exact=exact,
+        pruning_exact=pruning_exact,
+        corrected=strategy.unbiased,
+        sampled_version=p.sampled,
+        claimed_version=p.claimed,
+        current_version=p.current,
+        max_lag=max(lags, default=0),
+        unbiased=bool(unbiased),
+        error=error,
+        allowed=allowed,
+        bias_along=bias_along(grads, target),
     )

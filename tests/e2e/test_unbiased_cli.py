@@ -46,12 +46,25 @@ def test_cli_dynamic_sampling_exit_codes():
 
 
 def test_cli_rollout_correction():
-    """The wiring of --rollout-correction (the exact verdicts are tested in process,
-    tests/unit/test_rollout_correction.py): the toy table with its negative control, then DPPO's check
-    with the correction on every token."""
-    cmd = [sys.executable, "-m", "megatron_dppo.cli", "verify-unbiased", "--rollout-correction", "tis"]
-    ok = subprocess.run(cmd + ["--draws", "300"], capture_output=True, text=True)
+    """The wiring of --rollout-correction and --negative-control as a process's exit code (the
+    verdicts are tested in process, tests/unit/test_rollout_correction.py): the recommended kind for
+    a bf16 rollout passes with every kind's verdict printed; the self-test (rho = 1) exits 1."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_dppo.cli",
+        "verify-unbiased",
+        "--rollout-correction",
+        "tis",
+        "--draws",
+        "300",
+    ]
+    ok = subprocess.run(cmd, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "rollout correction: none" in ok.stdout and "BIASED (expected)" in ok.stdout
-    assert "tis          no cap   length 1: relative bias" in ok.stdout and "UNBIASED (expected)" in ok.stdout
-    assert "NOT as expected" not in ok.stdout and "all unbiased" in ok.stdout
+    assert "rollout correction: none" in ok.stdout and "BIASED (bounded: " in ok.stdout
+    assert "tis          no cap   length 1: relative bias" in ok.stdout and "UNBIASED (exact)" in ok.stdout
+    last = ok.stdout.strip().splitlines()[-1]
+    assert last.startswith("no line counts against tis: BIASED (bounded: ") and "all unbiased" not in ok.stdout
+    bad = subprocess.run(cmd + ["--negative-control", "one"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "NEGATIVE CONTROL one" in bad.stdout, bad.stdout + bad.stderr
+    assert bad.stdout.strip().splitlines()[-1].startswith("bias detected: ")

@@ -12,7 +12,7 @@ from loss_batches import three_sequence_batch
 from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, load_config
 from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_check
-from megatron_dppo.jobs.verify_unbiased import CheckConfig, run_check
+from megatron_dppo.jobs.verify_unbiased import CheckConfig
 from megatron_dppo.train.preflight import config_warnings
 from megatron_dppo.train.trainer import _train_metrics, rollout_gap_warning
 
@@ -169,9 +169,120 @@ def test_untruncated_is_is_exactly_unbiased_and_no_correction_is_biased():
     assert run_rollout_check(RolloutCheckConfig(length=2, mismatch=0.0), "none").unbiased
 
 
-def test_dppo_stays_unbiased_with_the_correction_on_every_token():
-    res = run_check(CheckConfig(strategy="dppo", rollout_correction="tis", draws=600))
-    assert res.unbiased, res
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_kind_gets_a_verdict_within_its_bound(staleness):
+    """verify-unbiased --rollout-correction's exact table: every kind a verdict, UNBIASED or BIASED
+    within its bound (what the cap cuts, the mask removes, the token weight misses of the completion's
+    ratio), the bound computed from the weights; the recommended kind less biased than none."""
+    from megatron_dppo.jobs.verify_rollout import recommended_correction, run_rollout_checks
+
+    rows = run_rollout_checks(RolloutCheckConfig(length=3, staleness=staleness))
+    by_kind = {r.result.kind: r for r in rows[2:]}
+    assert list(by_kind) == list(losses.ROLLOUT_CORRECTIONS)
+    assert all(r.result.unbiased for r in rows[:2])  # the untruncated estimators theory says are exact
+    for row in rows:
+        r = row.result
+        assert r.verdict == "UNBIASED (exact)" or r.verdict.startswith("BIASED (bounded: "), row.line()
+        assert r.rel_bias <= r.bound + 1e-9 and not row.failure, row.line()
+    rec = by_kind[recommended_correction(staleness)]
+    assert rec.role == "recommended" and rec.result.rel_bias < by_kind["none"].result.rel_bias
+    assert by_kind["mask"].result.bound > 0 and by_kind["seq_mask"].result.rel_bias > 0.5  # each measured
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("control", ["inverted", "one", "stale"])
+def test_each_negative_control_fails_the_exact_check(control, staleness):
+    """Wrong inputs (rho = mu / pi_old; rho = 1; samples from the weights one version older than
+    the ones rho divides by) push a bias beyond its bound: the untruncated ratio's rows, and the
+    recommended kind's at staleness 1 (seq_tis)."""
+    from megatron_dppo.jobs.verify_rollout import run_rollout_checks
+
+    rows = run_rollout_checks(RolloutCheckConfig(length=3, staleness=staleness, control=control))
+    failed = {row.label for row in rows if row.failure}
+    assert {"tis no cap length 1", "seq_tis no cap length 3"} <= failed, failed
+    if staleness:
+        assert "seq_tis cap 2 length 3" in failed
+    assert all("beyond its bound" in row.failure for row in rows if row.failure and "recommended" not in row.role)
+
+
+def test_the_staleness_path_records_which_version_sampled():
+    """Versions v0..v2 (an exact update each): pi_old = v2; at staleness 1 the group was sampled by
+    v1 and rho divides by v1; the stale control samples with v0 while rho still divides by v1."""
+    normal = run_rollout_check(RolloutCheckConfig(length=3, staleness=1), "seq_tis")
+    assert (normal.current_version, normal.sampled_version, normal.claimed_version) == (2, 1, 1)
+    stale = run_rollout_check(RolloutCheckConfig(length=3, staleness=1, control="stale"), "seq_tis")
+    assert (stale.current_version, stale.sampled_version, stale.claimed_version) == (2, 0, 1)
+    assert not stale.within_bound and stale.rel_bias > 0.05
+
+
+def test_token_is_one_update_behind_counts_against_the_run():
+    """Token tis on 3-token completions one update behind is MORE biased than no correction on the
+    toy (the issue's 22.9% against 16.4%): as the checked kind that counts; seq_tis does not."""
+    from megatron_dppo.jobs.verify_rollout import run_rollout_checks
+
+    cfg = RolloutCheckConfig(length=3, staleness=1)
+    (tis,) = [r for r in run_rollout_checks(cfg, checked="tis") if r.role == "checked"]
+    assert "more biased than no correction" in tis.failure and tis.result.within_bound
+    (seq,) = [r for r in run_rollout_checks(cfg, checked="seq_tis") if "checked" in r.role]
+    assert seq.result.unbiased and not seq.failure
+
+
+def test_dppo_with_the_correction_is_judged_against_the_on_policy_gradient():
+    """DPPO's Monte Carlo check with the correction: completions sampled by the rollout policy
+    (staleness 1: the weights one version back), pruned and weighted as the trainer does, against
+    the mean of full-batch gradients of batches sampled by pi_old itself, without a weight. seq_tis
+    passes (exact: the z-test); each negative control is caught; tis is biased within its bound."""
+    from megatron_dppo.jobs.verify_unbiased import run_correction_check
+
+    base = dict(staleness=1, draws=700, advantage="drgrpo")
+    ok = run_correction_check(CheckConfig(rollout_correction="seq_tis", **base))
+    assert ok.exact and ok.unbiased and not ok.error and ok.max_lag == 1
+    assert (ok.sampled_version, ok.claimed_version, ok.current_version) == (1, 1, 2)
+    for control in ("inverted", "one", "stale"):
+        bad = run_correction_check(CheckConfig(rollout_correction="seq_tis", negative_control=control, **base))
+        assert not bad.unbiased and bad.error, (control, bad)
+    tis = run_correction_check(CheckConfig(rollout_correction="tis", **base))
+    assert tis.max_z > tis.z_threshold and tis.unbiased and 0 < tis.bound
+
+
+def _cli(capsys, *args):
+    """megatron-dppo verify-unbiased in process: (exit code, stdout lines, stderr)."""
+    from megatron_dppo.cli import main
+
+    code = main(["verify-unbiased", *args])
+    out = capsys.readouterr()
+    return code, out.out.strip().splitlines(), out.err
+
+
+@pytest.mark.parametrize("control", ["inverted", "one", "stale"])
+def test_the_cli_exits_1_on_each_negative_control_of_the_recommended_kind(capsys, control):
+    args = ("--staleness", "1", "--rollout-correction", "seq_tis", "--negative-control", control, "--draws", "700")
+    code, lines, _ = _cli(capsys, *args)
+    assert code == 1 and lines[-1].startswith("bias detected: ") and "seq_tis cap 2 length 3" in lines[-1]
+    assert f"NEGATIVE CONTROL {control}" in lines[0]
+
+
+def test_the_cli_exits_1_on_token_tis_one_update_behind(capsys):
+    """The issue's case: it printed a BIASED line and then "all unbiased", exit 0."""
+    code, lines, _ = _cli(capsys, "--staleness", "1", "--rollout-correction", "tis", "--draws", "200")
+    assert code == 1 and "tis (checked): more biased than no correction" in lines[-1]
+    assert "recommended for staleness 1: seq_tis" in lines[-1] and "all unbiased" not in "\n".join(lines)
+
+
+def test_the_cli_passes_the_recommended_kind_and_never_says_all_unbiased_after_a_biased_line(capsys):
+    code, lines, _ = _cli(capsys, "--staleness", "1", "--rollout-correction", "seq_tis", "--draws", "300")
+    assert code == 0 and lines[-1].startswith("no line counts against seq_tis: UNBIASED (exact)")
+    assert any("BIASED (bounded" in line for line in lines) and "all unbiased" not in lines[-1]
+    assert "sampled by v1, rho computed against v1" in lines[0]
+
+
+def test_the_cli_refuses_what_the_correction_check_cannot_judge(capsys):
+    code, lines, err = _cli(capsys, "--rollout-correction", "tis", "--kl-coef", "0.1")
+    assert code == 2 and not lines and err.startswith("verify-unbiased: --kl-coef must be 0 with --rollout-correction")
+    code, lines, err = _cli(capsys, "--staleness", "1", "--dynamic-sampling")
+    assert code == 2 and not lines and err.startswith("verify-unbiased: --dynamic-sampling checks the refill rule")
+    code, lines, err = _cli(capsys, "--rollout-correction", "seq_tis", "--method", "bppo")
+    assert code == 2 and not lines and err.startswith("verify-unbiased: --method checks the methods' own losses")
 
 
 def test_config_bounds_and_inert_keys():
