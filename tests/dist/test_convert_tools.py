@@ -19,7 +19,6 @@ user's warning filters); the others share the `conversions` fixture, which runs 
 its own main() several times per process (a Python start costs ~10 s of CPU).
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from shared_helpers import load_tool
 from worker_results import ok_output as _ok
 from worker_results import safetensors_weights as _weights
 
@@ -321,20 +321,13 @@ def test_llama_and_qwen2_convert_at_tp2_pp2_and_round_trip_bitwise(conversions, 
     _assert_bitwise_roundtrip(hf, back)
 
 
-def _tool(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _error(capsys, tool, *argv) -> str:
     assert tool.main([str(a) for a in argv]) == 2
     return capsys.readouterr().err
 
 
 def test_bad_inputs_are_named(hf_models, tmp_path, capsys):
-    to_mg, to_hf = _tool(TO_MG), _tool(TO_HF)
+    to_mg, to_hf = load_tool(TO_MG), load_tool(TO_HF)
     out = tmp_path / "out"
     for arch, model_type in [("MistralForCausalLM", "mistral"), ("GemmaForCausalLM", "gemma")]:  # not supported
         bad = tmp_path / model_type
@@ -472,7 +465,7 @@ def test_killed_conversion_leaves_no_output_and_retry_works(conversions):
 )
 def test_bad_layout_flags_are_one_line_errors_naming_the_flag(hf_models, tmp_path, capsys, flags, text):
     """Issue 24: `--tp 0` was a ZeroDivisionError traceback."""
-    err = _error(capsys, _tool(TO_MG), "--hf-dir", hf_models["tied"], "--out-dir", tmp_path / "out", *flags)
+    err = _error(capsys, load_tool(TO_MG), "--hf-dir", hf_models["tied"], "--out-dir", tmp_path / "out", *flags)
     assert text in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
@@ -484,7 +477,7 @@ def test_truncated_shard_gets_the_trainers_checkpoint_error(converted_tied_tp2, 
     shutil.copytree(converted_tied_tp2, bad)
     shard = sorted((bad / "model_optim").glob("*.distcp"))[0]
     os.truncate(shard, shard.stat().st_size - 100)
-    err = _error(capsys, _tool(TO_HF), "--megatron-dir", bad, "--out-dir", tmp_path / "out")
+    err = _error(capsys, load_tool(TO_HF), "--megatron-dir", bad, "--out-dir", tmp_path / "out")
     assert len(err.strip().splitlines()) == 1, err
     assert f"{shard} is" in err and "truncated shard" in err, err
     assert not (tmp_path / "out").exists()

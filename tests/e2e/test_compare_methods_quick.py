@@ -1,7 +1,6 @@
 """tools/compare_methods.py --quick trains a subset end to end (5 subprocesses, 2 at a time: ~1.5 min
 on an idle 2-core machine, several times that when other jobs share it), the report and its rerun."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,13 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from shared_helpers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "examples/tiny/addition.yaml"
-spec = importlib.util.spec_from_file_location("compare_methods", REPO / "tools" / "compare_methods.py")
-cm = importlib.util.module_from_spec(spec)
-sys.modules["compare_methods"] = cm
-spec.loader.exec_module(cm)
+cm = load_tool("compare_methods")
 QUICK_SUBSET = ["grpo", "dppo-0.5-0.5-padded", "cppo-0.5", "greso-0.5", "dapo-dppo-0.5-0.5"]
 
 

@@ -12,7 +12,6 @@ greedy-answers a chat prompt, and a second run does nothing. When no registry ca
 cached, the slow tests fail with the tool's one-line error (CI reaches PyPI; they are never skipped).
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -23,25 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from shared_helpers import SMOLLM2_135M, SMOLLM2_135M_ROPE_THETA, load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "tools" / "build_smollm2.py"
-spec = importlib.util.spec_from_file_location("build_smollm2", TOOL)
-bs = importlib.util.module_from_spec(spec)
-sys.modules["build_smollm2"] = bs
-spec.loader.exec_module(bs)
-
-# The issue's numbers for SmolLM2-135M-Instruct (its model card's config.json has the same).
-SHAPE = dict(
-    num_hidden_layers=30,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-)
+bs = load_tool(TOOL)
 
 
 def run_tool(*args, env=None):
@@ -150,14 +135,14 @@ def test_built_dir_is_smollm2_135m_as_a_plain_llama_dir(built):
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in raw
     config = AutoConfig.from_pretrained(out)
-    assert {k: getattr(config, k) for k in SHAPE} == SHAPE
-    assert config.rope_parameters["rope_theta"] == 1e5
+    assert {k: getattr(config, k) for k in SMOLLM2_135M} == SMOLLM2_135M
+    assert config.rope_parameters["rope_theta"] == SMOLLM2_135M_ROPE_THETA
     assert {"model.safetensors", "tokenizer.json", "chat_template.jinja", "generation_config.json"} <= {
         p.name for p in out.iterdir()
     }
     with safe_open(out / "model.safetensors", "pt") as f:
         names = set(f.keys())
-    assert "lm_head.weight" not in names and len(names) == 2 + 9 * SHAPE["num_hidden_layers"]  # tied
+    assert "lm_head.weight" not in names and len(names) == 2 + 9 * SMOLLM2_135M["num_hidden_layers"]  # tied
     assert not list(out.parent.glob("*.partial-*")) and not list(out.parent.glob(".gguf-*"))
 
 

@@ -2,22 +2,16 @@
 process), the report computes its speedups from the GRPO runs of the same comparison (synthetic
 runs). --quick's training runs end to end: tests/e2e/test_compare_methods_quick.py."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from shared_helpers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = "examples/tiny/addition.yaml"
-spec = importlib.util.spec_from_file_location("compare_methods", REPO / "tools" / "compare_methods.py")
-cm = importlib.util.module_from_spec(spec)
-sys.modules["compare_methods"] = cm
-spec.loader.exec_module(cm)
-spec = importlib.util.spec_from_file_location("numerics_diff", REPO / "tools" / "numerics_diff.py")
-nd = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(nd)
+cm = load_tool("compare_methods")
+nd = load_tool("numerics_diff")
 
 REQUIRED = [
     "grpo",

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from shared_helpers import SMOLLM2_135M, SMOLLM2_135M_ROPE_THETA
 from tiny_models import LLAMA3_ROPE, hf_checkpoint_tensors, shard_and_merge, tiny_family_config, tiny_family_model
 
 from megatron_dppo.model import families, qwen3
@@ -176,9 +177,7 @@ LLAMA32_ROPE = {
 REAL_SHAPES = {
     "SmolLM2-135M": (
         "llama",
-        dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-             intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e5}),
+        dict(SMOLLM2_135M, rope_parameters={"rope_type": "default", "rope_theta": SMOLLM2_135M_ROPE_THETA}),
         134_515_008,
     ),
     "Llama-3.2-1B": (

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared_helpers import SMOLLM2_135M_CONFIG_JSON
 
 from megatron_dppo.config import check_layout, layout_choices, load_config
 from megatron_dppo.jobs.plan import (
@@ -237,24 +238,8 @@ def _world(cfg, path) -> list[int]:
     return [cfg.parallel.nodes * cfg.parallel.gpus_per_node]
 
 
-# examples/smollm2's model dir and its config.json (SmolLM2-135M-Instruct's, as the built dir has it).
+# examples/smollm2's model dir (its config.json: shared_helpers.SMOLLM2_135M_CONFIG_JSON).
 SMOLLM2_DIR = ".cache/smollm2/SmolLM2-135M-Instruct"
-SMOLLM2_CONFIG = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    hidden_act="silu",
-)
 
 
 def _check_shipped(path: Path, worlds: list[int], tmp_path: Path) -> None:
@@ -270,7 +255,7 @@ def _check_shipped(path: Path, worlds: list[int], tmp_path: Path) -> None:
     if not (REPO / cfg.model.hf_dir / "config.json").exists() and cfg.model.hf_dir == SMOLLM2_DIR:
         # built from PyPI by tools/build_smollm2.py (517 MB): its config.json alone, for the layout check
         (tmp_path / "smollm2").mkdir()
-        (tmp_path / "smollm2" / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+        (tmp_path / "smollm2" / "config.json").write_text(json.dumps(SMOLLM2_135M_CONFIG_JSON))
         cfg.model.hf_dir = str(tmp_path / "smollm2")
     hf = load_hf_config(cfg.model.hf_dir)
     for world in worlds:

@@ -1,25 +1,17 @@
 """tools/results_derived.py and tools/methods_report.py's method logs: the numbers docs/results.md
 quotes outside the generated tables, on synthetic rows whose answers are computed here by hand."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
+from shared_helpers import load_tool
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-rd = _load("results_derived")
-mr = _load("methods_report")
+rd = load_tool("results_derived")
+mr = load_tool("methods_report")
 
 
 def _row(name, cpu, cpu_se, acc, acc_se, curve, **kw):

@@ -6,12 +6,11 @@ records whose answer is a + b computed here, and the reward reads the final answ
 docstring says (\\boxed, then ####, then the last number), checked on completions written out by hand.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from shared_helpers import load_tool
 
 from megatron_dppo.data.prompts import load_records
 
@@ -19,16 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "examples" / "smollm2" / "data"
 
 
-def load_file_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = load_file_module("make_smollm2_task", REPO / "tools" / "make_smollm2_task.py")
-reward = load_file_module("smollm2_reward", REPO / "examples" / "smollm2" / "reward.py")
+tool = load_tool("make_smollm2_task")
+reward = load_tool(REPO / "examples" / "smollm2" / "reward.py", module_name="smollm2_reward")
 
 
 def test_committed_data_is_the_tools_output_and_the_splits_are_disjoint(tmp_path):

@@ -13,13 +13,14 @@ sets up its own layout on it; TP=1 x PP=1 on 2 ranks is DP=2.
 
 import contextlib
 import functools
-import importlib.util
 import io
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # tests/: shared_helpers
+from shared_helpers import load_tool  # noqa: E402
 
 
 def main():
@@ -34,9 +35,7 @@ def main():
         plan = json.load(f)
     for name, tool, argv in plan:
         if tool not in tools:
-            spec = importlib.util.spec_from_file_location(os.path.basename(tool)[:-3], tool)
-            tools[tool] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(tools[tool])
+            tools[tool] = load_tool(tool)
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = tools[tool].main([str(a) for a in argv])

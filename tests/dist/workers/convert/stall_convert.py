@@ -8,12 +8,13 @@ output when it dies. Everything else is the real tool, in this process.
 """
 
 import importlib
-import importlib.util
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))  # tests/: shared_helpers
+from shared_helpers import load_tool  # noqa: E402
 
 
 def main():
@@ -39,10 +40,7 @@ def main():
 
     setattr(owner, name, stalling)
     tool, tool_args = args[0], args[1:]
-    spec = importlib.util.spec_from_file_location("tool", tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    sys.exit(module.main(tool_args))
+    sys.exit(load_tool(tool).main(tool_args))
 
 
 if __name__ == "__main__":

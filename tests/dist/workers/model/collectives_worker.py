@@ -11,7 +11,6 @@
 """
 
 import argparse
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "convert"))
+sys.path.insert(0, str(HERE.parents[2]))  # tests/: shared_helpers
+from shared_helpers import load_tool  # noqa: E402
 
 
 def _collectives():
@@ -64,14 +65,6 @@ def _collectives():
     dist.destroy_process_group()
 
 
-def _grad_check_helpers():
-    path = HERE.parent / "step" / "grad_check.py"
-    spec = importlib.util.spec_from_file_location("grad_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _rel(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in b)
     den = sum(float(b[k].double().pow(2).sum()) for k in b)
@@ -86,7 +79,7 @@ def _dist_optimizer():
     from megatron_dppo.megatron import destroy_parallel, initialize_parallel
     from megatron_dppo.megatron.policy import MegatronPolicy
 
-    gc = _grad_check_helpers()
+    gc = load_tool(HERE.parent / "step" / "grad_check.py")
     initialize_parallel(1, 1, seed=0)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     assert dp_size == 2

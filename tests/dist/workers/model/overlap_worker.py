@@ -4,16 +4,16 @@ the backward (from the second iteration on, when Megatron starts overlapping), w
 (several per model) and with the distributed optimizer off and on: the same reduced gradients, and the
 same weights after a step."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("grad_check", HERE.parent / "step" / "grad_check.py")
-gc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gc)
+sys.path.insert(0, str(HERE.parents[2]))  # tests/: shared_helpers
+from shared_helpers import load_tool  # noqa: E402
+
+gc = load_tool(HERE.parent / "step" / "grad_check.py")
 
 import megatron_dppo.megatron  # noqa: E402, F401  (before megatron.core: imports it without TorchInductor on CPU)
 
