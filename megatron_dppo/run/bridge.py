@@ -11,7 +11,10 @@ process groups made directly on the launcher's store, of training rank 0 and the
 (bridge rank 0 is training rank 0, bridge rank 1 + i is rollout rank i):
 
   * `control` (gloo): requests from training rank 0, each rollout rank's reply;
-  * `weights` (NCCL on GPUs, gloo on CPU): the policy's HF-named buckets after each optimizer step.
+  * `weights` (NCCL on GPUs, gloo on CPU): the policy's HF-named buckets after each optimizer step,
+    ended by a marker that counts what was sent (the receiver checks the count).
+
+Both groups run under parallel.timeout_minutes, as every other group does (megatron/parallel.py).
 
 Messages are pickled Python objects between this job's own processes (torch's object collectives
 do the same); no checkpoint or file is ever unpickled.
@@ -32,6 +35,7 @@ import torch.distributed as dist
 _TAG_LENGTH, _TAG_PAYLOAD = 1, 2
 _PEER_GONE = ("Connection closed by peer", "Connection reset")  # gloo's words for a member whose process ended
 _ALIGN = 16  # bytes: every dtype's alignment, so that a received tensor is a view of its bucket's buffer
+_END = "end"  # the weight stream's last header: (_END, buckets, tensors); a bucket's header is a list
 
 
 @dataclass
@@ -101,6 +105,25 @@ class BridgeBroken(RuntimeError):
     """A member of the bridge went away in the middle of a call (its process ended: killed, or it failed)."""
 
 
+class WeightStreamError(RuntimeError):
+    """A weight sync whose buckets do not add up to what training rank 0 says it sent."""
+
+
+@dataclass
+class StreamCount:
+    """What a receiver read of one weight sync (receive_buckets): buckets, tensors, and whether it
+    read through to the end marker."""
+
+    buckets: int = 0
+    tensors: int = 0
+    ended: bool = False
+    last: str = ""  # the last tensor's name, to say where a stream stopped
+
+    def add(self, header: list) -> None:
+        """One more bucket, by its header [(name, dtype, shape), ...]."""
+        self.buckets, self.tensors, self.last = self.buckets + 1, self.tensors + len(header), header[-1][0]
+
+
 class Bridge:
     """A process group of training rank 0 (bridge rank 0) and the rollout ranks, outside both
     halves' worlds (split_world). Collective calls: every member calls them in the same order."""
@@ -110,7 +133,9 @@ class Bridge:
         self.store = store  # the members' own messages outside the group (a stop nobody waits for)
         if backend == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # torch's own new_group sets it so; the default is 10 minutes
+            self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.device = torch.device("cpu")
             self.group = dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -171,12 +196,16 @@ class Bridge:
 
     def send_buckets(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], stats: dict | None = None) -> None:
         """Bridge rank 0: each bucket of (HF name, tensor) as one flat byte buffer after its names,
-        dtypes and shapes; the end as an empty header. What is held at once: a bucket and its
-        flat copy (on NCCL, the copy is on the device)."""
+        dtypes and shapes; the end as (_END, buckets sent, tensors sent). An empty bucket is not
+        sent (it has no bytes to send, and the receivers check the count). What is held at once:
+        a bucket and its flat copy (on NCCL, the copy is on the device)."""
         stats = stats if stats is not None else {}
         stats.setdefault("num_tensors", 0)
         stats.setdefault("num_bytes", 0)
+        sent = StreamCount()
         for bucket in buckets:
+            if not bucket:
+                continue
             header = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in bucket]
             parts = []
             for _, t in bucket:  # each tensor's bytes padded to _ALIGN: the receiver views them in place
@@ -189,16 +218,27 @@ class Bridge:
             self._broadcast(flat.to(self.device))
             stats["num_tensors"] += len(header)
             stats["num_bytes"] += sum(_nbytes(dtype, shape) for _, dtype, shape in header)
+            sent.add(header)
             del flat
-        self.broadcast_object([])
+        self.broadcast_object((_END, sent.buckets, sent.tensors))
 
-    def receive_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def receive_buckets(self, count: StreamCount | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The other members: the buckets bridge rank 0 sends (send_buckets), one at a time, as
-        views of one received buffer per bucket (on this member's device)."""
+        views of one received buffer per bucket (on this member's device). `count` (the caller's)
+        says how far the stream was read: ended once the end marker came and its counts matched
+        (WeightStreamError otherwise)."""
+        count = count if count is not None else StreamCount()
         while True:
             header = self.broadcast_object()
-            if not header:
+            if isinstance(header, tuple) and header[:1] == (_END,):
+                _check_end(header, count)
+                count.ended = True
                 return
+            if not isinstance(header, list) or not header:
+                raise WeightStreamError(
+                    f"weights bridge: expected a bucket's header (a non-empty list) or the end marker after "
+                    f"{count.buckets} bucket(s), got {header!r:.200}"
+                )
             sizes = [_nbytes(dtype, shape) for _, dtype, shape in header]
             flat = torch.empty(sum(s + -s % _ALIGN for s in sizes), dtype=torch.uint8, device=self.device)
             self._broadcast(flat)
@@ -207,7 +247,19 @@ class Bridge:
                 bucket.append((name, flat[offset : offset + size].view(getattr(torch, dtype)).view(shape)))
                 offset += size + -size % _ALIGN
             del flat
+            count.add(header)
             yield bucket
+
+
+def _check_end(marker: tuple, count: StreamCount) -> None:
+    """The end marker's counts against what was received: a stream that lost or gained a bucket is
+    named, and the rank ends rather than sample with what it loaded."""
+    _, buckets, tensors = marker
+    if (buckets, tensors) != (count.buckets, count.tensors):
+        raise WeightStreamError(
+            f"weights bridge: training rank 0 sent {buckets} bucket(s) of {tensors} tensor(s), this rank received "
+            f"{count.buckets} of {count.tensors}"
+        )
 
 
 def _nbytes(dtype: str, shape) -> int:

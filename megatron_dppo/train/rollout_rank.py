@@ -2,7 +2,8 @@
 leader, the reward workers, serving training rank 0's requests in the order it sends them:
 
     ("wave", WaveRequest)   generate this engine's slice, score it; reply with an EnginePart
-    ("weights", version)    the policy's new weights follow on the weights bridge; reload them
+    ("weights", version)    the policy's new weights follow on the weights bridge; reload them, and
+                            check that the engine read the stream to its end marker
     ("eval", {step, dump})  the eval: sets over the rollout ranks' engines; reply with the metrics
     ("stop", None)          close and exit
 
@@ -34,7 +35,7 @@ import torch
 
 from megatron_dppo.config import Config
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.run.bridge import BridgeBroken, Roles
+from megatron_dppo.run.bridge import BridgeBroken, Roles, StreamCount, WeightStreamError
 from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
@@ -94,7 +95,7 @@ def serve(cfg: Config, roles: Roles) -> int:
                 break
             if kind == "weights":
                 watchdog.phase("load weights", payload)
-                engine.load_weights(_call_iter(weights.receive_buckets()))
+                load_synced_weights(engine, weights, payload)
                 worker.weights_version = payload
             elif kind == "wave":
                 watchdog.phase("rollout", payload.step)
@@ -126,6 +127,26 @@ def serve(cfg: Config, roles: Roles) -> int:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 128 + signalled[0] if signalled else 0
+
+
+def load_synced_weights(engine, weights, version: int) -> StreamCount:
+    """Load one weight sync (step `version`'s update) from the weights bridge into the engine, and
+    check that the load read the stream to its end marker: an engine that returned early would
+    leave the rest of the stream in the bridge (the next request would read bucket bytes) and
+    sample with weights of two versions. -> what was read."""
+    count = StreamCount()
+    engine.load_weights(_call_iter(weights.receive_buckets(count)))
+    if not count.ended:
+        after = (
+            f"after {count.buckets} bucket(s), {count.tensors} tensor(s), the last {count.last!r}"
+            if count.buckets
+            else "before its first bucket"
+        )
+        raise WeightStreamError(
+            f"rollout rank: the engine's load of step {version}'s weights returned {after}, before the weights "
+            "bridge's end marker: its weights mix two versions"
+        )
+    return count
 
 
 def _call(fn, *args):

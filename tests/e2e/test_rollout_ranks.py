@@ -4,10 +4,13 @@ rollout process under torchrun), against the colocated 1-process run of the same
 * trainer.max_staleness=0: the same run token for token (rollouts, rewards, held-out accuracy from
   the rollout rank's engine, losses): the rollout waits for each step's weights, as colocated.
 * trainer.max_staleness=1: step t+1 rolls out while step t trains, so from step 2 on a step trains
-  on completions sampled with the weights before the previous update. The rollout rows' log-probs
-  are checked against transformers: those of the starting weights at step 2, not step 1's. A
-  launcher killed mid-run leaves a checkpoint that holds the step in flight; the resumed run
-  repeats the uninterrupted one exactly.
+  on completions sampled with the weights before the previous update. A launcher killed mid-run
+  leaves a checkpoint that holds the step in flight; the resumed run repeats the uninterrupted one
+  exactly.
+* Which weights sampled, at both staleness settings and every step from 2 on of a 5-step run: the
+  rollout rows' log-probs are those of the weights the run's rollout/policy_lag_* says (transformers
+  on the starting model or the run's HF export of that step), and not those of the versions either
+  side (a rollout rank that lags a step more, or never reloads after start-up, fails here).
 * A rollout rank that stalls or dies ends the job, and no process outlives it; a killed one is
   named by the trainer, with the checkpoint --resume would continue from.
 * A start-up failure of the training rank (a damaged pending_rollout.json on --resume) ends the
@@ -45,6 +48,7 @@ pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 MODEL = TINY / "model"
 DEDICATED = ["parallel.rollout_ranks=1"]
 STALE = [*DEDICATED, "trainer.max_staleness=1", "algorithm.rollout_correction=tis"]
+LONG = 5  # steps of the runs whose every step >= 2 is checked for the weights that sampled it
 
 
 def _compare(ref: dict, got: dict, steps, exact=True):
@@ -56,19 +60,21 @@ def _compare(ref: dict, got: dict, steps, exact=True):
 
 def test_staleness_0_equals_the_colocated_run(tmp_path):
     """Every step's completions token for token, rewards, losses and the held-out accuracy (eval
-    on the rollout rank) as the colocated run's; the start line names both kinds of rank."""
-    evals = ["trainer.eval_every=2", "trainer.eval_size=16"]
+    on the rollout rank) as the colocated run's; the start line names both kinds of rank. Each
+    step s >= 2 was sampled by step s-1's weights (lag 0), as its log-probs show."""
+    evals = ["trainer.eval_every=2", "trainer.eval_size=16", f"trainer.max_steps={LONG}"]
     run(train_cmd(tmp_path, "colocated", MODEL, 1, *evals))
-    res = run(train_cmd(tmp_path, "dedicated", MODEL, 2, *evals, *DEDICATED))
+    res = run(train_cmd(tmp_path, "dedicated", MODEL, 2, *evals, *DEDICATED, "trainer.save_hf_every=1"))
     assert "1 training + 1 rollout process(es), trainer.max_staleness=0" in res.stdout + res.stderr
     ref, got = metrics(tmp_path / "colocated"), metrics(tmp_path / "dedicated")
-    assert sorted(got) == sorted(ref) == [0, 1, 2]
-    for step in (1, 2):
+    assert sorted(got) == sorted(ref) == [0, *range(1, LONG + 1)]
+    for step in range(1, LONG + 1):
         assert_same_rollouts(rollouts(tmp_path / "dedicated", step), rollouts(tmp_path / "colocated", step))
-        assert got[step]["rollout/policy_lag_max"] == 0
-    _compare(ref, got, (1, 2))
-    assert got[0]["eval/accuracy"] == ref[0]["eval/accuracy"] and got[2]["eval/accuracy"] == ref[2]["eval/accuracy"]
+    assert [got[s]["rollout/policy_lag_max"] for s in range(1, LONG + 1)] == [0] * LONG
+    _compare(ref, got, range(1, LONG + 1))
+    assert all(got[s]["eval/accuracy"] == ref[s]["eval/accuracy"] for s in (0, 2, 4))
     assert (tmp_path / "dedicated" / "val" / "step_000002.jsonl").exists()
+    _assert_each_step_sampled_by_the_weights_it_says(tmp_path / "dedicated", got)
 
 
 def _hf_logprob_sums(model_dir, rows):
@@ -84,30 +90,57 @@ def _hf_logprob_sums(model_dir, rows):
     return [float(lp.sum()) for lp in hf_completion_logprobs(model, prompts, [r["completion_ids"] for r in rows])]
 
 
+SAME, APART = 1e-4, 1e-3  # log-prob sums of the sampling weights agree within SAME; other versions' differ by > APART
+
+
+def _weights_of(run_dir, version: int):
+    """The HF model dir of the weights after step `version`'s update (0: the starting model)."""
+    return MODEL if version == 0 else run_dir / "hf" / f"step_{version:06d}"
+
+
+def _logprob_gap(run_dir, version: int, rows) -> float:
+    """The largest |engine's log-prob sum - transformers' under `version`'s weights| over the rows."""
+    sums = _hf_logprob_sums(_weights_of(run_dir, version), rows)
+    return max(abs(a - r["rollout_logprob_sum"]) for a, r in zip(sums, rows))
+
+
+def _assert_each_step_sampled_by_the_weights_it_says(run_dir, ref: dict) -> None:
+    """Steps 2 to the last: the version the run says sampled step s (s - 1 - rollout/policy_lag_max,
+    every completion at that lag) gives the engine's log-probs within SAME; the versions either side
+    of it (those exported) are more than APART off: the negative control, which shows that the check
+    tells one update from the next (a rollout rank one step behind, or never reloaded, fails)."""
+    last = max(ref)
+    for step in range(2, last + 1):
+        lag = ref[step]["rollout/policy_lag_max"]
+        assert ref[step]["rollout/policy_lag_mean"] == lag, (step, ref[step])  # one version per step here
+        said = step - 1 - lag
+        rows = rollouts(run_dir, step)
+        assert _logprob_gap(run_dir, said, rows) < SAME, f"step {step}: not sampled by step {said}'s weights"
+        for other in (said - 1, said + 1):
+            if 0 <= other <= last:
+                gap = _logprob_gap(run_dir, other, rows)
+                assert gap > APART, f"step {step}: step {other}'s weights give the same log-probs ({gap})"
+
+
 def _job(proc) -> list:
     return [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
 
 
 def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exactly(tmp_path):
-    """Uninterrupted run: step 1 trains on fresh completions, steps 2-4 on completions one update
-    behind (rollout/policy_lag_max); step 2's completions have the starting weights' log-probs
-    (transformers on examples/tiny/model) and not those of step 1's update (its HF export).
-    Killed run: SIGKILL reaches torchrun alone after step 1; each rank gets SIGTERM, the trainer
-    finishes its step (with the next step's rollout), saves, stops the rollout rank; nothing is
-    left running. --resume then repeats the uninterrupted run's later steps exactly."""
-    steps = ["trainer.max_steps=4", "trainer.save_hf_every=1"]
+    """Uninterrupted run: step 1 trains on fresh completions, steps 2-5 on completions one update
+    behind (rollout/policy_lag_max); step 1's completions have the starting weights' log-probs
+    (transformers on examples/tiny/model), and each later step s's those of step s-2's update (its
+    HF export), not step s-1's or s-3's. Killed run: SIGKILL reaches torchrun alone after step 1;
+    each rank gets SIGTERM, the trainer finishes its step (with the next step's rollout), saves,
+    stops the rollout rank; nothing is left running. --resume then repeats the uninterrupted run's
+    later steps exactly."""
+    steps = [f"trainer.max_steps={LONG}", "trainer.save_hf_every=1"]
     run(train_cmd(tmp_path, "stale", MODEL, 2, *STALE, *steps))
     ref = metrics(tmp_path / "stale")
-    assert [ref[s]["rollout/policy_lag_max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert [ref[s]["rollout/policy_lag_max"] for s in range(1, LONG + 1)] == [0] + [1] * (LONG - 1)
     assert ref[2]["train/rollout_kl_k3"] > 1e3 * ref[1]["train/rollout_kl_k3"]  # off-policy from step 2 on
-
-    rows1, rows2 = rollouts(tmp_path / "stale", 1), rollouts(tmp_path / "stale", 2)
-    start1 = _hf_logprob_sums(MODEL, rows1)
-    assert all(abs(a - r["rollout_logprob_sum"]) < 1e-4 for a, r in zip(start1, rows1))  # the check's reference
-    start2 = _hf_logprob_sums(MODEL, rows2)
-    after1 = _hf_logprob_sums(tmp_path / "stale" / "hf" / "step_000001", rows2)
-    assert all(abs(a - r["rollout_logprob_sum"]) < 1e-4 for a, r in zip(start2, rows2))
-    assert max(abs(a - r["rollout_logprob_sum"]) for a, r in zip(after1, rows2)) > 1e-3
+    assert _logprob_gap(tmp_path / "stale", 0, rollouts(tmp_path / "stale", 1)) < SAME  # the check's reference
+    _assert_each_step_sampled_by_the_weights_it_says(tmp_path / "stale", ref)
 
     log = tmp_path / "killed.log"
     proc = start_logged(train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0"), log)
@@ -117,16 +150,16 @@ def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exac
     assert not alive, f"{len(alive)} process(es) of the run outlived its launcher\n{screen}"
     latest = (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip()
     saved = int(latest.split("_")[1])
-    assert 1 <= saved < 4, screen
+    assert 1 <= saved < LONG, screen
     assert (tmp_path / "killed" / "checkpoints" / latest / "pending_rollout.json").exists()
     assert "serving until the trainer stops" in screen and "stopping after step" in screen, screen
     run(train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0", resume=True))
     got = metrics(tmp_path / "killed")
-    assert sorted(got) == [1, 2, 3, 4]
-    for step in range(1, 5):
+    assert sorted(got) == list(range(1, LONG + 1))
+    for step in range(1, LONG + 1):
         assert_same_rollouts(rollouts(tmp_path / "killed", step), rollouts(tmp_path / "stale", step))
         assert got[step]["rollout/policy_lag_max"] == ref[step]["rollout/policy_lag_max"]
-    _compare(ref, got, range(1, 5))
+    _compare(ref, got, range(1, LONG + 1))
 
 
 @pytest.mark.parametrize("fault", ["stalled", "killed"])

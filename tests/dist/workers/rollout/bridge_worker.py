@@ -1,7 +1,8 @@
 """torchrun --nproc_per_node 4 tests/dist/workers/rollout/bridge_worker.py (tests/dist/test_bridge.py runs
 it): run/bridge.split_world with 2 rollout ranks gives each half a world of its own and the bridge
 between training rank 0 and the rollout ranks. Checked against what each rank knows independently
-(its launcher rank): the halves' worlds, objects both ways, weight buckets bit for bit."""
+(its launcher rank): the halves' worlds, objects both ways, weight buckets bit for bit (an empty
+bucket among them skipped, each receiver read to the end marker), both bridges' timeout."""
 
 import os
 from datetime import timedelta
@@ -9,14 +10,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dppo.run.bridge import split_world
+from megatron_dppo.run.bridge import StreamCount, split_world
 
 
 def _buckets(seed: int):
-    """Three buckets of tensors of several dtypes and odd sizes (offsets not aligned to their dtype)."""
+    """Three buckets of tensors of several dtypes and odd sizes (offsets not aligned to their dtype),
+    and an empty one (an empty header was the stream's end)."""
     gen = torch.Generator().manual_seed(seed)
     return [
         [("a", torch.randn(3, generator=gen)), ("b", torch.randn(5, 7, generator=gen).to(torch.bfloat16))],
+        [],
         [
             ("c", torch.randint(0, 100, (11,), generator=gen, dtype=torch.int32)),
             ("d", torch.randn(2, 2, generator=gen)),
@@ -42,6 +45,7 @@ def main():
     on_bridge = launcher_rank == 0 or roles.is_rollout
     assert (roles.control is not None) == on_bridge == (roles.weights is not None)
     if on_bridge:
+        assert roles.control.group.options._timeout == roles.weights.group.options._timeout == timedelta(seconds=60)
         sent = {"kind": "wave", "ids": list(range(5))}
         assert roles.control.broadcast_object(sent if launcher_rank == 0 else None) == sent
         replies = roles.control.gather_objects(("reply", launcher_rank, "x" * launcher_rank * 1000))
@@ -55,8 +59,11 @@ def main():
             roles.weights.send_buckets(iter(sent), stats)
             assert stats["num_tensors"] == 5
         else:
-            got = list(roles.weights.receive_buckets())
+            count = StreamCount()
+            got = list(roles.weights.receive_buckets(count))
+            sent = [b for b in sent if b]
             assert [[n for n, _ in b] for b in got] == [[n for n, _ in b] for b in sent]
+            assert (count.buckets, count.tensors, count.ended) == (3, 5, True), count
             for bg, bs in zip(got, sent):
                 for (_, tg), (_, ts) in zip(bg, bs):
                     assert tg.dtype == ts.dtype and tg.shape == ts.shape and torch.equal(tg, ts)
