@@ -135,7 +135,7 @@ class Group:
         was generated but not trained (pruned, uninformative, past the refill) has weight 0."""
         weights = self.completion_weights or [0.0] * self.group_size
         advantages = self.advantages or [None] * self.group_size
-        prompt = decode(self.prompt_ids)
+        prompt, versions = decode(self.prompt_ids), self.versions()
         return [
             {
                 "id": self.record.id,
@@ -154,6 +154,7 @@ class Group:
                 "truncated": self.truncated[i] if self.truncated else None,
                 # sum of log pi_rollout over the completion's tokens (the engine's, as sampled)
                 "rollout_logprob_sum": sum(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
+                "policy_version": versions[i],  # the weights that sampled it: those after this step's update
             }
             for i, c in enumerate(self.completions)
         ]

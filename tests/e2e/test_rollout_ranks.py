@@ -115,6 +115,7 @@ def _assert_each_step_sampled_by_the_weights_it_says(run_dir, ref: dict) -> None
         assert ref[step]["rollout/policy_lag_mean"] == lag, (step, ref[step])  # one version per step here
         said = step - 1 - lag
         rows = rollouts(run_dir, step)
+        assert {r["policy_version"] for r in rows} == {said}, (step, said)  # what each row says sampled it
         assert _logprob_gap(run_dir, said, rows) < SAME, f"step {step}: not sampled by step {said}'s weights"
         for other in (said - 1, said + 1):
             if 0 <= other <= last:
