@@ -23,12 +23,21 @@ bs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bs)
 
 
-def run_tool(*args, cwd=None):
+# root writes into read-only directories: the permission cases run the tool without the capabilities
+# that let it (util-linux's setpriv), so they test the refusal as a user meets it, in CI (root) too
+AS_A_USER = (
+    ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+    if os.geteuid() == 0
+    else []
+)
+
+
+def run_tool(*args, cwd=None, as_user=False):
     """The tool's own process, pip pointed at a closed port: a refusal must come before any download."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0")
     env.update(PIP_DEFAULT_TIMEOUT="5", PIP_NO_INPUT="1")
-    cmd = [sys.executable, str(TOOL), *args]
+    cmd = [*(AS_A_USER if as_user else []), sys.executable, str(TOOL), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
 
 
@@ -157,14 +166,13 @@ def test_a_path_under_a_regular_file_is_one_line_naming_the_option(tmp_path, whe
     assert leftovers(tmp_path, {"file", "wheels"}) == []
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
 @pytest.mark.parametrize("option", ["--out", "--cache-dir"])
 def test_a_path_under_a_read_only_directory_is_one_line_naming_the_option(tmp_path, option):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     args = {"--out": str(tmp_path / "model"), "--cache-dir": str(tmp_path / "cache"), option: str(locked / "x")}
     try:
-        proc = run_tool(*[word for pair in args.items() for word in pair])
+        proc = run_tool(*[word for pair in args.items() for word in pair], as_user=True)
     finally:
         locked.chmod(0o755)
     assert proc.returncode == 2, proc.stderr[-2000:]
