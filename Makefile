@@ -1,7 +1,7 @@
 # Each target installs the CPU environment first (tools/setup_env.sh is a no-op when up to date).
 PY := .venv/bin/python
 
-.PHONY: env main smollm2 test test-fast lint
+.PHONY: env main smollm2 test test-fast lint docs
 env:
 	@bash tools/setup_env.sh
 
@@ -33,3 +33,9 @@ lint: env
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	.venv/bin/lint-imports --no-cache
+
+# The documentation site (mkdocs.yml) into site/, strict: a broken link or anchor, or a page the
+# nav leaves out, fails it. The generated reference pages must match the code first.
+docs: env
+	$(PY) tools/gen_reference.py --check
+	.venv/bin/mkdocs build --strict --quiet

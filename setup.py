@@ -49,6 +49,7 @@ setup(
             "ruff==0.17.5",
             "import-linter==2.1",
             "datasets",
+            "mkdocs==1.6.1",  # `make docs`: the documentation site (mkdocs.yml), built in CI
         ],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},
