@@ -337,6 +337,28 @@ def recommendation(rows: list[dict]) -> tuple[str, dict]:
     return min(mean, key=mean.get), mean
 
 
+def recommendations(settings: dict) -> dict:
+    """The constant losses.RECOMMENDED_CORRECTION reads, from run()'s settings: per setting the
+    lowest MSE over every length and seed; at staleness also over the completions longer than
+    losses.LONG_COMPLETION_TOKENS alone ("staleness_long"), because there the product's cap binds
+    (the product of hundreds of ratios one update apart leaves [1/cap, cap]) and a length decides
+    the kind. (A bf16 rollout's kinds stay within 2% of each other at every length: one kind.)"""
+    from megatron_dppo.algorithms.losses import LONG_COMPLETION_TOKENS
+
+    out = {}
+    for setting, v in settings.items():
+        cases = v["cases"]
+        if setting == "staleness":
+            short = [c["kinds"] for c in cases if c["length"] <= LONG_COMPLETION_TOKENS]
+            long = [c["kinds"] for c in cases if c["length"] > LONG_COMPLETION_TOKENS]
+            out[setting] = recommendation(short)[0] if short else v["recommended"]
+            if long:
+                out["staleness_long"] = recommendation(long)[0]
+        else:
+            out[setting] = v["recommended"]
+    return out
+
+
 def run(settings, lengths, seeds, samples, batch, weight_fn=None, log=None) -> dict:
     """Every (setting, length, seed): the toy's KL and ratio range and measure()'s numbers at N =
     batch (and the MSE at 256); then per setting the recommendation."""
@@ -451,7 +473,7 @@ def main(argv=None) -> int:
         log=lambda s: print(s, file=sys.stderr),
     )
     result.update(commit=_commit(), seconds=round(time.perf_counter() - t0, 1), samples=args.samples, vocab=VOCAB)
-    result["recommended"] = {s: v["recommended"] for s, v in result["settings"].items()}
+    result["recommended"] = recommendations(result["settings"])
     print(markdown(result))
     print()
     for line in summary_lines(result):

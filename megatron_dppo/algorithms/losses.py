@@ -27,6 +27,24 @@ ROLLOUT_TRUNCATING = ("tis", "seq_tis", "tis_mask", "tis_seq_mask")  # read roll
 ROLLOUT_TOKEN_MASKING = ("mask", "tis_mask")  # read rollout_correction_low / _high (token ratios)
 ROLLOUT_SEQ_MASKING = ("seq_mask", "tis_seq_mask")  # read rollout_correction_seq_low / _seq_high (geometric means)
 ROLLOUT_MASKING = ROLLOUT_TOKEN_MASKING + ROLLOUT_SEQ_MASKING
+# The rollout correction to use, from the bias + variance (MSE) table of docs/algorithm.md section 8
+# (tools/rollout_correction_table.py, docs/rollout_correction_table.json: 8 seeds, completions of 4
+# to 256 tokens, N = 2048 samples a step). One update behind (trainer.max_staleness >= 1) the product
+# seq_tis has the lowest MSE up to 64 tokens (-34% to -4% against none) but loses to no correction at
+# 256 (+14%: its cap binds), where token tis is the lowest (never worse than none at any length);
+# for a bf16 or MoE rollout (numerics, not staleness) token tis. The start-up warnings, the
+# disaggregated presets, the README and verify-unbiased read it.
+RECOMMENDED_CORRECTION = {"staleness": "seq_tis", "staleness_long": "tis", "bf16": "tis"}
+LONG_COMPLETION_TOKENS = 128  # completions longer than this (rollout.max_new_tokens) use "staleness_long"
+
+
+def recommended_correction(staleness: int, completion_tokens: int | None = None) -> str:
+    """The recommended algorithm.rollout_correction at this trainer.max_staleness for completions
+    of up to `completion_tokens` tokens (rollout.max_new_tokens; None: short)."""
+    if not staleness:
+        return RECOMMENDED_CORRECTION["bf16"]
+    long = completion_tokens is not None and completion_tokens > LONG_COMPLETION_TOKENS
+    return RECOMMENDED_CORRECTION["staleness_long" if long else "staleness"]
 
 
 def _segment_mean(values: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:

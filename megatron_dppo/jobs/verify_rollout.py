@@ -42,18 +42,18 @@ import torch
 from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig
 
-# The lowest-MSE correction per setting, from tools/rollout_correction_table.py (docs/
-# rollout_correction_table.json, docs/algorithm.md section 8): "staleness" for trainer.max_staleness
-# >= 1 (the samples are an update behind), "bf16" for a rollout whose numerics differ from the
-# trained policy's (rollout.dtype=bfloat16, MoE routing). The start-up warning and README read it.
-RECOMMENDED_CORRECTION = {"staleness": "seq_tis", "bf16": "tis"}
+# The lowest-MSE correction per setting (algorithms/losses.RECOMMENDED_CORRECTION, measured by
+# tools/rollout_correction_table.py): this toy's completions are short, so at staleness >= 1 it is
+# the short completions' kind.
+RECOMMENDED_CORRECTION = losses.RECOMMENDED_CORRECTION
 NEGATIVE_CONTROLS = ("none", "inverted", "one", "stale")  # none: the check as it should run
 _DEFAULTS = AlgorithmConfig()
 
 
-def recommended_correction(staleness: int) -> str:
-    """The recommended algorithm.rollout_correction for a run at this trainer.max_staleness."""
-    return RECOMMENDED_CORRECTION["staleness" if staleness else "bf16"]
+def recommended_correction(staleness: int, completion_tokens: int | None = None) -> str:
+    """The recommended algorithm.rollout_correction for a run at this trainer.max_staleness (the
+    toy's short completions unless completion_tokens says otherwise)."""
+    return losses.recommended_correction(staleness, completion_tokens)
 
 
 @dataclass

@@ -25,6 +25,7 @@ def check_config(cfg) -> None:
 def config_warnings(cfg) -> list[str]:
     """Keys set to other than their default that this config's method does not read
     (config.inert_keys, the one rule), one line each naming the key and why (the caller prints them)."""
+    from megatron_dppo.algorithms.losses import recommended_correction
     from megatron_dppo.config import Config, inert_keys
 
     defaults, out = Config(), []
@@ -34,10 +35,20 @@ def config_warnings(cfg) -> list[str]:
             if value != _get(defaults, leaf):
                 out.append(f"warning: {leaf}={_show(value)} is ignored: {why}")
     if cfg.parallel.rollout_ranks and cfg.trainer.max_staleness and cfg.algorithm.rollout_correction == "none":
+        kind = recommended_correction(cfg.trainer.max_staleness, cfg.rollout.max_new_tokens)
         out.append(
             f"warning: trainer.max_staleness={cfg.trainer.max_staleness} samples with weights an update behind "
             "the trained ones, and algorithm.rollout_correction=none trains on them as if they were the "
-            "trained policy's: consider algorithm.rollout_correction=tis (docs/algorithm.md section 10)"
+            f"trained policy's: consider algorithm.rollout_correction={kind}, the lowest-MSE correction for "
+            f"completions of up to rollout.max_new_tokens={cfg.rollout.max_new_tokens} tokens one update behind "
+            "(docs/algorithm.md sections 8 and 10)"
+        )
+    if cfg.algorithm.aux != "none" and cfg.algorithm.rollout_correction != "none":
+        out.append(
+            f"note: algorithm.rollout_correction={cfg.algorithm.rollout_correction} weighs the policy-gradient "
+            f"term only; the auxiliary term algorithm.aux={cfg.algorithm.aux} (a distillation on the group's "
+            "chosen completions, not an expectation over the sampler's tokens) is not reweighted "
+            "(docs/algorithm.md section 8)"
         )
     return out
 

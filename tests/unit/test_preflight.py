@@ -43,15 +43,34 @@ def test_dropping_zero_variance_groups_with_kl_is_refused():
 
 def test_dedicated_rollout_ranks_at_staleness_1_without_a_correction_are_warned_about():
     """parallel.rollout_ranks > 0 runs (issue 32); at trainer.max_staleness=1 the samples are an
-    update behind, and training on them uncorrected is named at start-up (tis is the cure). The
-    disaggregated presets pass the checks."""
+    update behind, and training on them uncorrected is named at start-up with the kind the MSE table
+    of docs/algorithm.md section 8 gives for the run's completion length (losses.RECOMMENDED_CORRECTION:
+    seq_tis for short completions, tis for long ones). The disaggregated presets (long completions)
+    use what the table gives them and pass the checks."""
+    from megatron_dppo.algorithms.losses import LONG_COMPLETION_TOKENS, RECOMMENDED_CORRECTION, recommended_correction
+
     stale = ("parallel.rollout_ranks=1", "trainer.max_staleness=1")
-    (line,) = config_warnings(cfg_with(*stale))
-    assert line.startswith("warning: trainer.max_staleness=1 samples with weights an update behind") and "tis" in line
-    assert config_warnings(cfg_with(*stale, "algorithm.rollout_correction=tis")) == []
+    (line,) = config_warnings(cfg_with(*stale, "rollout.max_new_tokens=16"))
+    assert line.startswith("warning: trainer.max_staleness=1 samples with weights an update behind")
+    assert f"consider algorithm.rollout_correction={RECOMMENDED_CORRECTION['staleness']}," in line
+    long = cfg_with(*stale, f"rollout.max_new_tokens={LONG_COMPLETION_TOKENS + 1}", "rollout.max_model_len=1024")
+    (line,) = config_warnings(long)
+    assert f"consider algorithm.rollout_correction={RECOMMENDED_CORRECTION['staleness_long']}," in line
+    assert config_warnings(cfg_with(*stale, "algorithm.rollout_correction=seq_tis")) == []
     assert config_warnings(cfg_with("parallel.rollout_ranks=1")) == []  # staleness 0: on-policy
     for preset in ("qwen3_32b_disagg", "qwen3_30b_a3b_disagg"):
-        check_config(load_config(f"examples/presets/{preset}.yaml"))
+        cfg = load_config(f"examples/presets/{preset}.yaml")
+        check_config(cfg)
+        want = recommended_correction(cfg.trainer.max_staleness, cfg.rollout.max_new_tokens)
+        assert cfg.algorithm.rollout_correction == want, (preset, want)
+
+
+def test_an_auxiliary_term_under_a_correction_is_named_as_not_reweighted():
+    """SSOPD's distillation term is outside the rollout correction (issue 44 item 8): said at start-up."""
+    on = ("algorithm.aux=ssopd", "algorithm.rollout_correction=tis")
+    notes = [w for w in config_warnings(cfg_with(*on)) if w.startswith("note:")]
+    assert len(notes) == 1 and "algorithm.aux=ssopd" in notes[0] and "not reweighted" in notes[0], notes
+    assert not [w for w in config_warnings(cfg_with("algorithm.aux=ssopd")) if w.startswith("note:")]
 
 
 def _model_dir(tmp_path, name, vocab, tokenizer_from=TINY):
