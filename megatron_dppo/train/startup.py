@@ -1,6 +1,7 @@
 """The trainer's start-up parts, each checked with a one-line error before anything slow: the
 inputs (model dir, tokenizer, prompts), the resolved config and run dir, the ranks' places, the
-policy, the vLLM engine and the starting weights. `Trainer.__init__` calls them in the order they
+stall watchdog, the policy and its packing layout, the vLLM engines (this rank's, or the dedicated
+rollout ranks' reports) and the starting weights. `Trainer.__init__` calls them in the order they
 depend on each other."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dppo.algorithms import packing
 from megatron_dppo.config import Config, resolve
 from megatron_dppo.data.prompts import PromptDataset, PromptRenderer
 from megatron_dppo.model import hf_dir
@@ -19,7 +21,9 @@ from megatron_dppo.rollout.validation import load_eval_sets
 from megatron_dppo.run import collectives as mdist
 from megatron_dppo.run.identity import check_resume_compatible, resume_metadata
 from megatron_dppo.run.run_dir import CHECKPOINTS, RunDirPlan, make_run_dir, plan_run_dir
+from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import preflight
+from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker, LocalEngines, RemoteEngines
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -169,6 +173,17 @@ def claim_run_dir(plan: RunDirPlan) -> tuple[int, int]:
     return rank, world
 
 
+def start_watchdog(cfg: Config, rank: int, world: int) -> StallWatchdog:
+    """The stall watchdog, started: from here on a phase that hangs is named, not waited out."""
+    return StallWatchdog(
+        cfg.trainer.stall_timeout_s,
+        start_timeout_s=cfg.trainer.start_timeout_s,
+        rank=rank,
+        world=world,
+        store=default_store(),
+    ).start()
+
+
 def build_policy(cfg: Config, hf_config):
     from megatron_dppo.megatron.model import GpuSettings
     from megatron_dppo.megatron.policy import MegatronPolicy
@@ -188,6 +203,53 @@ def build_policy(cfg: Config, hf_config):
         distributed_optimizer=pc.distributed_optimizer,
         gpu_settings=GpuSettings.from_config(pc),
         routing_replay=cfg.rollout.routing_replay,
+    )
+
+
+def pack_layout(cfg: Config, tokenizer, policy, dp_rank: int, dp_size: int) -> packing.PackLayout:
+    """How the step packs its completions into micro-batches for this policy and data-parallel rank."""
+    tc, pc = cfg.trainer, cfg.parallel
+    return packing.PackLayout(
+        kind=tc.packing,
+        capacity=tc.max_tokens_per_microbatch,
+        window=tc.pack_window,
+        pad_multiple=packing.thd_pad_multiple(pc.tp, 1, pc.sequence_parallel),
+        pad_id=tokenizer.pad_token_id or 0,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        local_attention=policy.attention_backend == "local",
+    )
+
+
+@dataclass
+class StepEngines:
+    """Where the step's rollouts run, as the trainer sees them."""
+
+    engine: object | None  # this rank's RolloutEngine when colocated; None with dedicated rollout ranks
+    engines: LocalEngines | RemoteEngines
+    logprobs_mode: str  # what the engines' log-probs are (ReCo checks it)
+    init_s: float  # the (slowest) engine's start-up seconds, for the run's first line
+    reward_description: str
+
+
+def start_step_engines(cfg: Config, roles, *, tokenizer, scorer, watchdog) -> StepEngines:
+    """Colocated (roles None): this rank's vLLM engine and the worker that generates and scores its
+    slice. Dedicated rollout ranks (roles: run/bridge.Roles): their engines start on their own ranks
+    meanwhile; training rank 0 waits for each one's report (start time, log-prob mode, reward)."""
+    if roles is None:
+        engine, init_s = start_engine(cfg)
+        place = EnginePlace.of_rank(*mdist.world(), cfg.parallel.rollout_tp)
+        worker = EngineWorker(cfg, engine=engine, place=place, tokenizer=tokenizer, scorer=scorer)
+        return StepEngines(engine, LocalEngines(worker), engine.logprobs_mode, init_s, scorer.describe())
+    watchdog.phase("wait for the rollout ranks")
+    reports = roles.control.gather_objects() if roles.control is not None else None
+    reports = mdist.broadcast_object(reports)
+    return StepEngines(
+        engine=None,
+        engines=RemoteEngines(roles.control, watchdog),
+        logprobs_mode=reports[0]["logprobs_mode"],
+        init_s=max(r["init_s"] for r in reports),
+        reward_description=next(r["reward"] for r in reports if r["reward"] is not None),
     )
 
 

@@ -16,24 +16,23 @@ With dedicated rollout ranks (parallel.rollout_ranks) the engines run on other p
 step also draws the next step's first round and sends it before its own update, so that rollout
 runs while this step trains (docs/algorithm.md section 10).
 
+Beside it: start-up in startup.py, checkpoints, resume and HF exports in checkpointing.py, the
+held-out evaluation in evaluation.py, the step's metrics and log notes in metrics.py.
+
 megatron_dppo.megatron (megatron.core) is imported inside the functions that use it, here and in
-startup.py: importing the trainer (the CLI, the unit tests) then costs no Megatron import.
+the files beside it: importing the trainer (the CLI, the unit tests) then costs no Megatron import.
 """
 
 from __future__ import annotations
 
-import errno
 import gc
-import json
 import math
 import os
-import shutil
 import time
-from contextlib import contextmanager
 
 import torch
 
-from megatron_dppo.algorithms import batch, losses, packing
+from megatron_dppo.algorithms import batch
 from megatron_dppo.algorithms.batch import Method
 from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.pruning import get_strategy
@@ -48,40 +47,18 @@ from megatron_dppo.algorithms.records import (
 from megatron_dppo.config import Config, save_config
 from megatron_dppo.rewards import RewardScorer, reward_metrics_by_source
 from megatron_dppo.run import collectives as mdist
-from megatron_dppo.run.cadence import save_cost_line, should_save
 from megatron_dppo.run.log import RunLogger, phase_summary
 from megatron_dppo.run.process import malloc_trim
 from megatron_dppo.run.profiling import PHASES
-from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import microbatches, startup
+from megatron_dppo.train.checkpointing import Checkpoints
+from megatron_dppo.train.evaluation import Evaluation
+from megatron_dppo.train.metrics import PhaseTimer, RolloutPolicyNotes, train_metrics, write_rollouts
 from megatron_dppo.train.rollout_rank import reporting_rollout_ranks_gone, stop_without_waiting
 from megatron_dppo.train.signals import StopNow, StopRequested, stop_on_signals
-from megatron_dppo.train.step_rollout import (
-    EnginePlace,
-    EngineWorker,
-    LocalEngines,
-    PendingRound,
-    RemoteEngines,
-    StepRollout,
-)
+from megatron_dppo.train.step_rollout import PendingRound, StepRollout
 
 __all__ = ["NonFiniteError", "StopNow", "StopRequested", "Trainer"]
-
-
-class PhaseTimer:
-    """Seconds per phase of a step; entering a phase is progress for the stall watchdog."""
-
-    def __init__(self, watchdog=None, step=None):
-        self.times = {}
-        self.watchdog, self.step = watchdog, step
-
-    @contextmanager
-    def __call__(self, name):
-        if self.watchdog is not None:
-            self.watchdog.phase(name, self.step)
-        t0 = time.perf_counter()
-        yield
-        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:
@@ -89,10 +66,6 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     from megatron_dppo.rollout.vllm_engine import request_seed
 
     return torch.Generator().manual_seed(request_seed("masks", seed, step))
-
-
-# The checkpoint file of a step's first round, rolled out during the step before (max_staleness=1).
-PENDING_FILE = "pending_rollout.json"
 
 
 class NonFiniteError(RuntimeError):
@@ -122,29 +95,18 @@ class Trainer:
 
         inputs = startup.load_inputs(cfg)
         self.config_warnings, self.model_dir, self.tokenizer = inputs.warnings, inputs.model_dir, inputs.tokenizer
-        self.hf_config, self.renderer, self.data, self.eval_sets = (
-            inputs.hf_config,
-            inputs.renderer,
-            inputs.data,
-            inputs.eval_sets,
-        )
+        self.hf_config, self.renderer, self.data = inputs.hf_config, inputs.renderer, inputs.data
         startup.resolve_config(cfg, inputs)
         self.cfg = cfg
         paths = startup.plan_run(cfg, resume, overwrite)
-        self.run_dir, self.ckpt_dir, self.resume_meta = paths.run_dir, paths.ckpt_dir, paths.resume_meta
+        self.run_dir, self.ckpt_dir = paths.run_dir, paths.ckpt_dir
         pc = cfg.parallel
         initialize_parallel(
             pc.tp, pc.pp, seed=cfg.trainer.seed, ep=pc.ep, etp=pc.etp, timeout_minutes=pc.timeout_minutes
         )
         self.rank, self.world = startup.claim_run_dir(paths.plan)
         self.is_main = self.rank == 0
-        self.watchdog = StallWatchdog(
-            cfg.trainer.stall_timeout_s,
-            start_timeout_s=cfg.trainer.start_timeout_s,
-            rank=self.rank,
-            world=self.world,
-            store=default_store(),
-        ).start()
+        self.watchdog = startup.start_watchdog(cfg, self.rank, self.world)
         self.dp_rank, self.dp_size = data_parallel_rank_and_size()
         self.policy = startup.build_policy(cfg, self.hf_config)
         self.strategy = get_strategy(cfg.pruning.strategy)
@@ -156,30 +118,36 @@ class Trainer:
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
         self.pending: PendingRound | None = None  # the next step's first round, in flight (max_staleness=1)
         self.scorer = None if self.roles else RewardScorer.from_config(cfg.reward)
-        self.pack_layout = microbatches.PackLayout(
-            kind=cfg.trainer.packing,
-            capacity=cfg.trainer.max_tokens_per_microbatch,
-            window=cfg.trainer.pack_window,
-            pad_multiple=packing.thd_pad_multiple(pc.tp, 1, pc.sequence_parallel),
-            pad_id=self.tokenizer.pad_token_id or 0,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            local_attention=self.policy.attention_backend == "local",
+        self.pack_layout = startup.pack_layout(cfg, self.tokenizer, self.policy, self.dp_rank, self.dp_size)
+        started = startup.start_step_engines(
+            cfg, self.roles, tokenizer=self.tokenizer, scorer=self.scorer, watchdog=self.watchdog
         )
-        self.engine, self.engines, logprobs_mode = self._start_engines(cfg)
-        self.method.reweighting.check_engine(logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
+        self.engine, self.engines = started.engine, started.engines
+        self.engine_init_s, self.reward_description = started.init_s, started.reward_description
+        self.method.reweighting.check_engine(started.logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
         torch.set_num_threads(cfg.trainer.threads)  # vLLM's start-up changed the thread count
         self.first_step = 1
-        self.ckpt_run_id = None  # the run_id its checkpoints carry: the resumed one's, else new at the first save
-        self._save_cost_logged = False
+        self.checkpoints = Checkpoints(
+            cfg,
+            paths,
+            policy=self.policy,
+            data=self.data,
+            strategy=self.strategy,
+            curriculum=self.curriculum,
+            is_main=self.is_main,
+            watchdog=self.watchdog,
+        )
         self.watchdog.phase("load weights")
         # A resumed run without a KL term reads neither HF weights nor init_checkpoint: the
         # checkpoint (policy, optimizer, RNG, history) overwrites the policy anyway.
         if not (resume and self.policy.reference is None):
             startup.load_starting_weights(cfg, self.policy, self.model_dir)
         if resume:
-            self._resume(paths.resume_path)
+            restored = self.checkpoints.restore(
+                paths.resume_path, rolls_ahead=bool(self.roles and cfg.trainer.max_staleness)
+            )
+            self.first_step, self.history, self.pending = restored.step + 1, restored.history, restored.pending
         self.rollout = StepRollout(  # after the resume: it reads the restored prompt history
             cfg,
             self.method,
@@ -187,6 +155,15 @@ class Trainer:
             renderer=self.renderer,
             history=self.history,
             curriculum=self.curriculum,
+            watchdog=self.watchdog,
+        )
+        self.evaluation = Evaluation(
+            cfg.trainer.eval_every,
+            inputs.eval_sets,
+            engines=self.engines,
+            renderer=self.renderer,
+            run_dir=self.run_dir,
+            is_main=self.is_main,
             watchdog=self.watchdog,
         )
         self._check_finite("the starting weights", grads=False)
@@ -198,24 +175,6 @@ class Trainer:
         # it again and again (its pauses of 0.3-0.7 s landed inside train steps: docs/packing.md).
         gc.collect()
         gc.freeze()
-
-    def _start_engines(self, cfg: Config):
-        """Colocated: this rank's vLLM engine and the worker that generates and scores its slice.
-        Dedicated rollout ranks: their engines start on their own ranks meanwhile; training rank 0
-        waits for each one's report (start time, log-prob mode, reward). -> (the local engine or
-        None, the engines, their log-prob mode)."""
-        if self.roles is None:
-            engine, self.engine_init_s = startup.start_engine(cfg)
-            place = EnginePlace.of_rank(self.rank, self.world, cfg.parallel.rollout_tp)
-            worker = EngineWorker(cfg, engine=engine, place=place, tokenizer=self.tokenizer, scorer=self.scorer)
-            self.reward_description = self.scorer.describe()
-            return engine, LocalEngines(worker), engine.logprobs_mode
-        self.watchdog.phase("wait for the rollout ranks")
-        reports = self.roles.control.gather_objects() if self.roles.control is not None else None
-        reports = mdist.broadcast_object(reports)
-        self.engine_init_s = max(r["init_s"] for r in reports)
-        self.reward_description = next(r["reward"] for r in reports if r["reward"] is not None)
-        return None, RemoteEngines(self.roles.control, self.watchdog), reports[0]["logprobs_mode"]
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, step: int) -> dict:
@@ -298,7 +257,7 @@ class Trainer:
                 [e for g in rolled for e in g.reward_extras],
             )
         )
-        metrics.update(_train_metrics(train, minibatches))
+        metrics.update(train_metrics(train, minibatches))
         metrics.update({f"time/{name}": timer.times.get(name, 0.0) for name in PHASES})
         if self.roles:  # the engines' own time (on the rollout ranks), and the trainer's wait for them
             metrics.update({f"time/{name}": counts.engine_seconds.get(name, 0.0) for name in ("rollout", "reward")})
@@ -312,7 +271,7 @@ class Trainer:
                 + " | ".join(counts.first_failures)
             )
         if cfg.logging.rollouts and self.is_main:
-            self._write_rollouts(step, collected.rolled)
+            write_rollouts(self.run_dir, step, collected.rolled, self.tokenizer)
         return metrics
 
     # ---- the parts of a step ---------------------------------------------------------------------
@@ -372,201 +331,42 @@ class Trainer:
             "rollout/policy_lag_max": max(lags, default=0),
         }
 
-    def _write_rollouts(self, step: int, rolled: list[Group]) -> None:
-        """One row per generated completion: decoded text, reward, advantage, the weight it trained
-        with (0 when pruned or not selected), length, truncation."""
-        path = os.path.join(self.run_dir, "rollouts", f"step_{step:06d}.jsonl")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-
-        def decode(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-        with open(path, "w") as f:
-            for g in rolled:
-                for row in g.rollout_rows(decode):
-                    f.write(json.dumps({"step": step, **row}) + "\n")
-
-    def evaluate(self, step: int) -> dict:
-        """The eval: sets (megatron_dppo/rollout/validation.py), split over the engines like a rollout;
-        collective. {val/<set>/<source>/<metric>, eval/accuracy} on every rank; {} without sets.
-        Rewards are the scorer's own (no overlong shaping: it is not a verdict)."""
-        if not self.eval_sets:
-            return {}
-        if self.roles is not None:  # the rollout ranks' engines run the sets
-            request = {"step": step, "dump_dir": os.path.join(self.run_dir, "val")}
-            metrics = None
-            if self.roles.control is not None:
-                self.roles.control.broadcast_object(("eval", request))
-                metrics = self.roles.control.gather_objects()[0]
-            return mdist.broadcast_object(metrics)
-        return self.engines.worker.evaluate(
-            self.eval_sets,
-            renderer=self.renderer,
-            step=step,
-            dump_dir=os.path.join(self.run_dir, "val"),
-            is_main=self.is_main,
-        )
-
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def save(self, step: int, row: dict) -> dict:
-        """Collective. -> the save's cost, as metrics. The step's metrics `row` (without the save's
-        cost, not known yet) is staged in the run dir first (RunLogger.stage): the loop logs it only
-        after the save, and a run killed in between resumes after this step with the staged row
-        restored, so no step that a checkpoint claims lacks its row."""
-        from megatron_dppo.megatron.checkpoint import checkpoint_bytes, new_run_id, save_checkpoint
-
-        self.watchdog.phase("save", step)
-        self.logger.stage(row)
-        self.ckpt_run_id = self.ckpt_run_id or new_run_id()
-        t0 = time.perf_counter()
-        extra_files = {"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")}
-        pending_file = os.path.join(self.run_dir, "." + PENDING_FILE)
-        if self.pending is not None and self.is_main:  # the next step's rollout, already rolled out
-            with open(pending_file, "w") as f:
-                json.dump(self.pending.to_state(), f)
-            extra_files[PENDING_FILE] = pending_file
-        path = save_checkpoint(
-            self.ckpt_dir,
-            step,
-            self.policy,
-            {
-                "data": self.data.state_dict(),
-                "strategy": self.strategy.state_dict(),
-                "adaprefix": self.curriculum.state_dict() if self.curriculum else None,
-                "resume": self.resume_meta,
-            },
-            self.history,
-            keep_last=self.cfg.trainer.keep_checkpoints,
-            extra_files=extra_files,
-            run_id=self.ckpt_run_id,
-        )
-        if PENDING_FILE in extra_files:
-            os.remove(pending_file)
-        seconds = time.perf_counter() - t0
-        size = checkpoint_bytes(path) if self.is_main else 0
-        if self.is_main and not self._save_cost_logged:  # once: what a save costs
-            self.logger.message(save_cost_line(os.path.basename(path), seconds, size))
-            self._save_cost_logged = True
-        return {"time/checkpoint": seconds, "checkpoint/bytes": size}
-
-    def save_hf(self, step: int) -> str:
-        """<run dir>/hf/step_N/: the policy as an HF model directory (gathered from every TP/PP rank),
-        loadable by transformers and vLLM with no other tool. Collective. A step repeated after a
-        resume replaces its earlier export (as save_checkpoint replaces a re-saved step); a failure is
-        an OSError naming trainer.save_hf_every and the path (the step's row is already written)."""
-        from megatron_dppo.megatron.checkpoint import step_dir_name
-        from megatron_dppo.megatron.weights import save_hf_checkpoint
-
-        out = os.path.join(self.run_dir, "hf", step_dir_name(step))
-        error = None
-        try:  # rank 0 writes; every rank agrees on its outcome, so none is left in a collective
-            if self.is_main and os.path.lexists(out):
-                if not os.path.isdir(out) or os.path.islink(out):
-                    raise FileExistsError(errno.EEXIST, "exists and is not a directory", out)
-                shutil.rmtree(out)
-        except OSError as e:
-            error = e
-        if mdist.agree(error is None):
-            try:
-                save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
-            except OSError as e:
-                error = e
-        if not mdist.agree(error is None):
-            why = "on rank 0"
-            if error is not None:
-                why = f"{error.strerror or error}{': ' + str(error.filename) if error.filename else ''}"
-            raise OSError(
-                f"config key 'trainer.save_hf_every': exporting step {step} as an HF model to {out} failed "
-                f"({why}); step {step}'s metrics are written and --resume continues after the latest checkpoint"
-            )
-        return out
-
-    def _resume(self, path: str) -> None:
-        from megatron_dppo.megatron.checkpoint import load_checkpoint
-
-        state = load_checkpoint(path, self.policy)
-        self.data.load_state_dict(state["data"])
-        self.strategy.load_state_dict(state.get("strategy", {}))
-        if self.curriculum and state.get("adaprefix") is not None:
-            self.curriculum.load_state_dict(state["adaprefix"])
-        self.history = PromptHistory.load(state["history_path"])
-        self.first_step = state["step"] + 1
-        self.ckpt_run_id = state["run_id"]
-        pending = os.path.join(path, PENDING_FILE)
-        if os.path.exists(pending):  # saved at trainer.max_staleness=1: step first_step's rollout
-            if not (self.roles and self.cfg.trainer.max_staleness):
-                raise ValueError(
-                    f"--resume: {path} holds step {self.first_step}'s rollout, sampled one update behind "
-                    "(parallel.rollout_ranks > 0, trainer.max_staleness=1): resume with trainer.max_staleness=1 "
-                    "and dedicated rollout ranks"
-                )
-            with open(pending) as f:
-                self.pending = PendingRound.from_state(json.load(f), {r.id: r for r in self.data.records})
-
     # ---- the loop --------------------------------------------------------------------------------
     def train(self) -> list[dict]:
         tc = self.cfg.trainer
         rows = []
         t0 = time.perf_counter()
-        if self.is_main:
-            skipped = (
-                f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
-            )
-            ranks = f"{self.world} process(es)"
-            if self.roles:
-                ranks = (
-                    f"{self.world} training + {self.roles.rollout_ranks} rollout process(es), "
-                    f"trainer.max_staleness={tc.max_staleness}"
-                )
-            self.logger.message(
-                f"run dir {self.run_dir}; {ranks}; "
-                f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
-            )
-            for line in self.config_warnings:
-                self.logger.message(line)
-        if self.first_step == 1 and tc.eval_every:
-            row = {"step": 0, **self.evaluate(0)}
-            if len(row) > 1:
-                self.logger.log(row)
-                rows.append(row)
+        self._log_start()
+        row = self.evaluation.before_training() if self.first_step == 1 else None
+        if row:
+            self.logger.log(row)
+            rows.append(row)
         self.last_step = self.first_step - 1
-        self._idle_mask_named = False
-        last_save = time.monotonic()
+        notes = RolloutPolicyNotes(self.cfg.algorithm, self.first_step)
+        self.checkpoints.start_clock()
         with stop_on_signals() as stop, reporting_rollout_ranks_gone(self.roles, self.watchdog, self.ckpt_dir):
             for step in range(self.first_step, tc.max_steps + 1):
                 m = self.step(step)
-                gap_line = (
-                    rollout_gap_warning(m, self.cfg.algorithm.rollout_correction) if step == self.first_step else None
-                )
-                if gap_line and self.is_main:
-                    self.logger.message(gap_line)
-                mask_line = None if self._idle_mask_named else idle_mask_line(m, self.cfg.algorithm)
-                if mask_line:  # once a run: the mask's bounds lie outside every ratio this step measured
-                    self._idle_mask_named = True
-                    if self.is_main:
-                        self.logger.message(mask_line)
+                for line in notes.lines(step, m):
+                    self.logger.message(line)
                 self.last_step = step
                 out_of_time = bool(tc.max_time_s and time.perf_counter() - t0 > tc.max_time_s)
                 signalled = mdist.all_reduce_max([stop.requested])[0] > 0  # any rank's signal stops all
                 final = step == tc.max_steps or mdist.agree(out_of_time) or signalled
-                if tc.eval_every and (step % tc.eval_every == 0 or final) and not signalled:
-                    self.watchdog.phase("eval", step)
-                    t_eval = time.perf_counter()
-                    m.update(self.evaluate(step))
-                    m["time/eval"] = time.perf_counter() - t_eval
+                if not signalled:
+                    m.update(self.evaluation.after_step(step, final))
                 self.watchdog.phase("log", step)
                 if step % 10 == 0:
                     malloc_trim()
-                # Rank 0's clock decides (the ranks' clocks differ); save_every and final agree anyway.
-                if mdist.agree(should_save(step, time.monotonic(), last_save, tc, final)):
-                    m.update(self.save(step, m))
-                    last_save = time.monotonic()
-                self.logger.log(m)  # after the checkpoint, its row staged before it (save's docstring)
+                if self.checkpoints.save_due(step, final):
+                    m.update(self.checkpoints.save(step, m, self.history, self.pending, self.logger))
+                self.logger.log(m)  # after the checkpoint, its row staged before it (Checkpoints.save)
                 rows.append(m)
-                if tc.save_hf_every and (step % tc.save_hf_every == 0 or final):
-                    self.save_hf(step)  # last: its failure loses neither the step's checkpoint nor its row
+                if self.checkpoints.export_due(step, final):
+                    # last: its failure loses neither the step's checkpoint nor its row
+                    self.checkpoints.export_hf(step)
                 margin = self.watchdog.margin_warning()
-                if margin and self.is_main:
+                if margin:
                     self.logger.message(margin)
                 if signalled:
                     self.logger.message(
@@ -582,6 +382,26 @@ class Trainer:
             self.logger.message(self.watchdog.timing_line())
         self.logger.close()
         return rows
+
+    def _log_start(self) -> None:
+        """The run's first lines: where it writes, its processes, the engine's start, its attention,
+        and the config's warnings."""
+        if not self.is_main:
+            return
+        tc = self.cfg.trainer
+        skipped = f"; {self.data.skipped_long} prompts over the length limit skipped" if self.data.skipped_long else ""
+        ranks = f"{self.world} process(es)"
+        if self.roles:
+            ranks = (
+                f"{self.world} training + {self.roles.rollout_ranks} rollout process(es), "
+                f"trainer.max_staleness={tc.max_staleness}"
+            )
+        self.logger.message(
+            f"run dir {self.run_dir}; {ranks}; "
+            f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
+        )
+        for line in self.config_warnings:
+            self.logger.message(line)
 
     def close(self, stop_rollout_ranks: bool = True) -> None:
         """Safe on a trainer whose start-up failed half-way: closes whatever was started.
@@ -615,60 +435,3 @@ class Trainer:
             control.broadcast_object(("stop", None))
         except RuntimeError:
             pass
-
-
-# KL(rollout || trained) per token above which a run without a rollout correction is told about
-# it: fp32 vLLM against fp32 Megatron measured ~3e-13; a bf16 rollout of the tiny model ~1e-4
-# (docs/algorithm.md section 8, README "bf16 and MoE runs").
-ROLLOUT_KL_WARN = 1e-6
-
-
-def rollout_gap_warning(metrics: dict, correction: str) -> str | None:
-    """The line for the first step's log when the rollout policy is measurably not the trained one
-    and algorithm.rollout_correction is off; None otherwise."""
-    kl = metrics.get("train/rollout_kl_k3", math.nan)
-    if correction != "none" or not kl > ROLLOUT_KL_WARN:
-        return None
-    return (
-        f"warning: the rollout policy is not the trained one: KL(rollout || trained) = {kl:.3g} a token "
-        f"(k3; > {ROLLOUT_KL_WARN:g}), max ratio {metrics.get('train/rollout_ratio_max', math.nan):.3g}, mean "
-        f"|log-prob gap| {metrics.get('train/logprob_gap_vllm', math.nan):.3g}, and algorithm.rollout_correction=none: "
-        "consider algorithm.rollout_correction=tis (docs/algorithm.md section 8)"
-    )
-
-
-def idle_mask_line(metrics: dict, a) -> str | None:
-    """The log's note for a rollout-correction mask that could not bind at this step's measured ratios."""
-    nan = math.nan
-    ranges = {
-        "token": (metrics.get("train/rollout_ratio_min", nan), metrics.get("train/rollout_ratio_max", nan)),
-        "seq": (metrics.get("train/rollout_seq_geo_min", nan), metrics.get("train/rollout_seq_geo_max", nan)),
-    }
-    bounds = dict(
-        low=a.rollout_correction_low,
-        high=a.rollout_correction_high,
-        seq_low=a.rollout_correction_seq_low,
-        seq_high=a.rollout_correction_seq_high,
-    )
-    return losses.idle_mask_note(a.rollout_correction, bounds, ranges)
-
-
-def _train_metrics(train: list[dict], minibatches: list[batch.MiniBatch]) -> dict:
-    """Optimizer-step metrics averaged over the step's updates (max for a max, min for a min), and the packing."""
-    out = {"train/optimizer_steps": len(train)}
-    if not train:  # nothing was trained this step (every group uninformative)
-        return {**out, "train/loss": 0.0, "train/grad_norm": 0.0, "pack/density": 0.0, "tokens/trained": 0}
-    for key in train[0]:
-        vals = [m[key] for m in train]
-        out[f"train/{key}"] = (
-            max(vals) if key.endswith("_max") else min(vals) if key.endswith("_min") else sum(vals) / len(vals)
-        )
-    out["train/first_update_ratio_dev_max"] = train[0]["ratio_dev_max"]
-    out["train/logprob_gap_vllm"] = train[0]["logprob_gap_vllm"]  # at the first update: the rollout policy
-    if "routing_agreement" in train[0]:  # rollout.routing_replay: routers' own top-k vs vLLM's, at the first update
-        del out["train/routing_agreement"]
-        out["moe/routing_agreement"] = train[0]["routing_agreement"]
-    out["pack/density"] = sum(mb.density for mb in minibatches) / len(minibatches)
-    out["tokens/trained"] = sum(mb.tokens for mb in minibatches)
-    out["tokens/trained_completion"] = sum(mb.completion_tokens for mb in minibatches)
-    return out

@@ -13,8 +13,8 @@ from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, load_config
 from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, run_rollout_check
 from megatron_dppo.jobs.verify_unbiased import CheckConfig
+from megatron_dppo.train.metrics import rollout_gap_warning, train_metrics
 from megatron_dppo.train.preflight import config_warnings
-from megatron_dppo.train.trainer import _train_metrics, rollout_gap_warning
 
 CAP, LOW, HIGH = 1.5, 0.8, 1.25
 # the geometric-mean masks' own bounds, chosen so that they mask another sequence than [LOW, HIGH]
@@ -322,5 +322,5 @@ def test_train_metrics_take_the_min_of_a_min():
     class MB:
         density, tokens, completion_tokens = 1.0, 1, 1
 
-    out = _train_metrics(rows, [MB()])
+    out = train_metrics(rows, [MB()])
     assert out["train/rollout_ratio_min"] == 0.7 and out["train/rollout_ratio_max"] == 1.3

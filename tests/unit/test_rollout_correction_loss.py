@@ -12,7 +12,7 @@ from loss_batches import three_sequence_batch
 
 from megatron_dppo.algorithms import losses, packing
 from megatron_dppo.config import AlgorithmConfig
-from megatron_dppo.train.trainer import idle_mask_line
+from megatron_dppo.train.metrics import idle_mask_line
 
 VOCAB, PADDED, TEMP, DENOM, CAP, KL = 50, 64, 0.9, 40.0, 1.2, 0.3
 

@@ -123,16 +123,16 @@ def test_routing_is_all_or_none_and_off_by_default():
 
 def test_routing_agreement_is_the_first_updates_under_moe():
     """moe/routing_agreement: the first update's (its weights are the rollout's), not an average."""
-    from megatron_dppo.train.trainer import _train_metrics
+    from megatron_dppo.train.metrics import train_metrics
 
     a = {"loss": 1.0, "grad_norm": 1.0, "ratio_dev_max": 0.1, "logprob_gap_vllm": 0.0}
 
     class MB:
         density, tokens, completion_tokens = 1.0, 1, 1
 
-    out = _train_metrics([{**a, "routing_agreement": 0.9}, {**a, "routing_agreement": 0.5}], [MB()])
+    out = train_metrics([{**a, "routing_agreement": 0.9}, {**a, "routing_agreement": 0.5}], [MB()])
     assert out["moe/routing_agreement"] == 0.9 and "train/routing_agreement" not in out
-    assert "moe/routing_agreement" not in _train_metrics([a], [MB()])  # replay off: no key
+    assert "moe/routing_agreement" not in train_metrics([a], [MB()])  # replay off: no key
 
 
 def test_forwarded_positions_leave_out_each_sequences_last_token_and_padding():

@@ -1,7 +1,7 @@
 """Issue 33: the order in which a step is written (checkpoint, metrics row, HF export), and what a
-resume does after each stage fails or is killed. The real Trainer.train / save / save_hf run on a
-stub trainer (no model, no engine); the checkpoint writer is replaced by one that writes only
-`latest`, as the real one does last."""
+resume does after each stage fails or is killed. The real Trainer.train and Checkpoints.save /
+export_hf run on a stub trainer (no model, no engine); the checkpoint writer is replaced by one that
+writes only `latest`, as the real one does last."""
 
 import json
 import os
@@ -13,7 +13,10 @@ import torch
 import megatron_dppo.megatron.checkpoint as ckpt_module
 from megatron_dppo.config import load_config
 from megatron_dppo.run.log import PENDING, RunLogger
-from megatron_dppo.train.startup import check_hf_export_dir
+from megatron_dppo.run.run_dir import RunDirPlan
+from megatron_dppo.train.checkpointing import Checkpoints
+from megatron_dppo.train.evaluation import Evaluation
+from megatron_dppo.train.startup import RunPaths, check_hf_export_dir
 from megatron_dppo.train.trainer import Trainer
 
 MAX_STEPS = 3
@@ -43,12 +46,23 @@ def _trainer(cfg, run_dir, first_step: int) -> Trainer:
     """What Trainer.train reads, without a model: step() returns a row of its own step."""
     t = Trainer.__new__(Trainer)
     t.cfg, t.is_main, t.world, t.rank, t.engine_init_s, t.config_warnings = cfg, True, 1, 0, 0.0, []
-    t.run_dir, t.ckpt_dir, t.first_step, t.resume_meta = str(run_dir), str(run_dir / "checkpoints"), first_step, {}
-    t._save_cost_logged, t.ckpt_run_id = False, None
+    t.run_dir, t.ckpt_dir, t.first_step = str(run_dir), str(run_dir / "checkpoints"), first_step
     t.data = t.strategy = SimpleNamespace(skipped_long=0, state_dict=dict)
     t.curriculum, t.history, t.roles, t.pending = None, None, None, None
     t.policy = SimpleNamespace(attention=SimpleNamespace(describe=str), hf_weight_buckets=lambda: iter([]))
     t.watchdog = SimpleNamespace(phase=lambda *a: None, margin_warning=lambda: None, timing_line=str)
+    paths = RunPaths(RunDirPlan(t.run_dir, "resume"), t.ckpt_dir, {})
+    t.checkpoints = Checkpoints(
+        cfg,
+        paths,
+        policy=t.policy,
+        data=t.data,
+        strategy=t.strategy,
+        curriculum=None,
+        is_main=True,
+        watchdog=t.watchdog,
+    )
+    t.evaluation = Evaluation(0, [], engines=None, renderer=None, run_dir=t.run_dir, is_main=True, watchdog=t.watchdog)
     t.step = lambda step: {"step": step, "reward/mean": step / 10}
     t.logger = RunLogger(str(run_dir), cfg, MAX_STEPS, first_step)
     return t
@@ -115,15 +129,15 @@ def test_each_stage_of_the_save_fails_and_the_resume_loses_no_step_and_repeats_n
 
         monkeypatch.setattr(RunLogger, "log", log_or_kill)
     if stage == "hf export":  # step 1 exports to hf/step_000001; then a file takes the name hf
-        real_save_hf = Trainer.save_hf
+        real_export_hf = Checkpoints.export_hf
 
-        def save_hf(self, step):
+        def export_hf(self, step):
             if step == 2:
                 os.rename(run_dir / "hf", run_dir / "hf-old")
                 (run_dir / "hf").write_text("not a directory")
-            return real_save_hf(self, step)
+            return real_export_hf(self, step)
 
-        monkeypatch.setattr(Trainer, "save_hf", save_hf)
+        monkeypatch.setattr(Checkpoints, "export_hf", export_hf)
 
     message = _run(cfg, run_dir, 1, raises=OSError if stage == "hf export" else Killed)
     if stage == "hf export":
