@@ -75,7 +75,7 @@ def _ends_with_pytest(p: psutil.Process) -> bool:
         return True
 
 
-# The tiers, by folder (README "Tests"): `make test-fast` runs tests/unit, `make test` all four.
+# The tiers, by folder (docs/getting-started.md, "Tests"): `make test-fast` runs tests/unit, `make test` all four.
 TIERS = {
     "unit": "pure: in the pytest process (and what it forks: reward pools), no torchrun, vLLM or CLI run",
     "dist": "torchrun workers (tests/dist/workers/): Megatron's parallel state, gloo groups, checkpoints",

@@ -12,8 +12,8 @@ for the two ways the sampling policy mu differs from the trained pi_old:
              rollout KL k3 8.2e-4 on examples/tiny/longtail.yaml).
   bf16       mu = pi_old with logit noise (a bf16 rollout of a float32 policy), its size set so
              that the ratio's range over a batch of ~500 sampled tokens (its 0.2% and 99.8%
-             quantiles under mu) spans README's measured [0.977, 1.032]; the KL it then has is
-             printed beside it (README measured 9.1e-5 a token).
+             quantiles under mu) spans the measured [0.977, 1.032] (docs/gpus.md's bf16 table); the KL it
+             then has is printed beside it (measured there: 9.1e-5 a token).
 
 The toy: completions of L tokens over a vocabulary of V, position t drawn from softmax(theta_t)
 (each position its own distribution, as each position of an LLM's completion has its own
@@ -68,7 +68,7 @@ KINDS = losses.ROLLOUT_CORRECTIONS
 VOCAB = 6
 SCORE_LEVELS = 3  # a[t, v] in {0, 1, 2}
 STALE_KL = 8.2e-4  # docs/scaling.md 2d: rollout KL k3 at trainer.max_staleness=1 (tiny longtail)
-BF16_RHO = (0.977, 1.032)  # README: bfloat16 rollout of the tiny dense model, rho's range over a batch
+BF16_RHO = (0.977, 1.032)  # docs/gpus.md: bfloat16 rollout of the tiny dense model, rho's range over a batch
 RANGE_SHARE = 0.002  # the range of a batch of ~1 / RANGE_SHARE sampled tokens: these quantiles
 SETTINGS = ("staleness", "bf16")
 EXACT_MAX = 5000  # enumerate every completion when V^L is at most this

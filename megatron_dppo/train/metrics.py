@@ -69,7 +69,7 @@ def write_rollouts(run_dir: str, step: int, rolled: list[Group], tokenizer) -> N
 
 # KL(rollout || trained) per token above which a run without a rollout correction is told about
 # it: fp32 vLLM against fp32 Megatron measured ~3e-13; a bf16 rollout of the tiny model ~1e-4
-# (docs/algorithm.md section 8, README "bf16 and MoE runs").
+# (docs/algorithm.md section 8, docs/gpus.md "bf16 and MoE runs").
 ROLLOUT_KL_WARN = 1e-6
 
 
@@ -83,7 +83,8 @@ def rollout_gap_warning(metrics: dict, correction: str) -> str | None:
         f"warning: the rollout policy is not the trained one: KL(rollout || trained) = {kl:.3g} a token "
         f"(k3; > {ROLLOUT_KL_WARN:g}), max ratio {metrics.get('train/rollout_ratio_max', math.nan):.3g}, mean "
         f"|log-prob gap| {metrics.get('train/logprob_gap_vllm', math.nan):.3g}, and algorithm.rollout_correction=none: "
-        "consider algorithm.rollout_correction=tis (docs/algorithm.md section 8)"
+        f"consider algorithm.rollout_correction={losses.recommended_correction(0)}, the lowest-MSE correction "
+        "for a numerics gap (docs/algorithm.md section 8)"
     )
 
 

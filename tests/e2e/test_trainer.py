@@ -489,7 +489,7 @@ def test_a_verl_layout_recipe_trains_with_a_reward_per_source_and_validates(tmp_
     assert rows[3]["eval/accuracy"] == logged["val/val/all/avg@4"]
 
 
-METHOD_OVERRIDES = {  # the README's list: each method from the main job's config by overrides
+METHOD_OVERRIDES = {  # docs/recipes.md's list: each method from the main job's config by overrides
     "bppo": ["algorithm.selection=bppo", "pruning.r_o=0"],
     "reco": ["algorithm.reweighting=reco"],
     "adaprefix": [

@@ -306,6 +306,7 @@ def test_config_bounds_and_inert_keys():
 def test_first_step_warning_when_the_gap_is_measurable_and_nothing_corrects_it():
     m = {"train/rollout_kl_k3": 1e-4, "train/rollout_ratio_max": 1.03, "train/logprob_gap_vllm": 8e-3}
     line = rollout_gap_warning(m, "none")
+    assert f"consider algorithm.rollout_correction={losses.RECOMMENDED_CORRECTION['bf16']}," in line  # the table's kind
     assert line and "algorithm.rollout_correction=none" in line and "= 0.0001 a token" in line
     assert rollout_gap_warning(m, "tis") is None
     assert rollout_gap_warning({**m, "train/rollout_kl_k3": 3e-13}, "none") is None  # fp32 rollouts

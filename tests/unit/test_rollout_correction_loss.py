@@ -133,7 +133,7 @@ def _metrics(token, seq):
 
 
 def test_a_mask_that_could_not_bind_is_named():
-    """The README's bf16 gap (token ratios in [0.977, 1.032]): the token mask's [0.5, 2] masks
+    """docs/gpus.md's bf16 gap (token ratios in [0.977, 1.032]): the token mask's [0.5, 2] masks
     nothing and is named; the geometric mask's own [0.999, 1.001] binds on a geometric range
     [0.997, 1.002] and is not; a range inside it is; the kinds without a mask never are."""
     bf16 = _metrics((0.977, 1.032), (0.997, 1.002))

@@ -31,7 +31,7 @@ def test_the_settings_have_the_measured_gaps():
     assert stale.kl == pytest.approx(table.STALE_KL, rel=1e-6)
     lo, hi = bf16.rho_range()
     assert hi / lo == pytest.approx(table.BF16_RHO[1] / table.BF16_RHO[0], rel=0.02)
-    assert 1e-5 < bf16.kl < 1e-3  # README's measured 9.1e-5 is this order
+    assert 1e-5 < bf16.kl < 1e-3  # docs/gpus.md's measured 9.1e-5 is this order
 
 
 def test_the_monte_carlo_path_agrees_with_the_exact_one(monkeypatch):
