@@ -43,7 +43,7 @@ from megatron_dppo.algorithms.history import PromptHistory
 from megatron_dppo.algorithms.methods import registry
 from megatron_dppo.algorithms.methods.reco import rules as reco
 from megatron_dppo.algorithms.pruning import _drop_uniformly, drop_zero_variance_groups, get_strategy
-from megatron_dppo.algorithms.records import Group
+from megatron_dppo.algorithms.records import Group, policy_lags
 
 REFILL_RULES = ("weight", "count")
 
@@ -228,9 +228,10 @@ def _method(cfg: CheckConfig, strategy, *, dynamic_sampling: bool) -> batch.Meth
     return batch.Method.from_config(c, strategy)
 
 
-def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor, max_len: int):
+def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor, max_len: int, version: int = 0):
     """The trainer's rollout callback, answered from fixed rewards and completion lengths (a
-    completion of max_len tokens ran into the budget: truncated)."""
+    completion of max_len tokens ran into the budget: truncated); each group records the weights'
+    version that (the trainer believes) sampled it, Group.policy_version."""
 
     def rollout(rnd: int, items: list[tuple]) -> list[Group]:
         return [
@@ -243,6 +244,7 @@ def _synthetic_rollout(rewards: torch.Tensor, lengths: torch.Tensor, max_len: in
                 rewards=rewards[rec.index].tolist(),
                 prompt_weight=w_q,
                 truncated=[int(n) >= max_len for n in lengths[rec.index]],
+                policy_version=version,
             )
             for rec, slot, w_q in items
         ]
@@ -645,35 +647,6 @@ def _toy_jacobian(toy, cfg, tokens, rewards):
     return J, seq_index, seq_len
 
 
-def _version_rollout(rewards: torch.Tensor, version: int):
-    """The trainer's rollout callback over one sampled batch: each group records the weights'
-    version that (the trainer believes) sampled it, Group.policy_version."""
-
-    def rollout(rnd: int, items: list[tuple]) -> list[Group]:
-        return [
-            Group(
-                record=rec,
-                round=rnd,
-                slot=slot,
-                prompt_ids=[0],
-                completions=[[0] * CORRECTION_LENGTH for _ in range(rewards.shape[1])],
-                rewards=rewards[rec.index].tolist(),
-                prompt_weight=w_q,
-                truncated=[False] * rewards.shape[1],
-                policy_version=version,
-            )
-            for rec, slot, w_q in items
-        ]
-
-    return rollout
-
-
-def policy_lags(step: int, trained: list[Group]) -> list[int]:
-    """Trained weights' version minus each group's sampling version, the trainer's rule
-    (train/trainer.Trainer._check_staleness: at step t the trained weights are version t - 1)."""
-    return [step - 1 - g.policy_version for g in trained]
-
-
 @dataclass
 class CorrectionCheckResult:
     rel_error: float  # ||mean pruned corrected - mean on-policy|| / ||on-policy||
@@ -756,7 +729,8 @@ def _correction_draw(cfg, toy, method, strategy, prompts, stats_of, gen):
     weight, rho = correction_weights(
         p.old_logp[tokens], p.rollout_logp[tokens], seq_index, S, cfg.rollout_correction, bounds, cfg.negative_control
     )
-    rollout = _version_rollout(rewards, p.claimed)
+    lengths = torch.full(rewards.shape, CORRECTION_LENGTH)  # never the budget: nothing truncated
+    rollout = _synthetic_rollout(rewards, lengths, CORRECTION_LENGTH + 1, version=p.claimed)
     grad, collected = _trainers_draw(
         cfg, method, strategy, lambda n: prompts, stats_of, rollout, gen, (seq_index, seq_len, J * weight[:, None])
     )
@@ -826,7 +800,8 @@ def run_correction_check(cfg: CheckConfig) -> CorrectionCheckResult:
         grad, deviation, collected = _correction_draw(cfg, toy, method, strategy, prompts, stats_of, gen)
         grads.append(grad)
         deviations.append(deviation)
-        lags += policy_lags(toy.policies.current + 1, collected.trained)
+        # the trainer's rule (Trainer._check_staleness): at step t the trained weights are version t - 1
+        lags += policy_lags(collected.trained, toy.policies.current)
         kept_q += len(collected.rolled) / B
         kept_o += sum(w > 0 for g in collected.trained for w in g.completion_weights) / (B * cfg.group_size)
         refs.append(_on_policy_draw(cfg, toy, gen))
