@@ -26,6 +26,7 @@ def config_warnings(cfg) -> list[str]:
     """Keys set to other than their default that this config's method does not read
     (config.inert_keys, the one rule), one line each naming the key and why (the caller prints them)."""
     from megatron_dppo.algorithms.losses import recommended_correction
+    from megatron_dppo.algorithms.methods import registry
     from megatron_dppo.config import Config, inert_keys
 
     defaults, out = Config(), []
@@ -43,7 +44,7 @@ def config_warnings(cfg) -> list[str]:
             f"completions of up to rollout.max_new_tokens={cfg.rollout.max_new_tokens} tokens one update behind "
             "(docs/algorithm.md sections 8 and 10)"
         )
-    if cfg.algorithm.aux != "none" and cfg.algorithm.rollout_correction != "none":
+    if registry.recipe(cfg.algorithm).aux.enabled and cfg.algorithm.rollout_correction != "none":
         out.append(
             f"note: algorithm.rollout_correction={cfg.algorithm.rollout_correction} weighs the policy-gradient "
             f"term only; the auxiliary term algorithm.aux={cfg.algorithm.aux} (a distillation on the group's "

@@ -74,7 +74,13 @@ def test_device_bench_smoke(tmp_path):
     (m,) = r["models"]
     assert m["distributed_optimizer"]
     for layout in ("packed", "padded"):
-        assert m[layout]["tokens_per_s"] > 0 and 0 < m[layout]["mfu"] < 1
+        # MFU is the model's FLOPs over the step time and the peak: the JSON's numbers must say so.
+        # (Not "< 1" here: on a shared CPU the peak is a matmul measured in 0.5 s, and when the other
+        # test worker's ranks crowd the cores then and not during the steps it comes out low; the
+        # suite saw 6.45 once. On a GPU the data-sheet peak bounds it: docs/profiling.md.)
+        want = m["model_flops_per_step"] / m[layout]["step_s"] / r["peak_flops"]
+        assert m[layout]["tokens_per_s"] > 0 and m[layout]["mfu"] > 0
+        assert abs(m[layout]["mfu"] - want) <= 1e-9 * want, (m[layout]["mfu"], want)
     assert m["packed"]["density"] > m["padded"]["density"]
     assert m["packed"]["micro_batches"] < m["padded"]["micro_batches"]
     assert "all checks passed" in res.stdout
