@@ -132,7 +132,9 @@ class Bridge:
         self.rank, self.size, self.backend = rank, size, backend
         self.store = store  # the members' own messages outside the group (a stop nobody waits for)
         if backend == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # the CUDA ordinal as an int, which every device= and .to() take: a torch.device("cuda", i)
+            # built here breaks under cpu_compat's CUDA-to-CPU mode, as a test in a Megatron process meets it
+            self.device = torch.cuda.current_device()
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout  # torch's own new_group sets it so; the default is 10 minutes
             self.group = dist.ProcessGroupNCCL(store, rank, size, options)

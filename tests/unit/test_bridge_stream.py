@@ -119,3 +119,16 @@ def test_both_backends_of_the_bridge_run_under_parallel_timeout_minutes(monkeypa
     for backend in ("gloo", "nccl"):
         bridge = Bridge(dist.HashStore(), 0, 1, timedelta(minutes=7), backend=backend)
         assert bridge.group.options._timeout == timedelta(minutes=7), backend
+
+
+def test_the_nccl_bridge_builds_under_the_cpu_compat_mode(monkeypatch):
+    """A pytest process that ran Megatron code keeps cpu_compat's CUDA-to-CPU mode on: the bridge's
+    CUDA device must not be a torch.device("cuda", i) built there (the mode turns "cuda" into a
+    device object that torch.device refuses: a make test run failed on that order of tests)."""
+    from megatron_dppo.megatron.cpu_compat import _CudaToCpu
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with _CudaToCpu():
+        bridge = Bridge(dist.HashStore(), 0, 1, timedelta(minutes=7), backend="nccl")
+    assert bridge.device == 0 and bridge.group.options._timeout == timedelta(minutes=7)
