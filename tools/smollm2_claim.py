@@ -68,6 +68,9 @@ PAPER_SPEEDUP = 1.65  # DPPO (0.5, 0.5) to GRPO's accuracy, Qwen3-4B on GSM8K (d
 GOAL_SPEEDUP = 1.6  # the project's goal for (0.5, 0.5) (compare_methods.GOALS)
 MIN_SEEDS = 3
 LOCK = ".claim.lock"
+# --out's mark: this script writes (ledgers, claim.*, run dirs) only into a new or empty directory,
+# or one that carries it, so a directory a user named that holds their files is refused, not written into
+OUT_MARKER = ".smollm2-claim"
 DONE, RESUME, RESTART, FRESH = "done", "resume", "restart", "fresh"
 STATE_FLAGS = {RESUME: ["--resume"], RESTART: ["--overwrite"], FRESH: []}
 
@@ -690,9 +693,22 @@ def check_model(cfg) -> None:
         )
 
 
+def claim_out_dir(out_dir: Path) -> None:
+    """Make --out this script's (its mark), or a one-line ValueError when it is a directory of
+    someone else's files: a new or empty directory is taken, a marked one is ours already."""
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise ValueError(f"--out {out_dir} is not a directory: choose a new or empty directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / OUT_MARKER).is_file():
+        raise ValueError(
+            f"--out {out_dir} holds files this script did not write (it has no {OUT_MARKER}): choose a new or "
+            "empty directory"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / OUT_MARKER).touch()
+
+
 def lock(out_dir: Path):
     """One invocation per --out at a time (two would start the same runs twice)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     f = open(out_dir / LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -761,6 +777,8 @@ def _main(args, argv) -> int:
         f"{prompts_per_step} prompts: data.train_size={train_size}, each prompt drawn {draws:.1f} times",
         flush=True,
     )
+    if not args.dry_run:  # before anything reads or writes there
+        claim_out_dir(out_dir)
     states = {r.name: run_state(r, args.steps) for r in runs}
     for r in runs:
         check_same_settings(r, states[r.name])

@@ -92,6 +92,26 @@ def test_a_missing_model_is_named_before_any_run_starts(tmp_path, capsys):
     assert not list((tmp_path / "out").glob("*.log"))  # nothing started
 
 
+def test_an_out_dir_of_someone_elses_files_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """--out must be new, empty or this script's (its mark): a directory holding a user's file is
+    refused in one line before anything is written there; a new one gets the mark and is taken again."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file")
+    argv = ["--config", TINY, "--steps", "2", "--visits", "2", "--seeds", "1", "--report"]
+    assert claim_tool.main([*argv, "--out", str(mine)]) == 2
+    assert "holds files this script did not write" in capsys.readouterr().err
+    assert (
+        sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and (mine / "notes.txt").read_text() == "a user's file"
+    )
+    ours = tmp_path / "ours"
+    claim_tool.claim_out_dir(ours)
+    (ours / "grpo-s0.cpu.json").write_text("{}")
+    claim_tool.claim_out_dir(ours)  # marked: taken again, whatever it holds
+    with pytest.raises(ValueError, match="is not a directory"):
+        claim_tool.claim_out_dir(mine / "notes.txt")
+
+
 def test_plan_is_compare_methods_grpo_and_dppo_evaluated_every_step(tmp_path):
     args = claim_tool.build_parser().parse_args(["--config", TINY, "--seeds", "3", "--steps", "6", "--visits", "3"])
     runs = claim_tool.plan(args, tmp_path, train_size=64)
