@@ -478,17 +478,25 @@ class Launched:
         self._metrics_size = 0
         self.rusage = None
 
-    def sample(self) -> None:
+    def grown_metrics(self) -> tuple[list[dict], float | None] | None:
+        """(metrics.jsonl's rows, the process's CPU seconds now) when the file changed size since
+        the last look; None otherwise (or when it does not exist yet)."""
         path = self.run.run_dir / "metrics.jsonl"
         try:
             size = path.stat().st_size
         except OSError:
-            return
+            return None
         if size == self._metrics_size:
-            return
+            return None
         cpu = process_cpu_s(self.proc.pid)
         self._metrics_size = size
-        rows = read_metrics(path)
+        return read_metrics(path), cpu
+
+    def sample(self) -> None:
+        grown = self.grown_metrics()
+        if grown is None:
+            return
+        rows, cpu = grown
         if rows and cpu is not None:
             self.cpu_marks.setdefault(int(rows[-1]["step"]), cpu)
 

@@ -237,16 +237,10 @@ class ClaimJob(cm.Launched):
 
     def sample(self) -> None:
         """A CPU sample when metrics.jsonl gained a row; a resume's truncation of repeated steps is none."""
-        path = self.run.run_dir / "metrics.jsonl"
-        try:
-            size = path.stat().st_size
-        except OSError:
+        grown = self.grown_metrics()
+        if grown is None:
             return
-        if size == self._metrics_size:
-            return
-        cpu, wall = cm.process_cpu_s(self.proc.pid), time.time()
-        self._metrics_size = size
-        rows = read_metrics(path)
+        (rows, cpu), wall = grown, time.time()
         if len(rows) > self._rows and cpu is not None:
             self.ledger["segments"][-1]["marks"].append([int(rows[-1]["step"]), cpu, wall])
             write_ledger(self.run, self.ledger)
