@@ -89,8 +89,9 @@ def rollout_correction(
     [0.5, 2] could never bind on it; verl's geometric rejection defaults to [1/1.001, 1.001]
     (its docs: "typical threshold 1.0002 - 1.001"), and the defaults here follow it.
 
-    The weight multiplies the token's whole loss; what it divides by is unchanged (a masked
-    token stays in the aggregation's denominator: section 8 says why)."""
+    The weight multiplies the token's policy-gradient loss, not its KL term (corrected_aggregate);
+    what it divides by is unchanged (a masked token stays in the aggregation's denominator: section 8
+    says why)."""
     if kind not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"rollout_correction must be one of {ROLLOUT_CORRECTIONS}, got {kind!r}")
     with torch.no_grad():
@@ -206,7 +207,8 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
 ):
-    """Per-token clipped surrogate loss (+ beta * KL): returns (loss [T], stats dict).
+    """Per-token clipped surrogate loss (+ beta * KL): returns (loss [T], stats dict); with a KL
+    term stats["kl_term"] is beta * KL as added to the loss, gradient and all (corrected_aggregate).
 
     ratio_type "token": rho_t = pi/pi_old per token (GRPO; DAPO = clip_high 0.28).
     ratio_type "sequence": GSPO, rho_s = exp(mean_t log rho_t) per sequence, one clip per
@@ -236,8 +238,10 @@ def policy_loss(
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp")
         kl = kl_penalty(logp, ref_logp, kl_estimator)
-        loss = loss + kl_coef * kl
+        kl_term = kl_coef * kl
+        loss = loss + kl_term
         stats["kl"] = kl.detach()
+        stats["kl_term"] = kl_term  # with its gradient: the rollout correction leaves it unweighted
     return loss, stats
 
 

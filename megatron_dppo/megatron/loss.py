@@ -176,12 +176,10 @@ def micro_batch_loss(
     correction = None
     if host_index.numel():  # a micro-batch without loss tokens (an idle DP slot's filler) has nothing to correct
         correction = _rollout_correction(algorithm, old_logp, rollout_logp, seq_index, batch.num_seqs)
-    loss = losses.aggregate(token_loss, coef)
-    if correction is not None:  # rho's weight on each token's policy-gradient term; the denominator stays
-        kl_term = None
-        if algorithm.kl_coef:  # the KL term keeps its plain coefficient (losses.corrected_aggregate)
-            kl_term = algorithm.kl_coef * losses.kl_penalty(lp, picked(batch.ref_logp), algorithm.kl_estimator)
-        loss = losses.corrected_aggregate(token_loss, kl_term, coef, correction[0])
+    if correction is None:
+        loss = losses.aggregate(token_loss, coef)
+    else:  # rho's weight on each token's policy-gradient term, not its KL term; the denominator stays
+        loss = losses.corrected_aggregate(token_loss, stats.get("kl_term"), coef, correction[0])
     report = _report(loss, n_tokens, lp, old_logp, stats)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     report.update(aux_loss=zero, aux_div_sum=zero, aux_positions=zero)

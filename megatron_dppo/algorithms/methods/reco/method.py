@@ -58,8 +58,10 @@ class ReCo(Reweighting):
         )
         if a.kl_coef:
             kl = losses.kl_penalty(logp, picked(batch.ref_logp), a.kl_estimator)
-            token_loss = token_loss + a.kl_coef * kl
+            kl_term = a.kl_coef * kl
+            token_loss = token_loss + kl_term
             stats["kl"] = kl.detach()
+            stats["kl_term"] = kl_term  # as losses.policy_loss gives it: the correction leaves it unweighted
         return token_loss, stats
 
     def check_engine(self, logprobs_mode, rollout):
