@@ -50,6 +50,7 @@ setup(
             "import-linter==2.1",
             "datasets",
             "mkdocs==1.6.1",  # `make docs`: the documentation site (mkdocs.yml), built in CI
+            "peft==0.21.2",  # the LoRA tests' independent reference (never imported by the package)
         ],
     },
     entry_points={"console_scripts": ["megatron-dppo=megatron_dppo.cli:main"]},

@@ -14,6 +14,7 @@ def validate(cfg: Config) -> Config:
     from megatron_dppo.run.run_dir import run_name_problem
 
     c, t, r, a, o = cfg, cfg.trainer, cfg.rollout, cfg.algorithm, cfg.optim
+    c.model.lora.validate("model.lora")
     checks = [
         ("model.hf_dir", bool(c.model.hf_dir), "a path to a HF model directory"),
         ("data.train", bool(c.data.train), "a path (or a list of paths) to .jsonl / .parquet files or datasets dirs"),
@@ -242,6 +243,9 @@ def inert_keys(cfg: Config) -> dict[str, str]:
         out["algorithm.kl_estimator"] = "algorithm.kl_coef=0 (no KL term)"
     out.update(_inert_rollout_correction_keys(a.rollout_correction))
     out.update(registry.inert_keys(cfg))  # each method names its own
+    if cfg.model.lora.rank == 0:
+        why = "model.lora.rank=0: no adapters (full fine-tuning)"
+        out.update({f"model.lora.{k}": why for k in ("alpha", "dropout", "targets", "experts")})
     if cfg.trainer.stall_timeout_s == 0:
         out["trainer.start_timeout_s"] = "trainer.stall_timeout_s=0 turns the stall watchdog off"
     if cfg.data.prompt_mode == "raw":

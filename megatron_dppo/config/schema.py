@@ -26,6 +26,39 @@ from megatron_dppo.algorithms.methods.configs import AdaPrefixConfig, BPPOConfig
 RECOMPUTE_MODULES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # the decoder's linear roles (megatron/lora.py)
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the decoder's linears (megatron/lora.py); rank 0 = full fine-tuning.
+    The base weights are frozen: no gradients, no optimizer state; the weight sync sends the
+    adapters only and checkpoints hold only them (with the base model's path and hash)."""
+
+    rank: int = 0  # r of each adapter; 0 = off
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # on the adapter's input, in training forwards only (PEFT's lora_dropout)
+    # Roles: qkv (q_proj, k_proj, v_proj: one adapter each), proj (o_proj), fc1 (gate_proj, up_proj),
+    # fc2 (down_proj)
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    experts: bool = False  # MoE layers: fc1/fc2 adapters on every expert too (Qwen3-MoE has no dense MLP)
+
+    def validate(self, prefix: str) -> None:
+        rows = [
+            ("rank", isinstance(self.rank, int) and self.rank >= 0, "an integer >= 0 (0 = off)"),
+            ("alpha", self.alpha > 0, "a number > 0"),
+            ("dropout", 0 <= self.dropout < 1, "a number in [0, 1)"),
+            (
+                "targets",
+                bool(self.targets) and len(set(self.targets)) == len(self.targets) and set(self.targets) <= set(LORA_TARGETS),
+                f"a non-empty list of distinct roles from {list(LORA_TARGETS)}",
+            ),
+        ]
+        for name, ok, expected in rows:
+            if not ok:
+                raise ValueError(f"config key '{prefix}.{name}': expected {expected}, got {getattr(self, name)!r}")
+
+
 @dataclass
 class ModelConfig:
     hf_dir: str = ""  # HF model dir (config.json, tokenizer, safetensors)
@@ -35,6 +68,7 @@ class ModelConfig:
     # TE < 2.11: megatron/attention_backend.py), else local
     attention: AttentionBackend = "auto"
     thd_attention: ThdAttention = "auto"  # the local path's packed kernel: auto | varlen | bucketed | loop
+    lora: LoraConfig = field(default_factory=LoraConfig)  # rank 0: full fine-tuning
 
 
 @dataclass
