@@ -29,6 +29,8 @@ from megatron_dppo.megatron import weights
 from megatron_dppo.megatron.attention import packed_seq_params
 from megatron_dppo.megatron.attention_backend import attention_choice
 from megatron_dppo.megatron.cpu_compat import suspend_cpu_compat
+from megatron_dppo.megatron.lora import LoraSettings, add_adapters
+from megatron_dppo.megatron.lora import gather_over_stages as lora_gather
 from megatron_dppo.megatron.loss import micro_batch_loss, reduce_reports
 from megatron_dppo.megatron.model import GpuSettings, build_gpt_model, current_device
 from megatron_dppo.megatron.moe import is_moe
@@ -132,11 +134,14 @@ class MegatronPolicy:
         distributed_optimizer: bool | None = None,
         gpu_settings: GpuSettings | None = None,
         routing_replay: bool = False,
+        lora: LoraSettings | None = None,
     ):
         """algorithm: the loss settings (aggregation, clip ranges, ratio type, KL); temperature: the
         sampling temperature, at which log-probs are taken (the rollouts' distribution).
         routing_replay: an MoE model's routers replay each micro-batch's routed_experts in every
-        forward (log-probs, training, recompute; megatron/routing_replay.py); no-op when dense."""
+        forward (log-probs, training, recompute; megatron/routing_replay.py); no-op when dense.
+        lora: adapters on the frozen model (megatron/lora.py); the KL reference is then the model
+        with its adapters off, not a second copy."""
         self.hf_config, self.optim_cfg, self.algorithm, self.temperature = hf_config, optim, algorithm, temperature
         self.reweighting = registry.recipe(algorithm).reweighting  # its token loss, looked up once
         self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
@@ -169,6 +174,8 @@ class MegatronPolicy:
             self.router_stats = RouterStats(
                 model, algorithm.moe_aux_loss_coeff, algorithm.moe_z_loss_coeff, self.sequence_parallel
             )
+        # LoRA: frozen before DDP is built, so it makes gradient buffers (and the optimizer state) for the adapters only
+        self.adapters = add_adapters(model, lora) if lora is not None else None
         self.model, self.optimizer, self.scheduler = wrap_for_training(
             model,
             optim,
@@ -178,7 +185,8 @@ class MegatronPolicy:
             bucket_size=gpu.ddp_bucket_size,
         )
         self.reference = None
-        if with_reference:
+        self.reference_is_base = with_reference and self.adapters is not None
+        if with_reference and not self.reference_is_base:
             self.reference = _on_device(build_gpt_model(hf_config, **build))
             self.reference.requires_grad_(False)
             self.reference.eval()
@@ -199,7 +207,7 @@ class MegatronPolicy:
     def copy_policy_to_reference(self) -> bool:
         """The KL reference := the policy's current weights (for model.init_checkpoint: the reference
         must start where the policy starts). False (and nothing done) without a reference."""
-        if self.reference is None:
+        if self.reference is None:  # none, or LoRA's: the frozen base, where the policy starts
             return False
         weights.copy_parameters(self.model.module, self.reference)
         return True
@@ -207,6 +215,16 @@ class MegatronPolicy:
     def hf_weight_buckets(self, bucket_bytes: int = 1 << 30):
         """The current weights under HF names, in buckets, on every rank (a generator)."""
         return weights.hf_weight_buckets(self.model.module, self.layout, bucket_bytes)
+
+    def hf_adapters(self) -> dict:
+        """LoRA: the adapters under HF names (model.layers.L.self_attn.q_proj.lora_A.weight, ...), whole
+        (merged over TP and gathered from every PP stage and EP rank), on every rank, on the CPU."""
+        return lora_gather(self.adapters.hf_tensors())
+
+    def hf_adapter_grads(self) -> dict:
+        """LoRA: the adapters' DP-reduced gradients after forward_backward, whole, under the names of hf_adapters."""
+        reduced = weights.reduced_main_grads_by_param(self.model)
+        return lora_gather(self.adapters.hf_tensors(values=reduced))
 
     def hf_state_dict(self) -> dict:
         """The current weights under HF names, on every rank (small models, tests)."""
@@ -275,11 +293,13 @@ class MegatronPolicy:
         """Per-position log-probs of the labels for each micro-batch (shaped like its labels) on the last
         pipeline stage; None elsewhere. Reuses the packed micro-batches of the train step. gini: also
         each position's Gini impurity (ReCo), returned as a second list."""
-        model = self.reference if reference else self.model
+        model = self.model if (not reference or self.reference_is_base) else self.reference
         if reference and model is None:
             raise ValueError("compute_logprobs(reference=True) needs MegatronPolicy(with_reference=True)")
+        base = self.adapters.disabled() if reference and self.reference_is_base else contextlib.nullcontext()
         model.eval()
-        out = self._run(model, microbatches, "logprob+gini" if gini else "logprob", forward_only=True)
+        with base:
+            out = self._run(model, microbatches, "logprob+gini" if gini else "logprob", forward_only=True)
         model.train()
         self._end_replay(model)
         if not parallel_state.is_pipeline_last_stage():

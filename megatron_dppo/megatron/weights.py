@@ -28,6 +28,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_dppo.megatron.hf_load import expert_rank_layout, rank_layout
+from megatron_dppo.megatron.lora import CHILD as LORA_CHILD
 from megatron_dppo.megatron.model import current_device
 from megatron_dppo.model import qwen3 as mapping
 
@@ -61,6 +62,12 @@ class _Ranks:
             ep_size=self.ep_size,
             num_experts=layout.num_experts,
         )
+
+
+def base_parameters(module: torch.nn.Module) -> dict:
+    """{local megatron name: parameter} of the model itself, without its LoRA adapters (which have
+    no HF base name: megatron/lora.py exports them)."""
+    return {k: p for k, p in module.named_parameters() if not k.startswith(LORA_CHILD + ".")}
 
 
 def _merged_shape(name: str, shape, split_size: int) -> tuple:
@@ -112,14 +119,14 @@ def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
         etp_size=etp_size,
     )
     for module in modules:
-        own = {k for k in module.state_dict() if not k.endswith("_extra_state")}
+        own = {k for k in module.state_dict() if not k.endswith("_extra_state") and not k.startswith(LORA_CHILD + ".")}
         missing, unexpected = own - local.keys(), local.keys() - own
         if missing or unexpected:
             raise ValueError(
                 f"weights do not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
         with torch.no_grad():
-            params = dict(module.named_parameters())
+            params = base_parameters(module)
             for name, tensor in local.items():
                 params[name].copy_(tensor)
 
@@ -131,14 +138,14 @@ def non_finite(module: torch.nn.Module, layout, grads: bool = False) -> list[str
     out = []
     for name, p in module.named_parameters():
         t = getattr(p, "main_grad", None) if grads else p
-        if t is not None and not bool(torch.isfinite(t).all()):
-            out.append(ranks.global_name(name, layout))
+        if t is not None and not bool(torch.isfinite(t).all()):  # an adapter's key holds its global layer
+            out.append(name if name.startswith(LORA_CHILD + ".") else ranks.global_name(name, layout))
     return out
 
 
 def copy_parameters(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """dst := src, shard by shard (both built with the same TP/PP layout: no communication)."""
-    a, b = dict(src.named_parameters()), dict(dst.named_parameters())
+    a, b = base_parameters(src), base_parameters(dst)
     if a.keys() != b.keys():
         raise ValueError(f"the two models differ in their parameters: {sorted(a.keys() ^ b.keys())[:5]}")
     with torch.no_grad():
@@ -301,7 +308,7 @@ def hf_weight_buckets(module: torch.nn.Module, layout, bucket_bytes: int = 1 << 
     when the caller asks for the next: a caller that drops each bucket (and tensor) as it
     consumes it (RolloutEngine.load_weights) holds at most max(bucket_bytes, the largest unit)
     of them, plus one tensor's merge copy, at any time (plan.sync_peak_bytes)."""
-    local = {k: v.detach() for k, v in module.named_parameters()}
+    local = {k: v.detach() for k, v in base_parameters(module).items()}
     bucket, size = [], 0
     for unit, nbytes, fetch in _units(local, layout):
         if bucket and size + nbytes > bucket_bytes:
@@ -324,8 +331,9 @@ def _reduced_main_grads(ddp) -> dict:
     over the group the DDP reduce-scattered in, and the parameters are cut out at the buffer's
     param_index_map (which includes the optimizer's alignment padding)."""
     module = ddp.module
+    trained = {k: p for k, p in module.named_parameters() if p.requires_grad}  # LoRA: the adapters only
     if not ddp.ddp_config.use_distributed_optimizer:
-        return {k: p.main_grad.detach().clone() for k, p in module.named_parameters()}
+        return {k: p.main_grad.detach().clone() for k, p in trained.items()}
     group_of = {id(b): g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups for b in g.buckets}
     reduced = {}
     for buffer in ddp.buffers + ddp.expert_parallel_buffers:
@@ -344,7 +352,13 @@ def _reduced_main_grads(ddp) -> dict:
             )
         for p, (start, end, _) in buffer.param_index_map.items():
             reduced[p] = full[start:end].view(p.shape)
-    return {k: reduced[p] for k, p in module.named_parameters()}
+    return {k: reduced[p] for k, p in trained.items()}
+
+
+def reduced_main_grads_by_param(ddp) -> dict:
+    """{parameter: its DP-reduced gradient} of the trained parameters (LoRA: the adapters)."""
+    params = dict(ddp.module.named_parameters())
+    return {params[k]: g for k, g in _reduced_main_grads(ddp).items()}
 
 
 def hf_grads(ddp, layout) -> dict:

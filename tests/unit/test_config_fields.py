@@ -120,6 +120,9 @@ INERT = [
     ((), "trainer.max_staleness"),  # colocated: every rollout has the latest weights
     (("parallel.rollout_ranks=1",), "rollout.sleep_level"),  # dedicated engines share no device: never asleep
     (("trainer.stall_timeout_s=0",), "trainer.start_timeout_s"),  # no watchdog
+    ((), "model.lora.alpha"),  # rank 0: no adapters
+    ((), "model.lora.dropout"),
+    ((), "model.lora.experts"),
 ]
 
 

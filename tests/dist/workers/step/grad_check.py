@@ -148,7 +148,7 @@ def reference_grads(model, samples, loss_cfg, denominator):
     )
     loss = losses.aggregate(token_loss, coef)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.item(), grads
 
 
