@@ -11,7 +11,8 @@ in short, for the worst pipeline stage of one GPU:
   optimizer    Adam m, v (+ fp32 master copy for bf16 params) = 12 B/param (8 for fp32),
                divided by DP under the distributed optimizer (an expert's by the expert-DP size,
                GPUs / (ep x etp x pp))
-  reference    a second copy of the weights when algorithm.kl_coef > 0
+  reference    a second copy of the weights when algorithm.kl_coef > 0 (none with LoRA: the base
+               model with the adapters off is the reference)
   activations  per layer per token for a GQA SwiGLU layer (layer_activation_elems) x layers
                on the stage x micro-batch tokens x micro-batches in flight (pp on the first
                1F1B stage). parallel.recompute: selective = Megatron recompute_modules
@@ -26,6 +27,10 @@ in short, for the worst pipeline stage of one GPU:
                generates it owns gpu_memory_utilization x GPU: its weights, runtime and the KV
                cache that is left
   overhead     CUDA context, NCCL and cuBLAS workspaces (fixed) + allocator fragmentation
+  LoRA         model.lora.rank > 0 (jobs/plan_lora.py): the base weights stay (model.dtype) but are
+               frozen, so gradients and optimizer count only the adapters' parameters (this
+               rank's share under TP / PP / EP); activations add the adapters' r-wide outputs; the
+               weight sync moves only the adapters, and vLLM holds them beside its base weights
 
 Two phases are checked: train (Megatron peak, vLLM asleep) and generate (Megatron's resident
 state + vLLM awake). With dedicated rollout ranks (parallel.rollout_ranks > 0) a training GPU has
@@ -46,6 +51,7 @@ import math
 from pathlib import Path
 
 from megatron_dppo.config import apply_overrides, check_layout, layout_choices, load_config, resolve_gpu_settings
+from megatron_dppo.jobs import plan_lora
 from megatron_dppo.jobs.plan_step import StepInputs, check_inputs, format_step_times, step_times
 from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.vocab import padded_vocab_size
@@ -202,15 +208,44 @@ def stage_activation_elems(
     etp: int,
     pbytes: int,
     modules: tuple = DEFAULT_RECOMPUTE_MODULES,
+    lora=None,
 ):
-    """(kept elements per token summed over a stage's layers, the largest recompute working set)."""
+    """(kept elements per token summed over a stage's layers, the largest recompute working set);
+    with `lora` (model.lora, rank > 0) the adapters' activations too."""
     per = [
         moe_layer_activation_elems(arch, tp, sp, recompute, etp, pbytes, modules)
         if arch.is_sparse(i)
         else layer_activation_elems(arch, tp, sp, recompute, modules)
         for i in layers
     ]
+    if lora is not None and lora.rank:
+        adapters = {  # the same for every dense layer, and for every sparse one
+            sparse: lora_layer_activation_elems(arch, lora, sparse, tp, sp, recompute, etp, pbytes, modules)
+            for sparse in {arch.is_sparse(i) for i in layers}
+        }
+        per = [_plus(a, adapters[arch.is_sparse(i)]) for a, i in zip(per, layers)]
     return sum(a["kept"] for a in per), max((a["work"] for a in per), default=0.0)
+
+
+def _plus(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def lora_layer_activation_elems(
+    arch: Arch, lora, sparse: bool, tp: int, sp: bool, recompute: str, etp: int, pbytes: int, modules: tuple
+) -> dict:
+    """The adapters' share of one layer's {'kept', 'work'} (plan_lora.layer_activation_elems),
+    recomputed as their base: the MLP's part with 'mlp' (a dense layer) or 'moe' (a sparse one),
+    all of it with recompute full (the layer keeps only its input, counted already)."""
+    parts = plan_lora.layer_activation_elems(
+        arch, lora, sparse, tp=tp, sp=sp, etp=etp, pbytes=pbytes, imbalance=MOE_IMBALANCE
+    )
+    total = parts["attn"] + parts["mlp"]
+    if recompute == "full":
+        return {"kept": 0.0, "work": total}
+    if recompute == "selective" and ("moe" if sparse else "mlp") in modules:
+        return {"kept": parts["attn"], "work": parts["mlp"]}
+    return {"kept": total, "work": 0.0}
 
 
 def _dtype_bytes(name: str) -> int:
@@ -255,8 +290,12 @@ def _model_arch(hf_dir: str) -> tuple[Arch, dict]:
         raise ValueError(f"config key 'model.hf_dir': {hf_dir}/config.json: {e}") from None
 
 
-def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_expert: int, lay: dict) -> dict:
-    """One pipeline stage's GPU: both phases' rows (bytes) and totals."""
+def _stage_bytes(
+    cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_expert: int, lay: dict, adapters: dict | None = None
+) -> dict:
+    """One pipeline stage's GPU: both phases' rows (bytes) and totals. `adapters`
+    (plan_lora.adapter_params of the stage, model.lora.rank > 0): the base weights are frozen, the
+    gradients and the optimizer state are the adapters' only."""
     par, roll = cfg.parallel, cfg.rollout
     pbytes = _dtype_bytes(cfg.model.dtype)
     T, tp, pp = cfg.trainer.max_tokens_per_microbatch, par.tp, par.pp
@@ -264,18 +303,23 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     opt_per_param = 8 + (4 if pbytes < 4 else 0)
     dist_opt = lay["distributed_optimizer"]
     n = n_dense + n_expert
+    # What trains: every parameter, or (LoRA) only the adapters, which sit beside the frozen base.
+    train_dense, train_expert = (adapters["dense"], adapters["expert"]) if adapters else (n_dense, n_expert)
+    n_adapters = train_dense + train_expert if adapters else 0
     in_flight = pp if stage == "first" else 1  # 1F1B: stage 0 holds pp forwards before its first backward
     resident = {
-        "weights": n * pbytes,
-        "gradients": n * 4,
+        "weights": (n + n_adapters) * pbytes,
+        "gradients": (train_dense + train_expert) * 4,
         # The distributed optimizer shards dense state over DP, an expert's over expert DP.
         "optimizer": opt_per_param
-        * (n_dense / (lay["dp"] if dist_opt else 1) + n_expert / (lay["edp"] if dist_opt else 1)),
-        "reference": n * pbytes if cfg.algorithm.kl_coef > 0 else 0,
+        * (train_dense / (lay["dp"] if dist_opt else 1) + train_expert / (lay["edp"] if dist_opt else 1)),
+        # LoRA's reference is its own base with the adapters off (megatron/lora.py): no second copy.
+        "reference": n * pbytes if cfg.algorithm.kl_coef > 0 and not adapters else 0,
     }
     sp = lay["sequence_parallel"]
     modules = tuple(lay["gpu_settings"]["recompute_modules"])
-    kept, work = stage_activation_elems(arch, layers, tp, sp, par.recompute, par.etp, pbytes, modules)
+    lora = cfg.model.lora
+    kept, work = stage_activation_elems(arch, layers, tp, sp, par.recompute, par.etp, pbytes, modules, lora)
     train = dict(resident)
     train["activations"] = (in_flight * kept + work) * T * pbytes
     if any(arch.is_sparse(i) for i in layers):  # one layer's dispatch send + receive in flight
@@ -288,7 +332,7 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     # takes the new weights; with dedicated rollout ranks (lay["disaggregated"]), no vLLM here:
     # only the sending side of the weight transfer (rollout_gpu_bytes has the receiving side).
     gen = dict(resident)
-    sync = sync_peak_bytes(arch, pbytes, tp=tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)
+    sync = _sync_peak(cfg, arch)
     if not lay["disaggregated"]:
         gen["vllm"] = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB
     gen["weight_sync"] = sync["trainer"] if lay["disaggregated"] else sync["total"]
@@ -296,6 +340,7 @@ def _stage_bytes(cfg, arch: Arch, stage: str, layers: range, n_dense: int, n_exp
     return {
         "params": n,
         "expert_params": n_expert,
+        "adapter_params": n_adapters,
         "in_flight": in_flight,
         "train": train,
         "generate": gen,
@@ -331,6 +376,9 @@ def _vllm_plan(cfg, arch: Arch, engine_gpus: int) -> dict:
     rbytes = _dtype_bytes(roll.dtype or cfg.model.dtype)
     engines = engine_gpus // par.rollout_tp
     vllm_weights = arch.hf_params() * rbytes / par.rollout_tp
+    lora = cfg.model.lora
+    if lora.rank:  # beside the base weights: its one LoRA slot (rollout/vllm_engine.py, max_loras=1)
+        vllm_weights += plan_lora.vllm_slot_params(arch, lora, par.rollout_tp) * rbytes
     kv_per_token = arch.kv_bytes_per_token(rbytes, par.rollout_tp)
     kv_cache = roll.gpu_memory_utilization * par.gpu_memory_gb * GiB - vllm_weights - VLLM_RUNTIME
     return dict(
@@ -346,6 +394,21 @@ def _vllm_plan(cfg, arch: Arch, engine_gpus: int) -> dict:
     )
 
 
+def _sync_peak(cfg, arch: Arch) -> dict:
+    """sync_peak_bytes of this run: every weight, or (model.lora.rank > 0) only the adapters."""
+    par, pbytes = cfg.parallel, _dtype_bytes(cfg.model.dtype)
+    if cfg.model.lora.rank:
+        return plan_lora.sync_peak_bytes(arch, cfg.model.lora, pbytes, pp=par.pp, ep=par.ep)
+    return sync_peak_bytes(arch, pbytes, tp=par.tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp)
+
+
+def sync_bytes_per_step(cfg, arch: Arch) -> int:
+    """What the weight sync sends each step, in model.dtype: every HF parameter, or the adapters."""
+    lora = cfg.model.lora
+    params = plan_lora.hf_adapter_params(arch, lora) if lora.rank else arch.hf_params()
+    return params * _dtype_bytes(cfg.model.dtype)
+
+
 def rollout_gpu_bytes(cfg, arch: Arch) -> dict:
     """One dedicated rollout GPU (parallel.rollout_ranks > 0): vLLM owns gpu_memory_utilization of
     the whole GPU (no Megatron state beside it, no sleep), and while the new weights arrive it holds
@@ -353,9 +416,7 @@ def rollout_gpu_bytes(cfg, arch: Arch) -> dict:
     its layer-wise reload (sync_peak_bytes' vLLM side); the process's CUDA context and the
     transfer group's NCCL buffers as on a training GPU."""
     par = cfg.parallel
-    sync = sync_peak_bytes(
-        arch, _dtype_bytes(cfg.model.dtype), tp=par.tp, ep=par.ep, etp=par.etp, rollout_tp=par.rollout_tp
-    )
+    sync = _sync_peak(cfg, arch)
     rows = {
         "vllm": cfg.rollout.gpu_memory_utilization * par.gpu_memory_gb * GiB,
         "weight_receive": sync["bucket"],
@@ -379,12 +440,13 @@ def gpu_settings(par, arch: Arch, world: int) -> dict:
     return out
 
 
-def memory_plan(cfg, fixes: bool = True) -> dict:
+def memory_plan(cfg, fixes: bool = True, model: tuple[Arch, dict] | None = None) -> dict:
     """Bytes per GPU for both phases of a step, the verdict and (fixes=True) the knobs that
     would fix a refused layout. Raises ValueError naming the field when the layout does not
-    divide."""
+    divide. `model`: (Arch, config.json) of model.hf_dir when the caller has read it already
+    (a layout search plans one model many times)."""
     par = cfg.parallel
-    arch, raw = _model_arch(cfg.model.hf_dir)
+    arch, raw = model or _model_arch(cfg.model.hf_dir)
     check_plan_layout(cfg, arch)
     world = par.nodes * par.gpus_per_node
     # Dedicated rollout ranks take the last rollout_ranks GPUs; Megatron's layout covers the rest.
@@ -412,19 +474,22 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         dtype=cfg.model.dtype,
         micro_batch_tokens=cfg.trainer.max_tokens_per_microbatch,
         reference=cfg.algorithm.kl_coef > 0,
+        training=plan_lora.describe(cfg.model.lora),
     )
     lay["gpu_settings"] = gpu_settings(par, arch, train_gpus)
     modules = tuple(lay["gpu_settings"]["recompute_modules"])
     dense, experts = stage_params(arch, tp, pp), stage_expert_params(arch, par.ep, par.etp, pp)
     layers = _stage_layers(arch, pp)
-    stages = {k: _stage_bytes(cfg, arch, k, layers[k], dense[k], experts[k], lay) for k in dense}
+    lora = cfg.model.lora
+    adapters = {
+        k: plan_lora.adapter_params(arch, lora, layers[k], tp, par.ep, par.etp) if lora.rank else None for k in dense
+    }
+    stages = {k: _stage_bytes(cfg, arch, k, layers[k], dense[k], experts[k], lay, adapters[k]) for k in dense}
     worst = max(stages, key=lambda s: max(stages[s]["train_total"], stages[s]["generate_total"]))
     pbytes = _dtype_bytes(cfg.model.dtype)
     first_layer = layers[worst][0]
-    per_layer = (
-        moe_layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, par.etp, pbytes, modules)
-        if arch.is_sparse(first_layer)
-        else layer_activation_elems(arch, tp, lay["sequence_parallel"], par.recompute, modules)
+    per_layer, _ = stage_activation_elems(
+        arch, [first_layer], tp, lay["sequence_parallel"], par.recompute, par.etp, pbytes, modules, lora
     )
     plan = {
         "model": dict(
@@ -436,7 +501,11 @@ def memory_plan(cfg, fixes: bool = True) -> dict:
         ),
         "layout": lay,
         "gpu_bytes": par.gpu_memory_gb * GiB,
-        "activation_bytes_per_token_layer": per_layer["kept"] * pbytes,
+        "activation_bytes_per_token_layer": per_layer * pbytes,
+        "lora": dict(dataclasses.asdict(lora), adapter_params=plan_lora.hf_adapter_params(arch, lora))
+        if lora.rank
+        else None,
+        "sync_bytes": sync_bytes_per_step(cfg, arch),
         "stages": stages,
         "worst_stage": worst,
         "vllm": _vllm_plan(cfg, arch, rollout_gpus or world),
@@ -625,7 +694,9 @@ def format_plan(plan: dict) -> str:
         f"sequence parallel {'on' if lay['sequence_parallel'] else 'off'}; "
         f"distributed optimizer {'on' if lay['distributed_optimizer'] else 'off'}; recompute {lay['recompute']}; "
         f"micro-batch {lay['micro_batch_tokens']} tokens; vLLM TP {lay['rollout_tp']} ({lay['engines']} engines"
-        + (" on the rollout GPUs)" if disagg else ")"),
+        + (" on the rollout GPUs)" if disagg else ")")
+        + f"; {lay['training']}",
+        *_lora_lines(plan),
         f"activations: {plan['activation_bytes_per_token_layer'] / 1024:.1f} KiB per token per layer kept",
         "GPU settings: " + _gpu_settings_line(lay),
     ]
@@ -693,6 +764,22 @@ def format_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def _lora_lines(plan: dict) -> list[str]:
+    """The adapters' size and the sync's bytes per step (the sync sends them all, whatever the layout)."""
+    sync = f"weight sync per step: {plan['sync_bytes'] / GiB:.2f} GiB"
+    lora = plan["lora"]
+    if not lora:
+        return [sync + " (every weight)"]
+    per_gpu = max(s["adapter_params"] for s in plan["stages"].values())
+    share = lora["adapter_params"] / plan["model"]["params"]
+    return [
+        f"lora r={lora['rank']}: {_count(lora['adapter_params'])} adapter params ({share:.2%} of the model), "
+        f"{_count(per_gpu)} on the fullest GPU; the base weights are frozen (no gradients, no optimizer state)",
+        sync + f" (the adapters only, {1 / share:.0f}x less than every weight); gathered whole on every rank's "
+        f"host: {plan['sync_bytes'] * plan['layout']['gpus_per_node'] / GiB:.1f} GiB of host RAM per node",
+    ]
+
+
 def _rollout_gpu_lines(plan: dict) -> list[str]:
     r = plan["rollout_gpu"]
     labels = {
@@ -714,6 +801,13 @@ def plan_main(argv=None) -> int:
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tp=8")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--smallest",
+        action="store_true",
+        help="search the fewest GPUs this run fits on over parallel.tp, pp, ep, recompute and rollout_tp "
+        "(the rest as configured) and plan that layout (jobs/plan_smallest.py)",
+    )
+    parser.add_argument("--max-gpus", type=int, default=1024, help="--smallest searches up to this many GPUs")
     step = parser.add_argument_group(
         "step time (measured per-phase throughput; given --gen-tokens-per-s and --train-tokens-per-s, the plan "
         "adds the step time colocated and with parallel.rollout_ranks: jobs/plan_step.py)"
@@ -733,6 +827,8 @@ def plan_main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)  # the trainer's config checks, then its layout check
+        if args.smallest:
+            return _smallest_main(cfg, args)
         plan = memory_plan(cfg)
         if args.gen_tokens_per_s is not None or args.train_tokens_per_s is not None:
             plan["step_time"] = plan_step_time(cfg, plan, args)
@@ -746,6 +842,20 @@ def plan_main(argv=None) -> int:
         if "step_time" in plan:
             print("\n".join(format_step_times(plan["step_time"])))
     return 0 if plan["fits"] else 1
+
+
+def _smallest_main(cfg, args) -> int:
+    """--smallest: the found layout's plan and a line naming it; 0 found, 1 nothing fits."""
+    from megatron_dppo.jobs.plan_smallest import format_smallest, smallest_layout
+
+    if args.max_gpus < 1:
+        raise ValueError(f"--max-gpus: expected an integer >= 1, got {args.max_gpus}")
+    found = smallest_layout(cfg, args.max_gpus)
+    if args.json:
+        print(json.dumps(found, indent=1))
+    else:
+        print(("" if found is None else format_plan(found["plan"]) + "\n") + format_smallest(found, args.max_gpus))
+    return 0 if found else 1
 
 
 def plan_step_time(cfg, plan: dict, args) -> dict:
@@ -780,7 +890,7 @@ def plan_step_time(cfg, plan: dict, args) -> dict:
     )
     lay = plan["layout"]
     check_inputs(inp, lay["disaggregated"])
-    weight_bytes = plan["model"]["params"] * _dtype_bytes(cfg.model.dtype)  # what the sync sends
+    weight_bytes = plan["sync_bytes"]  # what the sync sends: the weights, or the adapters only
     return step_times(inp, gpus=lay["gpus"], rollout_gpus=lay["rollout_gpus"], weight_bytes=weight_bytes)
 
 

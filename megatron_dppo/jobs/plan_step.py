@@ -17,7 +17,7 @@ Inputs (plan's flags; docs/scaling.md, "Dedicated rollout ranks"):
   Bc  GB/s of the colocated weight sync (default B)
 
 With N GPUs in all, R of them rollout ranks and N - R training ranks, W the weights' bytes in
-model.dtype (what the sync sends):
+model.dtype (what the sync sends; with model.lora the adapters' only, plan.sync_bytes_per_step):
 
   colocated                 G / (g N) + T / (t N) + W / Bc
   dedicated, staleness 0    G / (g' R) + T / (t' (N - R)) + W / B    (generation waits for the new weights)

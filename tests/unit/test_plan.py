@@ -653,3 +653,245 @@ def test_weight_sync_row_is_the_sync_peak():
     small = sync_peak_bytes(moe, 2, tp=4, ep=128, etp=1, rollout_tp=8, bucket=1)
     large = sync_peak_bytes(moe, 2, tp=4, ep=128, etp=1, rollout_tp=8, bucket=64 << 30)
     assert large["trainer"] - small["trainer"] == (64 << 30) - (moe.layer_params(1, True) + moe.expert_params()) * 2
+
+
+# ---- LoRA (model.lora; jobs/plan_lora.py) ------------------------------------------------------
+
+# model.lora.targets role -> the HF modules PEFT adapts for it (one A, B pair each)
+LORA_HF_MODULES = {"qkv": ["q_proj", "k_proj", "v_proj"], "proj": ["o_proj"], "fc1": ["gate_proj", "up_proj"]}
+LORA_HF_MODULES["fc2"] = ["down_proj"]
+
+
+def _peft_trainable(model, targets: list[str], rank: int, experts: bool) -> int:
+    """Trainable parameters after peft.get_peft_model with the HF modules of `targets`: the
+    independent count. An expert's modules (mlp.experts.<e>.*) are targeted only with `experts`."""
+    from peft import LoraConfig, get_peft_model
+
+    names = "|".join(n for t in targets for n in LORA_HF_MODULES[t])
+    pattern = rf".*\.(self_attn|mlp)\.({names})"
+    if experts:
+        pattern += rf"|.*\.mlp\.experts\.\d+\.({names})"
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=16, target_modules=pattern))
+    return sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+
+def _tiny_moe_model(tmp_path):
+    """A tiny Qwen3-MoE (layer 1 dense, layers 0 and 2 sparse) as HF checkpoints lay it out:
+    each expert its own gate_proj, up_proj, down_proj (transformers 5 fuses them in memory, so
+    the per-expert modules are put back for PEFT to adapt one by one). Returned inside a plain
+    ModuleDict, without the `config` by which PEFT would rewrite the targets for transformers 5's
+    fused experts (one gate_up_proj pair). Returns (model, its config dir)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+    config = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    for i in (0, 2):
+        model.model.layers[i].mlp.experts = torch.nn.ModuleList(
+            Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+    d = tmp_path / "moe"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(config.to_json_string())
+    return torch.nn.ModuleDict({"hf": model}), d
+
+
+def _world1_cfg(hf_dir, *overrides):
+    return _cfg(
+        None,
+        f"model.hf_dir={hf_dir}",
+        "parallel.nodes=1",
+        "parallel.gpus_per_node=1",
+        "rollout.max_model_len=64",
+        "trainer.max_tokens_per_microbatch=1024",
+        *overrides,
+    )
+
+
+@pytest.mark.parametrize("targets", [["qkv", "proj", "fc1", "fc2"], ["qkv"], ["proj", "fc2"]])
+def test_lora_adapter_count_equals_peft_on_a_dense_model(tmp_path, targets):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg, d = _tiny_cfg(tmp_path)
+    cfg = _with_lora(cfg, rank=8, targets=targets)
+    torch.manual_seed(0)
+    expected = _peft_trainable(Qwen3ForCausalLM(Qwen3Config(**d)), targets, 8, experts=False)
+    plan = memory_plan(cfg)
+    assert plan["lora"]["adapter_params"] == expected
+    assert plan["stages"]["only"]["adapter_params"] == expected  # one GPU holds them all
+    assert plan["sync_bytes"] == expected * 4  # float32: the sync sends the adapters only
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_lora_adapter_count_equals_peft_on_a_moe_model(tmp_path, experts):
+    model, hf_dir = _tiny_moe_model(tmp_path)
+    targets = ["qkv", "proj", "fc1", "fc2"]
+    expected = _peft_trainable(model, targets, 4, experts=experts)
+    plan = memory_plan(_world1_cfg(hf_dir, "model.lora.rank=4", f"model.lora.experts={str(experts).lower()}"))
+    assert plan["lora"]["adapter_params"] == expected
+    stage = plan["stages"]["only"]
+    assert stage["adapter_params"] == expected
+    # experts=false still adapts the dense layer's MLP; true adds 4 experts x 3 modules x 2 sparse layers
+    per_expert = 4 * (32 + 16) * 3
+    assert (expected - _peft_trainable(_tiny_moe_model(tmp_path / "again")[0], targets, 4, False)) == (
+        2 * 4 * per_expert if experts else 0
+    )
+
+
+def _with_lora(cfg, **lora):
+    out = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    out.model.lora = dataclasses.replace(cfg.model.lora, **lora)
+    return out
+
+
+def test_lora_memory_is_full_minus_the_frozen_weights_state(tmp_path):
+    """bf16, one GPU: LoRA keeps the base weights (2 B each) and drops their fp32 gradient (4 B)
+    and Adam state (12 B: m, v, fp32 master); the adapters take 2 + 4 + 12 B each. The resident
+    gap is exactly that; a plan that still counted the base weights' optimizer state fails it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg, d = _tiny_cfg(tmp_path, dtype="bfloat16")
+    torch.manual_seed(0)
+    adapters = _peft_trainable(Qwen3ForCausalLM(Qwen3Config(**d)), ["qkv", "proj", "fc1", "fc2"], 8, False)
+    full, lora = memory_plan(cfg), memory_plan(_with_lora(cfg, rank=8))
+    n = full["stages"]["only"]["params"]
+
+    def resident(p):
+        s = p["stages"]["only"]["train"]
+        return {k: s[k] for k in ("weights", "gradients", "optimizer")}
+
+    f, lo = resident(full), resident(lora)
+    assert lo == {"weights": (n + adapters) * 2, "gradients": adapters * 4, "optimizer": adapters * 12}
+    assert sum(f.values()) - sum(lo.values()) == n * (4 + 12) - adapters * (2 + 4 + 12)
+    for phase in ("train_total", "generate_total"):
+        assert lora["stages"]["only"][phase] < full["stages"]["only"][phase]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_activations_add_each_pairs_rank_and_each_linears_dropout(tmp_path, dropout):
+    """recompute none, one GPU: each of the 7 pairs keeps its r-wide A output for every token; with
+    dropout each adapted linear (qkv, proj, fc1, fc2: its pairs share one) keeps its dropped input
+    (h, nq d, h, f) and the 1-byte mask. The KL reference is the base with the adapters off: no copy."""
+    cfg, d = _tiny_cfg(tmp_path)  # float32, 3 layers, h 128, 4 heads x 32, f 512
+    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, kl_coef=0.1))
+    full, lora = memory_plan(cfg), memory_plan(_with_lora(cfg, rank=8, dropout=dropout))
+    tokens, layers, h, q, f = 1024, 3, 128, 4 * 32, 512
+    per_token_layer = 7 * 8 + (dropout > 0) * (h + q + h + f) * (1 + 1 / 4)
+    full_s, lora_s = full["stages"]["only"]["train"], lora["stages"]["only"]["train"]
+    assert lora_s["activations"] - full_s["activations"] == pytest.approx(tokens * layers * per_token_layer * 4)
+    assert full_s["reference"] == full_s["weights"] and lora_s["reference"] == 0
+
+
+def test_lora_state_is_sharded_like_the_layout_on_the_32b_preset():
+    """TP 4 x PP 2 x DP 4: a rank's adapters are its TP shard (column: B split, A whole; row: A
+    split, B whole), their Adam state is split over DP; the base keeps only its bf16 weights."""
+    from megatron_dppo.jobs.plan_lora import adapter_params, hf_adapter_params, layer_adapters
+
+    cfg = _cfg(QWEN3_32B, "model.lora.rank=64")
+    arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
+    full, lora = memory_plan(_cfg(QWEN3_32B)), memory_plan(cfg)
+    adapters = layer_adapters(arch, cfg.model.lora, False)
+    whole = sum(a.params(64) for a in adapters)
+    replicated = sum(a.replicated(64) for a in adapters)
+    assert hf_adapter_params(arch, cfg.model.lora) == arch.layers * whole
+    # h = 5120, q = 8192, kv = 1024, f = 25600: 7 pairs, 8,388,608 params a layer, 0.54B in all
+    assert whole == 64 * (3 * 5120 + 8192 + 2 * 1024 + 8192 + 5120 + 2 * (5120 + 25600) + 25600 + 5120)
+    per_rank = adapter_params(arch, cfg.model.lora, range(32), tp=4)["dense"]
+    assert 4 * per_rank == 32 * (whole + 3 * replicated)  # the 4 TP shards add up to the replicated halves 4 times
+    for name, s in lora["stages"].items():
+        a, n = s["adapter_params"], s["params"]
+        assert a == per_rank and n == full["stages"][name]["params"]
+        assert s["train"]["gradients"] == 4 * a and s["train"]["optimizer"] == 12 * a / 4
+        assert s["train"]["weights"] == 2 * (n + a)
+        assert s["train_total"] < full["stages"][name]["train_total"]
+    assert lora["sync_bytes"] == 2 * 64 * whole and full["sync_bytes"] == 2 * arch.hf_params()
+
+
+def test_lora_plan_names_the_rank_and_the_sync_bytes(capsys):
+    assert plan_main(["--config", str(QWEN3_32B), "model.lora.rank=32"]) == 0
+    out = capsys.readouterr().out
+    assert "lora r=32 (alpha 32, targets qkv,proj,fc1,fc2, experts off)" in out
+    assert "weight sync per step: 0.50 GiB (the adapters only, 122x less than every weight)" in out
+    assert plan_main(["--config", str(QWEN3_32B)]) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning" in out and "weight sync per step: 61.02 GiB (every weight)" in out
+
+
+def test_lora_step_time_moves_only_the_adapters():
+    """plan_step's W (the sync's bytes) is the adapters' with LoRA."""
+    from megatron_dppo.jobs.plan import plan_step_time
+
+    flags = dict(gen_tokens_per_s=1000.0, train_tokens_per_s=1000.0, transfer_gb_per_s=10.0)
+    flags.update(dedicated_gen_tokens_per_s=None, dedicated_train_tokens_per_s=None, sync_gb_per_s=None)
+    flags.update(generated_tokens=None, trained_tokens=None)
+    args = type("Args", (), flags)
+    for overrides in ([], ["model.lora.rank=64"]):
+        cfg = _cfg(QWEN3_32B, *overrides)
+        plan = memory_plan(cfg)
+        st = plan_step_time(cfg, plan, args)
+        assert st["weight_bytes"] == plan["sync_bytes"]
+        assert st["rows"]["colocated"]["weights_s"] == plan["sync_bytes"] / 10e9
+
+
+def test_smallest_layout_of_the_32b_with_lora_is_smaller_than_full_fine_tuning(capsys):
+    """The search (jobs/plan_smallest.py) finds fewer GPUs for LoRA r=64 than for full fine-tuning
+    (whose base weights' gradients and Adam state, 16 B a parameter over DP, need many GPUs), and
+    the layout it names is one the trainer's checks accept and that fits when planned again."""
+    from megatron_dppo.jobs.plan_smallest import smallest_layout
+
+    full = smallest_layout(_cfg(QWEN3_32B))
+    lora = smallest_layout(_cfg(QWEN3_32B, "model.lora.rank=64"))
+    assert lora["gpus"] < full["gpus"], (lora["overrides"], full["overrides"])
+    for found, extra in ((full, []), (lora, ["model.lora.rank=64"])):
+        again = memory_plan(load_config(str(QWEN3_32B), [*extra, *found["overrides"].split()]))
+        assert again["fits"] and again["layout"]["gpus"] == found["gpus"]
+    assert plan_main(["--config", str(QWEN3_32B), "--smallest", "model.lora.rank=64"]) == 0
+    assert f"smallest layout that fits: {lora['gpus']} GPUs" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--smallest", "--max-gpus", "0"], "plan: --max-gpus: expected an integer >= 1, got 0"),
+        (["--smallest", "--max-gpus", "8"], "smallest layout: none fits on up to 8 GPUs (--max-gpus)"),
+    ],
+)
+def test_smallest_layout_bad_or_empty_search_is_one_line(argv, message, capsys):
+    code = plan_main(["--config", str(QWEN3_32B), *argv])
+    out = capsys.readouterr().out.strip()
+    assert out == message and code == (2 if "expected" in message else 1)
+
+
+def test_smallest_layout_refuses_dedicated_rollout_ranks(capsys):
+    path = REPO / "examples/presets/qwen3_32b_disagg.yaml"
+    assert plan_main(["--config", str(path), "--smallest"]) == 2
+    assert "plan: --smallest: searches colocated layouts; parallel.rollout_ranks=" in capsys.readouterr().out
+
+
+def test_lora_weight_sync_row_is_the_adapters_export():
+    """megatron/lora.py's export: one tensor merged over TP at a time (2 x the largest: down_proj's
+    A, gate/up's B, 64 x 25600), and at PP > 1 the pickled all-gather of every stage's share
+    through the GPU (output: all of them; input: this stage's half); vLLM loads one tensor at a time."""
+    largest = 2 * 64 * 25600 * 2  # gather buffer + merged copy, bf16
+    for overrides, gathered in ((["parallel.pp=2"], 1.5), (["parallel.pp=1", "parallel.tp=8"], 0)):
+        plan = memory_plan(_cfg(QWEN3_32B, "model.lora.rank=64", *overrides))
+        sync = plan["sync_bytes"]
+        for stage in plan["stages"].values():
+            assert stage["generate"]["weight_sync"] == gathered * sync + largest + largest
