@@ -20,6 +20,11 @@ or one global tensor, at a time; the optimizer keys of a trainer checkpoint are 
 qwen3.megatron_layer_to_hf, and hf_io.SafetensorsShardWriter, which writes each tensor straight
 to its planned offset.
 
+Megatron -> HF of a LoRA run (its checkpoint holds the adapters only, under their HF module names):
+a PEFT adapter dir naming the base, or (--merge-lora) the base's HF dir with W + (alpha / r) B A
+merged into each adapted weight, the base found where the run recorded it (or --base-dir) and
+checked against the recorded weights fingerprint first: lora_to_hf.
+
 On-disk layout of a converted checkpoint (the trainer's step_* dirs have the same first three):
     model_optim/          dist checkpoint (model keys only here; model + optimizer from the trainer)
     trainer_state.json    {"step": 0, "model_only": true, "source": {...}}
@@ -54,10 +59,11 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from megatron_dppo.config import model_layout_problems
 from megatron_dppo.megatron.checkpoint import check_checkpoint, latest_checkpoint
 from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
+from megatron_dppo.megatron.lora import CHILD
 from megatron_dppo.megatron.model import build_gpt_model, module_device
 from megatron_dppo.model import qwen3
 from megatron_dppo.model.arch import Arch
-from megatron_dppo.model.hf_dir import check_weights
+from megatron_dppo.model.hf_dir import check_hf_model_dir, check_weights
 from megatron_dppo.model.hf_io import (
     HFCheckpoint,
     SafetensorsShardWriter,
@@ -65,8 +71,16 @@ from megatron_dppo.model.hf_io import (
     copy_assets,
     staged_output_dir,
 )
+from megatron_dppo.model.peft_dir import (
+    ADAPTER_WEIGHTS,
+    check_adapter_tensors,
+    hf_modules,
+    split_factor_name,
+    write_peft_adapter,
+)
 from megatron_dppo.model.qwen3 import load_hf_config  # noqa: F401  (the tools and tests import it from here)
 from megatron_dppo.model.vocab import padded_vocab_size
+from megatron_dppo.run.identity import weights_fingerprint
 
 MODEL_DIR = "model_optim"
 HF_CONFIG = "hf_config.json"
@@ -407,12 +421,25 @@ def megatron_to_hf_checkpoint(
     max_shard_bytes: int = 2 * 10**9,
     tokenizer_dir: str | None = None,
     log=print,
+    merge_lora: bool = False,
+    base_dir: str | None = None,
 ) -> dict:
     """Write HF safetensors shards + index + config (+ tokenizer files) of a Megatron checkpoint.
     All or nothing: written beside out_dir and renamed into place at the end (hf_io.staged_output_dir).
+    A LoRA run's checkpoint (adapters only) becomes a PEFT adapter dir, or with merge_lora the base
+    model (base_dir, else the one the run recorded) with the adapters merged: lora_to_hf.
     (Long for the same reason as hf_to_megatron_checkpoint: one streamed pass in file order.)"""
     ckpt = resolve_checkpoint_dir(megatron_dir)
     check_output_dir(out_dir)
+    state = _trainer_state_if_readable(ckpt)
+    if state.get("lora"):
+        return lora_to_hf(ckpt, state, out_dir, merge_lora, base_dir, dtype, max_shard_bytes, tokenizer_dir, log)
+    if merge_lora:
+        check_checkpoint(ckpt)  # a missing or corrupt trainer state is named as such, not as "not LoRA"
+        raise ValueError(
+            f'--merge-lora: {ckpt} is not a LoRA run\'s checkpoint ({TRAINER_STATE} has no "lora" section): '
+            "it holds the full model, which converts without --merge-lora"
+        )
     model_dir = os.path.join(ckpt, MODEL_DIR)
     config_path = os.path.join(ckpt, HF_CONFIG)
     hf_config, _ = qwen3.read_model_config(config_path)
@@ -500,6 +527,169 @@ def _write_config(src: str, dst: str, dtype: torch.dtype) -> None:
     cfg[key] = name
     with open(dst, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+# ---- Megatron -> HF, LoRA ----------------------------------------------------------------------
+# A LoRA run's checkpoint holds the adapters only (megatron/checkpoint.py), each under its global
+# HF module name (lora_adapters.model.layers.0.self_attn.q_proj.lora_A, [r, in]; .lora_B, [out, r]);
+# the base is the HF dir its trainer_state.json records under resume.model, path and fingerprint.
+ADAPTER_PREFIX = CHILD + "."
+_LORA_KEYS = ("rank", "alpha", "dropout", "targets")
+
+
+def _trainer_state_if_readable(ckpt: str) -> dict:
+    """trainer_state.json's object, or {} when it is missing or unreadable (check_checkpoint names
+    that later, in the path that needs it)."""
+    try:
+        with open(os.path.join(ckpt, TRAINER_STATE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _lora_section(state: dict, state_path: str) -> dict:
+    lora = state["lora"]
+    missing = [k for k in _LORA_KEYS if not isinstance(lora, dict) or k not in lora]
+    if missing:
+        raise ValueError(f"{state_path}: lora has no {missing[0]!r} key (expected {list(_LORA_KEYS)})")
+    return lora
+
+
+def lora_base_dir(ckpt: str, state: dict, base_dir: str | None, required: bool) -> tuple[str, str | None]:
+    """(the base model's real path, a warning or None). The base is base_dir, else the recorded
+    resume.model.hf_dir; when it exists its weights must have the recorded fingerprint
+    (run/identity.weights_fingerprint): adapters merged onto, or named with, other weights are
+    another model without a word. A missing base is an error when required (merging), else a
+    warning (a PEFT dir only names it)."""
+    state_path = os.path.join(ckpt, TRAINER_STATE)
+    recorded = (state.get("resume") or {}).get("model") or {}
+    recorded_dir, recorded_weights = recorded.get("hf_dir"), recorded.get("weights")
+    base = base_dir or recorded_dir
+    if not base:
+        raise ValueError(f"{state_path} records no base model (resume.model.hf_dir): name it with --base-dir")
+    if not os.path.isdir(base):
+        if base_dir:
+            raise FileNotFoundError(
+                f"--base-dir {base_dir} is not a directory (expected the HF model the run trained its "
+                f"adapters on; {state_path} records {recorded_dir})"
+            )
+        message = (
+            f"the base model {recorded_dir} that {state_path} records does not exist any more: name its "
+            "copy with --base-dir"
+        )
+        if required:
+            raise FileNotFoundError(message)
+        return recorded_dir, f"{message} (the adapter dir names the recorded path)"
+    if not recorded_weights:
+        raise ValueError(f"{state_path} records no base weights fingerprint (resume.model.weights) to check {base} by")
+    found = weights_fingerprint(base)
+    if found != recorded_weights:
+        where = "--base-dir" if base_dir else "recorded"
+        raise ValueError(
+            f"base model {base} ({where}) has weights fingerprint {found}, but the adapters in {ckpt} were "
+            f"trained on {recorded_dir} with fingerprint {recorded_weights} ({state_path} resume.model.weights): "
+            "merged onto or named with other weights they are another model; give the run's base with --base-dir"
+        )
+    return os.path.realpath(base), None
+
+
+def read_lora_adapters(model_dir: str) -> dict[str, torch.Tensor]:
+    """Every adapter of a LoRA checkpoint, whole (over TP, PP, EP), under its HF name
+    (model.layers.0.self_attn.q_proj.lora_A.weight). Needs spec_parallel_state()."""
+    md = read_dcp_metadata(model_dir).state_dict_metadata
+    keys = [k for k in md if k.startswith(ADAPTER_PREFIX) and k.endswith((".lora_A", ".lora_B"))]
+    if not keys:
+        raise ValueError(f"{model_dir} holds no LoRA adapters ({ADAPTER_PREFIX}* keys), yet {TRAINER_STATE} has lora")
+    entries = [
+        (k, ShardedTensor.from_rank_offsets(k, torch.empty(tuple(md[k].size), dtype=md[k].properties.dtype)))
+        for k in keys
+    ]
+    loaded = _load_full(model_dir, entries)
+    return {k[len(ADAPTER_PREFIX) :] + ".weight": loaded[k] for k in keys}
+
+
+def lora_to_hf(ckpt, state, out_dir, merge, base_dir, dtype, max_shard_bytes, tokenizer_dir, log) -> dict:
+    """A LoRA checkpoint -> a PEFT adapter dir (out_dir: adapter_config.json + adapter_model.safetensors,
+    plus CKPT/hf_assets/ or --tokenizer-dir's files when there are any), or with merge the base's
+    HF dir with W + (alpha / rank) * B @ A in every adapted module's weight. Everything is checked
+    (checkpoint files, lora section, base and its fingerprint, adapters against the targets) before
+    out_dir is staged."""
+    check_checkpoint(ckpt)
+    lora = _lora_section(state, os.path.join(ckpt, TRAINER_STATE))
+    base, warning = lora_base_dir(ckpt, state, base_dir, required=merge)
+    base_hf = check_hf_model_dir(base, field="--base-dir" if base_dir else "resume.model.hf_dir") if merge else None
+    rss0, t0 = rss_mib(), time.time()
+    with spec_parallel_state():  # dist_checkpointing.load needs the (1-process) world
+        adapters = read_lora_adapters(os.path.join(ckpt, MODEL_DIR))
+    check_adapter_tensors(adapters, lora["rank"], hf_modules(lora["targets"]))
+    assets_dir = os.path.join(ckpt, HF_ASSETS)
+    assets_src = assets_dir if os.path.isdir(assets_dir) else tokenizer_dir
+    if not merge:
+        log(f"reading {ckpt} ({len(adapters) // 2} LoRA modules, rank {lora['rank']}) -> PEFT adapter dir {out_dir}")
+        with staged_output_dir(out_dir) as stage:
+            write_peft_adapter(
+                stage,
+                {n: t.to(dtype) if dtype else t for n, t in adapters.items()},
+                rank=lora["rank"],
+                alpha=lora["alpha"],
+                dropout=lora["dropout"],
+                target_modules=hf_modules(lora["targets"]),
+                base_model=base,
+            )
+            assets = copy_assets(assets_src, stage) if assets_src else []
+        info = {"files": [ADAPTER_WEIGHTS], "weights_bytes": sum(t.nbytes for t in adapters.values())}
+    else:
+        pairs = _adapter_pairs(adapters, base_hf)
+        log(f"merging {len(pairs)} LoRA modules of {ckpt} into {base} -> {out_dir}")
+        with staged_output_dir(out_dir) as stage:
+            info = _write_merged(base_hf, pairs, lora["alpha"] / lora["rank"], stage, dtype, max_shard_bytes)
+            if dtype is None:
+                shutil.copyfile(base_hf.config_path, os.path.join(stage, "config.json"))
+            else:
+                _write_config(base_hf.config_path, os.path.join(stage, "config.json"), dtype)
+            assets = copy_assets(assets_src or base, stage)
+    return {
+        **info,
+        "kind": "merged" if merge else "peft",
+        "seconds": time.time() - t0,
+        "rss_before_mib": rss0,
+        "peak_rss_mib": peak_rss_mib(),
+        "assets": assets,
+        "checkpoint": ckpt,
+        "base": base,
+        "lora_modules": len(adapters) // 2,
+        "warning": warning,
+    }
+
+
+def _adapter_pairs(adapters: dict, base: HFCheckpoint) -> dict:
+    """{HF module: {"A": lora_A, "B": lora_B}}, every module's weight checked to be in the base."""
+    pairs = {}
+    for name, t in adapters.items():
+        module, factor = split_factor_name(name)
+        pairs.setdefault(module, {})[factor] = t
+    absent = sorted(m + ".weight" for m in pairs if m + ".weight" not in base.weight_map)
+    if absent:
+        raise ValueError(f"{base.source} lacks {len(absent)} weight(s) the adapters merge into, e.g. {absent[:3]}")
+    return pairs
+
+
+def _write_merged(base: HFCheckpoint, pairs: dict, scale: float, out: str, dtype, max_shard_bytes: int) -> dict:
+    """The base's tensors in its files' order, one at a time, each adapted module's weight merged
+    in fp32 (the adapters are small: all held)."""
+    entries = base.tensors
+    order = sorted(entries, key=lambda n: (entries[n].file, entries[n].offset))
+    plan = [(n, entries[n].shape, dtype or entries[n].dtype) for n in order]
+    writer = SafetensorsShardWriter(out, plan, max_shard_bytes)
+    for name in order:
+        tensor = base.get(name)
+        pair = pairs.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        if pair is not None:
+            tensor = tensor.float() + (pair["B"].float() @ pair["A"].float()) * scale
+        writer.write(name, tensor.to(dtype or entries[name].dtype))
+    writer.close()
+    return {"files": writer.files, "weights_bytes": writer.total}
 
 
 # ---- verification -----------------------------------------------------------------------------
