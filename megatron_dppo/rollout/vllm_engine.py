@@ -27,11 +27,17 @@ a private one-rank world in each process and the ranks would silently diverge, s
 refused. With `tensor_parallel_size > 1` every rank of a TP group must call `generate` and
 `load_weights` with the same arguments (full, unsharded HF tensors: vLLM shards them itself);
 with `tensor_parallel_size == 1` (one engine per DP rank) each rank calls them on its own data.
+
+LoRA (`lora_rank > 0`, model.lora): the base weights stay as loaded and each step sends only the
+adapter, as a PEFT directory (model/peft_dir.py) that `load_adapter` loads in place into vLLM's one
+LoRA slot and then checks against what vLLM serves. vLLM drops its adapters on `load_weights`, and
+`sleep(level=2)` discards the base weights, which a LoRA run never sends again: sleep at level 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import time
@@ -45,6 +51,13 @@ import torch
 
 from megatron_dppo.model.arch import Arch
 from megatron_dppo.model.hf_dir import check_context
+from megatron_dppo.model.peft_dir import (
+    PEFT_PREFIX,
+    PeftDirError,
+    read_adapter_config,
+    read_adapter_weights,
+    split_factor_name,
+)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -101,6 +114,123 @@ def routed_experts_kwargs() -> dict:
         )
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     return dict(enable_return_routed_experts=True, enable_prefix_caching=True)
+
+
+# LoRA (lora_rank > 0): one adapter, under one id and name for the engine's life. load_adapter
+# replaces it in place in vLLM's single slot (max_loras=1), so memory does not grow with the steps.
+LORA_ID = 1
+LORA_NAME = "policy"
+
+
+def lora_engine_kwargs(lora_rank: int) -> dict:
+    """vLLM's arguments for serving one LoRA adapter of rank up to lora_rank: max_lora_rank is the
+    smallest value vLLM accepts (config/lora.py's MaxLoRARanks) that holds it."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    fitting = [r for r in allowed if r >= lora_rank]
+    if not isinstance(lora_rank, int) or lora_rank < 1 or not fitting:
+        raise ValueError(
+            f"config key 'model.lora.rank': vLLM serves LoRA ranks 1..{allowed[-1]} (max_lora_rank {allowed}), "
+            f"got {lora_rank!r}"
+        )
+    return dict(enable_lora=True, max_lora_rank=fitting[0], max_loras=1)
+
+
+def served_adapter_problems(model, *, lora_id: int, tensors: dict, scaling: float) -> list[str]:
+    """What differs between the adapter vLLM serves from LoRA slot `lora_id` and `tensors` (HF
+    names without PEFT's prefix, lora_A [r, in] / lora_B [out, r], as written); [] when nothing.
+    Runs on each worker's model (apply_model).
+
+    vLLM (0.32, lora/model_manager.py) copies each adapter, cast to its LoRA dtype with B scaled
+    by alpha / r (LoRALayerWeights.optimize, on CPU), into per-layer buffers
+    `lora_{a,b}_stacked[slice][slot]` (slices: q/k/v of qkv_proj, gate/up of gate_up_proj), zero
+    padded to max_lora_rank, and sliced for TP. The expected shards are made here the same way,
+    with the layer's own slice_lora_a / slice_lora_b; a layer compares by the float64 sum and sum
+    of magnitudes of each buffer: equal values give equal sums up to float64 rounding, a previous
+    adapter (even one training step older) or a layer that got no weights does not. A module
+    vLLM has no LoRA layer for (a misnamed one: vLLM loads it into nothing, silently) is named too.
+    """
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    manager = model.lora_manager
+    if lora_id not in manager.lora_index_to_id:
+        return [f"no LoRA slot holds adapter id {lora_id} (vLLM did not activate it)"]
+    slot = manager.lora_index_to_id.index(lora_id)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    sent: dict[str, dict] = {}  # vLLM's name for each module -> {"hf": HF name, "A": ..., "B": ...}
+    for name, tensor in tensors.items():
+        module, factor = split_factor_name(name)
+        vllm_module, _ = parse_fine_tuned_lora_name(PEFT_PREFIX + name, mapper)
+        sent.setdefault(vllm_module, {"hf": module})[factor] = tensor
+    checks, covered = [], set()  # (label, served buffer, expected tensor or None)
+    for name, layer in manager.modules.items():
+        parts = manager.packed_modules.get(name, [name])
+        covered.update(parts)
+        checks += _layer_checks(layer, slot, [sent.get(p) for p in parts], parts, scaling)
+    problems = [
+        f"module {sent[m]['hf']}: vLLM has no LoRA layer {m}, so its weights were loaded into nothing"
+        for m in sorted(set(sent) - covered)
+    ]
+    return problems + _differing(checks)
+
+
+def _layer_checks(layer, slot: int, sent: list, parts: list[str], scaling: float) -> list[tuple]:
+    """(label, served buffer, expected) for each slice and factor of one vLLM LoRA layer."""
+    stacked = {f: getattr(layer, f"lora_{f.lower()}_stacked") for f in "AB"}
+    stacked = {f: s if isinstance(s, tuple) else (s,) for f, s in stacked.items()}  # lm_head: a tensor
+    dtype = stacked["A"][0].dtype
+    expected = {"A": [None] * len(parts), "B": [None] * len(parts)}
+    if any(sent):
+        expected["A"] = [None if s is None else s["A"].to(dtype) for s in sent]
+        expected["B"] = [None if s is None else s["B"].to(dtype) * scaling for s in sent]
+        if getattr(layer, "tp_size", 1) > 1:  # the rank's shards, as set_lora cuts them
+            for f, cut in (("A", layer.slice_lora_a), ("B", layer.slice_lora_b)):
+                expected[f] = cut(expected[f]) if len(parts) > 1 else [cut(expected[f][0])]
+    labels = [s["hf"] if s is not None else p for s, p in zip(sent, parts)]
+    return [
+        (f"module {labels[i]}: lora_{f}", stacked[f][i][slot], expected[f][i])
+        for f in "AB"
+        for i in range(min(len(parts), len(stacked[f])))
+    ]
+
+
+def _differing(checks: list[tuple]) -> list[str]:
+    """The labels of checks whose served buffer's float64 (sum, sum of |x|) differ from the expected
+    tensor's (zeros when None); one device sync for all of them."""
+    if not checks:
+        return []
+
+    def sums(t):
+        return torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64)])
+
+    served = torch.stack([sums(buffer) for _, buffer, _ in checks]).cpu().tolist()
+    zero = torch.zeros(2, dtype=torch.float64)
+    sent = torch.stack([zero if t is None else sums(t.cpu()) for _, _, t in checks]).tolist()
+    problems = []
+    for (label, _, _), (got, got_abs), (want, want_abs) in zip(checks, served, sent):
+        tolerance = 1e-9 * want_abs  # float64 summation order; 0 where nothing was sent
+        if abs(got - want) <= tolerance and abs(got_abs - want_abs) <= tolerance:
+            continue
+        held = "holds no weights" if got_abs == 0 else f"holds other weights (sum of |x| {got_abs:.9g})"
+        problems.append(f"{label} {held}, sent {'nothing' if want_abs == 0 else f'sum of |x| {want_abs:.9g}'}")
+    return problems
+
+
+def _shared_verdict(problems: list[str]) -> list[str]:
+    """A TP group's ranks each check their own shards: if any found a problem, all report one, so
+    that no rank goes on to generate (collectively) while another raised."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    flag = torch.tensor([1 if problems else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    if flag.item() and not problems:
+        return ["another rank of this engine's tensor-parallel group found its shard wrong (its error names it)"]
+    return problems
 
 
 def _eager_token_ranks() -> None:
@@ -208,6 +338,10 @@ class RolloutEngine:
             shim's TorchFunctionMode, which slows generation by 20-30%, or sets the thread count.
         routing_replay: return each completion's routed experts (Completion.routed_experts), for
             Megatron to replay them (rollout.routing_replay; a named error where vLLM cannot).
+        lora_rank: > 0 serves LoRA adapters of up to this rank (model.lora.rank) on the frozen base
+            model: `load_adapter` loads each new one in place, and `generate` refuses to run
+            before the first (a rollout of the bare base model would train nothing it sampled).
+            0 (the default): no LoRA, vLLM is built exactly as without this option.
         **llm_kwargs: passed on to `vllm.LLM` (e.g. block_size, enable_prefix_caching).
     """
 
@@ -226,11 +360,17 @@ class RolloutEngine:
         enable_sleep_mode: bool | None = None,
         context: Callable[[], AbstractContextManager] | None = None,
         routing_replay: bool = False,
+        lora_rank: int = 0,
         **llm_kwargs,
     ):
         check_context(max_model_len, model_dir)  # before vLLM's own, unnamed error
         if routing_replay and _has_experts(model_dir):  # a dense model: nothing to return (a start-up warning)
             llm_kwargs = {**routed_experts_kwargs(), **llm_kwargs}
+        self.lora_rank = lora_rank
+        if lora_rank:
+            llm_kwargs = {**lora_engine_kwargs(lora_rank), **llm_kwargs}
+        self._adapter = None  # the LoRARequest generate passes (lora_rank > 0, after load_adapter)
+        self._adapter_version: int | None = None
         on_gpu = torch.cuda.is_available()
         self.context = context or contextlib.nullcontext
         self.tensor_parallel_size = tensor_parallel_size
@@ -356,8 +496,9 @@ class RolloutEngine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        adapter = {"lora_request": self._served_adapter()} if self.lora_rank else {}
         with self.context():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, **adapter)
         return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def load_weights(self, weights: Iterable[NamedTensor] | Iterable[list[NamedTensor]]) -> dict:
@@ -379,8 +520,106 @@ class RolloutEngine:
             # Cached prefix KV blocks were computed with the old weights; reusing them gave
             # log-prob errors of several nats.
             self.llm.reset_prefix_cache()
+        if self.lora_rank:
+            # vLLM's reload_weights removes every LoRA adapter (reset_lora_state); generate would
+            # otherwise load the adapter directory again on its own, unchecked, whatever it now holds.
+            self._adapter, self._adapter_version = None, None
         stats["seconds"] = time.perf_counter() - t0
         return stats
+
+    def load_adapter(self, directory, version: int) -> dict:
+        """Serve the PEFT LoRA adapter in `directory` (model/peft_dir.py's write_peft_adapter, stamped
+        with `version`) from now on; returns stats (seconds, num_tensors, num_bytes, check_seconds).
+
+        In place: the same adapter id every time (vLLM's load_inplace), so vLLM replaces the adapter
+        in its one slot instead of adding one per step. Then the adapter vLLM now serves is checked
+        against the file's tensors (check_served_adapter): a sync that did not arrive -- the
+        directory still holding another version, vLLM keeping the previous adapter, a module whose
+        weights vLLM loaded into no layer -- raises a one-line RuntimeError naming the module and
+        the version, and the engine then serves nothing (generate refuses) until a load succeeds.
+        Every rank of a TP group must call it with the same arguments (the check's verdict is shared).
+        """
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_rank:
+            raise RuntimeError("load_adapter: this RolloutEngine was built without LoRA (lora_rank=0)")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"load_adapter: version must be an integer (the step that wrote it), got {version!r}")
+        if version == self._adapter_version:
+            raise RuntimeError(
+                f"load_adapter: adapter version {version} did not change (the engine already serves it): "
+                "the sync did not advance"
+            )
+        t0 = time.perf_counter()
+        directory = os.path.abspath(directory)
+        config, tensors = self._read_adapter(directory, version)
+        request = LoRARequest(LORA_NAME, LORA_ID, directory, load_inplace=True)
+        self._adapter, self._adapter_version = None, None  # until the new one is checked
+        with self.context():
+            try:
+                self.llm.llm_engine.add_lora(request)
+            except ValueError as e:  # vLLM's own refusals: unknown module names, rank, features
+                raise RuntimeError(
+                    f"load_adapter: vLLM refused adapter version {version} from {directory}: {' '.join(str(e).split())}"
+                ) from None
+            # Prefix KV blocks cached under the previous adapter (same name, so same block hashes).
+            self.llm.reset_prefix_cache()
+        t1 = time.perf_counter()
+        self.check_served_adapter(tensors, config, version)
+        self._adapter = LoRARequest(LORA_NAME, LORA_ID, directory)  # not in place: generate reuses it
+        self._adapter_version = version
+        return {
+            "seconds": time.perf_counter() - t0,
+            "check_seconds": time.perf_counter() - t1,
+            "num_tensors": len(tensors),
+            "num_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        }
+
+    def check_served_adapter(self, tensors: dict, config: dict, version: int) -> None:
+        """Raise a one-line RuntimeError unless the adapter in vLLM's LoRA slot is `tensors` (HF
+        names, as written): per module, the float64 sum and sum of magnitudes of A and of B (scaled
+        by alpha / r, in vLLM's LoRA dtype, as vLLM stores them) equal those vLLM holds, and no
+        module of `tensors` is missing from vLLM's LoRA layers. With a TP group, each rank checks
+        its shards and the ranks share the verdict, so all raise or none does."""
+        scaling = config["lora_alpha"] / config["r"]  # PEFTHelper's, for use_rslora false
+        check = functools.partial(served_adapter_problems, lora_id=LORA_ID, tensors=tensors, scaling=scaling)
+        with self.context():
+            problems = self.llm.apply_model(check)
+        problems = [p for rank_problems in problems for p in rank_problems]
+        if self.tensor_parallel_size > 1:
+            problems = _shared_verdict(problems)
+        if problems:
+            raise RuntimeError(f"load_adapter: adapter version {version} did not arrive in vLLM: {problems[0]}")
+
+    def _served_adapter(self):
+        if self._adapter is None:
+            raise RuntimeError(
+                f"generate: this engine serves LoRA adapters (lora_rank={self.lora_rank}) and none is loaded: "
+                "call load_adapter(directory, version) first (also after load_weights, which drops it, "
+                "and after a load_adapter that failed)"
+            )
+        return self._adapter
+
+    def _read_adapter(self, directory: str, version: int) -> tuple[dict, dict]:
+        """(config, tensors) of the adapter directory, refused in one line unless its weights file
+        is stamped `version` and its rank fits the engine."""
+        try:
+            config = read_adapter_config(directory)
+            tensors, stamped = read_adapter_weights(directory)
+        except PeftDirError as e:
+            raise RuntimeError(f"load_adapter: {e}") from None
+        weights = os.path.join(directory, "adapter_model.safetensors")
+        if stamped != version:
+            raise RuntimeError(
+                f"load_adapter: {weights} holds adapter version {stamped}, not {version}: "
+                "the sync did not arrive (write it with write_peft_adapter(..., version=...))"
+            )
+        if not isinstance(config["r"], int) or not 0 < config["r"] <= self.lora_rank:
+            raise RuntimeError(
+                f"load_adapter: {directory}/adapter_config.json has r={config['r']!r}, "
+                f"expected 1..{self.lora_rank} (the engine's lora_rank)"
+            )
+        return config, tensors
 
     def sleep(self, level: int = 2) -> None:
         """Free the KV cache (level 1 also offloads weights to pinned host memory, level 2 drops
