@@ -17,6 +17,24 @@ def validate(cfg: Config) -> Config:
     c.model.lora.validate("model.lora")
     checks = [
         ("model.hf_dir", bool(c.model.hf_dir), "a path to a HF model directory"),
+        (
+            "parallel.sequence_parallel",
+            not (c.model.lora.rank and c.parallel.sequence_parallel),
+            "false with model.lora.rank > 0 (the adapters see each linear's whole input; sequence parallelism "
+            "needs Transformer Engine's linears)",
+        ),
+        (
+            "model.init_checkpoint",
+            not (c.model.lora.rank and c.model.init_checkpoint),
+            "no value with model.lora.rank > 0 (the frozen base is model.hf_dir: convert a checkpoint to an HF "
+            "directory with tools/convert_megatron_to_hf.py and name it there)",
+        ),
+        (
+            "model.attention",
+            not (c.model.lora.rank and c.model.attention == "te"),
+            "auto or local with model.lora.rank > 0 (the adapters sit on Megatron-Core's own linears; Transformer "
+            "Engine's fuse the input norm into linear_qkv and linear_fc1)",
+        ),
         ("data.train", bool(c.data.train), "a path (or a list of paths) to .jsonl / .parquet files or datasets dirs"),
         ("data.train_size", c.data.train_size >= 0, "an integer >= 0 (0 = all)"),
         (

@@ -50,7 +50,9 @@ class LoraConfig:
             ("dropout", 0 <= self.dropout < 1, "a number in [0, 1)"),
             (
                 "targets",
-                bool(self.targets) and len(set(self.targets)) == len(self.targets) and set(self.targets) <= set(LORA_TARGETS),
+                bool(self.targets)
+                and len(set(self.targets)) == len(self.targets)
+                and set(self.targets) <= set(LORA_TARGETS),
                 f"a non-empty list of distinct roles from {list(LORA_TARGETS)}",
             ),
         ]

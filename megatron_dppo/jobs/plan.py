@@ -566,7 +566,7 @@ def _candidates(cfg, plan) -> list[str]:
         for r in ("selective", "full")
         if ("none", "selective", "full").index(r) > ("none", "selective", "full").index(par.recompute)
     ]
-    if par.tp > 1 and not par.sequence_parallel:
+    if par.tp > 1 and not par.sequence_parallel and not cfg.model.lora.rank:  # LoRA: config/checks.py refuses it
         out.append("parallel.sequence_parallel=true")
     t = cfg.trainer.max_tokens_per_microbatch
     while t // 2 >= cfg.rollout.max_model_len:  # a full-length sequence must still fit

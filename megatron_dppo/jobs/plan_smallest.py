@@ -73,8 +73,9 @@ def _fits_at(cfg, model: tuple, layout: dict) -> list[tuple]:
     return out
 
 
-def _layouts(world: dict, experts: int):
-    """Every (tp, pp, ep) to try on a world: sequence parallel where tp > 1, the distributed optimizer on."""
+def _layouts(world: dict, experts: int, sequence_parallel: bool = True):
+    """Every (tp, pp, ep) to try on a world: sequence parallel where tp > 1 (unless not
+    `sequence_parallel`: LoRA's adapters need each linear's whole input), the distributed optimizer on."""
     gpus = world["nodes"] * world["gpus_per_node"]
     for tp in TP:
         for pp in PP:
@@ -85,7 +86,7 @@ def _layouts(world: dict, experts: int):
                     "pp": pp,
                     "ep": ep,
                     "etp": 1,
-                    "sequence_parallel": tp > 1,
+                    "sequence_parallel": sequence_parallel and tp > 1,
                     "distributed_optimizer": True,
                 }
 
@@ -104,7 +105,11 @@ def smallest_layout(cfg, max_gpus: int = 1024) -> dict | None:
     for nodes, per_node in worlds(par.gpus_per_node, max_gpus):
         tried.append(nodes * per_node)
         world = {"nodes": nodes, "gpus_per_node": per_node}
-        fits = [f for layout in _layouts(world, model[0].experts) for f in _fits_at(cfg, model, layout)]
+        fits = [
+            f
+            for layout in _layouts(world, model[0].experts, not cfg.model.lora.rank)
+            for f in _fits_at(cfg, model, layout)
+        ]
         if fits:
             _, layout, plan = min(fits, key=lambda f: f[0])
             return {"gpus": nodes * per_node, "overrides": overrides(layout), "plan": plan, "tried": tried}

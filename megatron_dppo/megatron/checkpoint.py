@@ -71,6 +71,7 @@ from megatron_dppo.megatron.dcp_metadata import (
     install_restricted_metadata_unpickler,
     read_dcp_metadata,
 )
+from megatron_dppo.megatron.lora import is_adapter
 from megatron_dppo.megatron.sharded_state import fit_to_checkpoint  # TE's _extra_state vs local-spec checkpoints
 from megatron_dppo.run.collectives import barrier, world
 
@@ -166,8 +167,17 @@ def _write_text_atomic(path: str, text: str) -> None:
 _DISTRIBUTED_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _sharded_state(policy, is_loading: bool) -> dict:
+def _model_state(policy) -> dict:
+    """The model's sharded state; with LoRA its adapters only: the frozen base is model.hf_dir's (or
+    model.init_checkpoint's), which the trainer state names and fingerprints (run/identity.py)."""
     model_sd = policy.model.module.sharded_state_dict()
+    if getattr(policy, "adapters", None) is None:
+        return model_sd
+    return {k: v for k, v in model_sd.items() if is_adapter(k)}
+
+
+def _sharded_state(policy, is_loading: bool) -> dict:
+    model_sd = _model_state(policy)
     metadata = None  # plain Adam: its checkpoints keep their keys
     if policy.model.ddp_config.use_distributed_optimizer:
         metadata = _DISTRIBUTED_OPTIMIZER_FORMAT
@@ -761,6 +771,19 @@ def read_pending_rollout(path: str) -> dict | None:
     return state
 
 
+def _load_model_state(policy, model_state: dict, path: str) -> None:
+    """The loaded tensors into the model; with LoRA the adapters only (the base is already loaded)."""
+    if getattr(policy, "adapters", None) is None:
+        policy.model.module.load_state_dict(model_state)
+        return
+    missing, unexpected = policy.model.module.load_state_dict(model_state, strict=False)
+    missing = [k for k in missing if is_adapter(k)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the LoRA adapters do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
 def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     """Collective. Checks the checkpoint (check_checkpoint), loads model (+ optimizer,
     scheduler) into `policy`, whatever TP/PP it was saved at; returns the trainer state (with
@@ -777,7 +800,7 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
     else:
         # Not even built: the optimizer's sharded_state_dict(is_loading=True) initialises Adam
         # state (exp_avg, exp_avg_sq without 'step'), and the next optimizer step then fails.
-        sharded = {"model": policy.model.module.sharded_state_dict()}
+        sharded = {"model": _model_state(policy)}
     model_dir = os.path.join(path, MODEL_DIR)
     with _quiet_load_warnings():
         try:
@@ -790,7 +813,7 @@ def load_checkpoint(path: str, policy, load_optimizer: bool = True) -> dict:
             raise
         except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
             raise _load_error(e, model_dir) from None
-    policy.model.module.load_state_dict(loaded["model"])
+    _load_model_state(policy, loaded["model"], path)
     if load_optimizer:
         _without_unstepped_state(loaded["optimizer"])
         # The distributed optimizer copies the loaded state into its fp32 main params, which are

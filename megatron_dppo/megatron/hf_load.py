@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dppo.megatron.lora import base_parameters, is_adapter
 from megatron_dppo.megatron.model import current_device
 from megatron_dppo.model import qwen3 as mapping
 from megatron_dppo.model.hf_dir import HFModelDirError, _fail, check_hf_model_dir
@@ -175,10 +176,10 @@ def load_hf_into_models(models, layout: mapping.Qwen3Layout, hf_dir) -> dict:
     _check_same_model(model_dir, layout)
     tp_rank, tp_size, pp_rank, pp_size = rank_layout()
     ep_rank, ep_size, etp_rank, etp_size = expert_rank_layout()
-    params = [dict(m.named_parameters()) for m in models]
-    names = [k for k in models[0].state_dict() if not k.endswith("_extra_state")]
+    params = [base_parameters(m) for m in models]  # LoRA's adapters are not in the HF files
+    names = [k for k in models[0].state_dict() if not k.endswith("_extra_state") and not is_adapter(k)]
     for m, p in zip(models, params):
-        extra = {k for k in m.state_dict() if not k.endswith("_extra_state")} ^ set(names)
+        extra = {k for k in m.state_dict() if not k.endswith("_extra_state") and not is_adapter(k)} ^ set(names)
         if extra or set(names) - p.keys():
             raise ValueError(f"models to load differ in their tensors: {sorted(extra or set(names) - p.keys())[:5]}")
     reader = SliceReader(model_dir)

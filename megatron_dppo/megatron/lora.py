@@ -47,16 +47,23 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-# Megatron's linears by role -> the HF modules each one fuses, in the fused weight's order
-ROLE_MODULES = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "proj": ("o_proj",),
-    "fc1": ("gate_proj", "up_proj"),
-    "fc2": ("down_proj",),
-}
+from megatron_dppo.model.peft_dir import ROLE_MODULES
+
+# ROLE_MODULES: Megatron's linears by role -> the HF modules each one fuses, in the fused weight's order
 ROLE_LINEAR = {"qkv": "linear_qkv", "proj": "linear_proj", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 COLUMN_ROLES = ("qkv", "fc1")
 CHILD = "lora_adapters"  # the GPTModel's child holding every adapter
+
+
+def is_adapter(name: str) -> bool:
+    """A model's parameter or state-dict name that is an adapter's (under the `lora_adapters` child)."""
+    return name.startswith(CHILD + ".")
+
+
+def base_parameters(module: torch.nn.Module) -> dict:
+    """{local megatron name: parameter} of the model itself, without its adapters (which have no
+    HF base name: LoraAdapters exports them)."""
+    return {k: p for k, p in module.named_parameters() if not is_adapter(k)}
 
 
 @dataclass(frozen=True)
@@ -177,8 +184,9 @@ class LoraAdapters(torch.nn.Module):
             self.enabled = before
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """Global tensors with TP offsets under {prefix}{hf module}.lora_A/.lora_B (experts: over
-        the expert-TP and expert-DP groups)."""
+        """{state-dict name: ShardedTensor}, each saved under its global HF name,
+        {prefix}model.layers.L.self_attn.q_proj.lora_A, with TP offsets (experts: over the
+        expert-TP and expert-DP groups), so a checkpoint loads at any TP/PP."""
         out = {}
         for key, lin in self.linears.items():
             kw = {}
@@ -187,13 +195,14 @@ class LoraAdapters(torch.nn.Module):
                     tp_group=parallel_state.get_expert_tensor_parallel_group(),
                     dp_cp_group=parallel_state.get_expert_data_parallel_group(),
                 )
-            for (name, a, b), dim in zip(lin.named_pairs(), [lin.split_dims()] * len(lin.pairs)):
-                for tensor, split, suffix in ((a, dim[0], "lora_A"), (b, dim[1], "lora_B")):
-                    k = f"{prefix}{name}.{suffix}"
+            a_dim, b_dim = lin.split_dims()
+            for j, (name, a, b) in enumerate(lin.named_pairs()):
+                for tensor, split, suffix in ((a, a_dim, "lora_A"), (b, b_dim, "lora_B")):
+                    local, saved = f"{prefix}linears.{key}.pairs.{j}.{suffix}", f"{prefix}{name}.{suffix}"
                     if split is None:
-                        out[k] = make_sharded_tensor_for_checkpoint(tensor, k, **kw)
+                        out[local] = make_sharded_tensor_for_checkpoint(tensor, saved, **kw)
                     else:
-                        out[k] = make_tp_sharded_tensor_for_checkpoint(tensor, k, tp_axis=split, **kw)
+                        out[local] = make_tp_sharded_tensor_for_checkpoint(tensor, saved, tp_axis=split, **kw)
         return out
 
     def hf_tensors(self, values: dict | None = None) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 from safetensors.torch import save_file
 
 from megatron_dppo.megatron.hf_load import expert_rank_layout, rank_layout
-from megatron_dppo.megatron.lora import CHILD as LORA_CHILD
+from megatron_dppo.megatron.lora import base_parameters, is_adapter
 from megatron_dppo.megatron.model import current_device
 from megatron_dppo.model import qwen3 as mapping
 
@@ -62,12 +62,6 @@ class _Ranks:
             ep_size=self.ep_size,
             num_experts=layout.num_experts,
         )
-
-
-def base_parameters(module: torch.nn.Module) -> dict:
-    """{local megatron name: parameter} of the model itself, without its LoRA adapters (which have
-    no HF base name: megatron/lora.py exports them)."""
-    return {k: p for k, p in module.named_parameters() if not k.startswith(LORA_CHILD + ".")}
 
 
 def _merged_shape(name: str, shape, split_size: int) -> tuple:
@@ -119,7 +113,7 @@ def load_hf_state_dict(modules: list, layout, hf_sd: dict) -> None:
         etp_size=etp_size,
     )
     for module in modules:
-        own = {k for k in module.state_dict() if not k.endswith("_extra_state") and not k.startswith(LORA_CHILD + ".")}
+        own = {k for k in module.state_dict() if not k.endswith("_extra_state") and not is_adapter(k)}
         missing, unexpected = own - local.keys(), local.keys() - own
         if missing or unexpected:
             raise ValueError(
@@ -139,7 +133,7 @@ def non_finite(module: torch.nn.Module, layout, grads: bool = False) -> list[str
     for name, p in module.named_parameters():
         t = getattr(p, "main_grad", None) if grads else p
         if t is not None and not bool(torch.isfinite(t).all()):  # an adapter's key holds its global layer
-            out.append(name if name.startswith(LORA_CHILD + ".") else ranks.global_name(name, layout))
+            out.append(name if is_adapter(name) else ranks.global_name(name, layout))
     return out
 
 

@@ -26,7 +26,8 @@ import os
 from megatron_dppo.model.hf_dir import TOKENIZER_FILES
 
 # Config keys a resumed run must keep (see the module docstring for why each).
-FIXED_KEYS = ("rollout.group_size", "pruning.strategy")
+# model.lora's shape: the checkpoint holds the adapters of that rank and those targets only.
+FIXED_KEYS = ("rollout.group_size", "pruning.strategy", "model.lora.rank", "model.lora.targets", "model.lora.experts")
 ARCHITECTURE_FIELDS = (
     "model_type",  # the family (model/families.py): llama, qwen2, qwen3, qwen3_moe
     "hidden_size",
@@ -63,8 +64,9 @@ _SAMPLES, _SAMPLE_BYTES = 8, 64 << 10
 
 
 def _get(cfg, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
 
 
 def _sha(chunks) -> str:

@@ -7,6 +7,7 @@ Every method is collective (every training rank calls it); rank 0 writes what on
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -85,6 +86,9 @@ class Checkpoints:
                 "strategy": self.strategy.state_dict(),
                 "adaprefix": self.curriculum.state_dict() if self.curriculum else None,
                 "resume": self.resume_meta,
+                # LoRA: what the adapters-only checkpoint needs to become a PEFT dir or merged weights
+                # (tools/convert_megatron_to_hf.py); the base is resume.model (path and fingerprint)
+                "lora": dataclasses.asdict(self.cfg.model.lora) if self.cfg.model.lora.rank else None,
             },
             history,
             keep_last=self.cfg.trainer.keep_checkpoints,
@@ -145,7 +149,10 @@ class Checkpoints:
             error = e
         if mdist.agree(error is None):
             try:
-                save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
+                if self.policy.adapters is not None:  # LoRA: a PEFT adapter dir on model.hf_dir
+                    self._export_adapters(out)
+                else:
+                    save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
             except OSError as e:
                 error = e
         if not mdist.agree(error is None):
@@ -157,3 +164,21 @@ class Checkpoints:
                 f"({why}); step {step}'s metrics are written and --resume continues after the latest checkpoint"
             )
         return out
+
+    def _export_adapters(self, out: str) -> None:
+        """LoRA's HF export: the adapters as a PEFT adapter directory (PeftModel.from_pretrained on
+        model.hf_dir loads it; tools/convert_megatron_to_hf.py --merge-lora makes merged weights)."""
+        from megatron_dppo.model.peft_dir import hf_modules, write_peft_adapter
+
+        tensors = self.policy.hf_adapters()  # collective
+        if self.is_main:
+            lora = self.cfg.model.lora
+            write_peft_adapter(
+                out,
+                tensors,
+                rank=lora.rank,
+                alpha=lora.alpha,
+                dropout=lora.dropout,
+                target_modules=hf_modules(lora.targets),
+                base_model=os.path.realpath(self.cfg.model.hf_dir),
+            )

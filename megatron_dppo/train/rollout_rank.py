@@ -4,6 +4,7 @@ leader, the reward workers, serving training rank 0's requests in the order it s
     ("wave", WaveRequest)   generate this engine's slice, score it; reply with an EnginePart
     ("weights", version)    the policy's new weights follow on the weights bridge; reload them, and
                             check that the engine read the stream to its end marker
+    ("adapters", version)   LoRA: the adapters follow, one bucket; load them in place (train/weight_sync.py)
     ("eval", {step, dump})  the eval: sets over the rollout ranks' engines; reply with the metrics
     ("stop", None)          close and exit
 
@@ -40,6 +41,7 @@ from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
 from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker
+from megatron_dppo.train.weight_sync import AdapterSync
 
 
 class TrainingRanksGone(RuntimeError):
@@ -72,7 +74,7 @@ def serve(cfg: Config, roles: Roles) -> int:
         role="rollout",
         first_rank=roles.train_ranks,
     ).start()
-    engine = scorer = None
+    engine = scorer = adapter_sync = None
     stopped = False
     try:
         watchdog.phase("start engine")
@@ -97,6 +99,11 @@ def serve(cfg: Config, roles: Roles) -> int:
                 watchdog.phase("load weights", payload)
                 load_synced_weights(engine, weights, payload)
                 worker.weights_version = payload
+            elif kind == "adapters":  # LoRA: the adapters alone, one bucket (train/weight_sync.py)
+                watchdog.phase("load adapters", payload)
+                adapter_sync = adapter_sync or AdapterSync(cfg)
+                adapter_sync.load(engine, receive_adapters(weights, payload), payload)
+                worker.weights_version = payload
             elif kind == "wave":
                 watchdog.phase("rollout", payload.step)
                 part = worker.part(payload)
@@ -119,7 +126,7 @@ def serve(cfg: Config, roles: Roles) -> int:
     finally:
         watcher.set()
         watchdog.stop()
-        for part in (scorer, engine):
+        for part in (scorer, engine, adapter_sync):
             if part is not None:
                 part.close()
         if torch.distributed.is_initialized():
@@ -147,6 +154,15 @@ def load_synced_weights(engine, weights, version: int) -> StreamCount:
             "bridge's end marker: its weights mix two versions"
         )
     return count
+
+
+def receive_adapters(weights, version: int) -> dict:
+    """One adapter sync from the weights bridge, read to its end marker -> {HF name: tensor}."""
+    count = StreamCount()
+    tensors = {name: t.clone() for bucket in _call_iter(weights.receive_buckets(count)) for name, t in bucket}
+    if not count.ended:
+        raise WeightStreamError(f"rollout rank: step {version}'s adapters ended before the weights bridge's end marker")
+    return tensors
 
 
 def _call(fn, *args):

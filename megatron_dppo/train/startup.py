@@ -185,17 +185,20 @@ def start_watchdog(cfg: Config, rank: int, world: int) -> StallWatchdog:
 
 
 def build_policy(cfg: Config, hf_config):
+    from megatron_dppo.megatron.lora import LoraSettings
     from megatron_dppo.megatron.model import GpuSettings
     from megatron_dppo.megatron.policy import MegatronPolicy
 
     pc = cfg.parallel
+    lora = LoraSettings.from_config(cfg.model.lora, seed=cfg.trainer.seed)
     return MegatronPolicy(
         hf_config,
         cfg.optim,
         cfg.algorithm,
         temperature=cfg.rollout.temperature,
         params_dtype=DTYPES[cfg.model.dtype],
-        attention=cfg.model.attention,
+        # the adapters sit on Megatron-Core's own linears: the local spec (config/checks.py refuses `te`)
+        attention="local" if lora else cfg.model.attention,
         thd_attention=cfg.model.thd_attention,
         with_reference=cfg.algorithm.kl_coef > 0,
         sequence_parallel=pc.sequence_parallel,
@@ -203,6 +206,7 @@ def build_policy(cfg: Config, hf_config):
         distributed_optimizer=pc.distributed_optimizer,
         gpu_settings=GpuSettings.from_config(pc),
         routing_replay=cfg.rollout.routing_replay,
+        lora=lora,
     )
 
 
@@ -280,6 +284,7 @@ def start_engine(cfg: Config, dedicated: bool = False):
         logprobs_mode="processed_logprobs",
         routing_replay=rc.routing_replay,
         enable_sleep_mode=False if dedicated else None,
+        lora_rank=cfg.model.lora.rank,  # 0: no LoRA slot; else the adapters are loaded after every update
     )
     return engine, time.perf_counter() - t0
 

@@ -57,6 +57,7 @@ from megatron_dppo.train.metrics import PhaseTimer, RolloutPolicyNotes, train_me
 from megatron_dppo.train.rollout_rank import reporting_rollout_ranks_gone, stop_without_waiting
 from megatron_dppo.train.signals import StopNow, StopRequested, stop_on_signals
 from megatron_dppo.train.step_rollout import PendingRound, StepRollout
+from megatron_dppo.train.weight_sync import WeightSync
 
 __all__ = ["NonFiniteError", "StopNow", "StopRequested", "Trainer"]
 
@@ -123,6 +124,7 @@ class Trainer:
             cfg, self.roles, tokenizer=self.tokenizer, scorer=self.scorer, watchdog=self.watchdog
         )
         self.engine, self.engines = started.engine, started.engines
+        self.weight_sync = WeightSync(cfg, self.policy, engine=self.engine, engines=self.engines, roles=self.roles)
         self.engine_init_s, self.reward_description = started.init_s, started.reward_description
         self.method.reweighting.check_engine(started.logprobs_mode, cfg.rollout)  # ReCo's: processed log-probs
         torch.manual_seed(cfg.trainer.seed)  # vLLM reseeded the global generators; a resume restores its own
@@ -140,8 +142,9 @@ class Trainer:
         )
         self.watchdog.phase("load weights")
         # A resumed run without a KL term reads neither HF weights nor init_checkpoint: the
-        # checkpoint (policy, optimizer, RNG, history) overwrites the policy anyway.
-        if not (resume and self.policy.reference is None):
+        # checkpoint (policy, optimizer, RNG, history) overwrites the policy anyway. LoRA's checkpoint
+        # holds the adapters only: the frozen base is always read.
+        if not (resume and self.policy.reference is None and self.policy.adapters is None):
             startup.load_starting_weights(cfg, self.policy, self.model_dir)
         if resume:
             restored = self.checkpoints.restore(
@@ -167,7 +170,7 @@ class Trainer:
             watchdog=self.watchdog,
         )
         self._check_finite("the starting weights", grads=False)
-        self._sync_weights(self.first_step - 1)
+        self.weight_sync.push(self.first_step - 1, start=True)
         if self.is_main:
             save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.logger = RunLogger(self.run_dir, cfg, cfg.trainer.max_steps, self.first_step, enabled=self.is_main)
@@ -211,7 +214,10 @@ class Trainer:
             # drawn now, after this step's rollout reached the history, as the colocated run draws it.
             self.pending = self._submit_next_round(step + 1)
         if self.engine is not None:
-            self.engine.sleep(cfg.rollout.sleep_level)  # GPU: give the KV cache (and weights) back to training
+            # GPU: give the KV cache (and weights) back to training. LoRA: level 1 at most, since level 2
+            # drops the base weights and its sync sends the adapters alone (a no-op on the CPU)
+            level = min(cfg.rollout.sleep_level, 1) if self.policy.adapters is not None else cfg.rollout.sleep_level
+            self.engine.sleep(level)
         # advantages on the FULL group, then completion pruning
         plan_metrics = batch.weigh_completions(self.method, self.strategy, collected.trained, gen)
         minibatches = batch.plan_minibatches(self.method, collected.trained, collected.drawn)
@@ -244,11 +250,12 @@ class Trainer:
             self.watchdog.phase("rollout_wait", step)
             self.pending.parts = self.engines.parts(timer)  # the next step's rollout, done
         with timer("sync"):
-            self._sync_weights(step)  # push weights to vLLM
+            self.weight_sync.push(step)  # the new weights (LoRA: adapters) to vLLM
 
         metrics = {"step": step, **rollout_metrics(collected.trained, collected.rolled, counts), **plan_metrics}
         metrics.update(curriculum_metrics)
         metrics.update(lag_metrics)
+        metrics["sync/bytes"] = self.weight_sync.bytes  # what this rank sent or loaded (LoRA: the adapters alone)
         rolled = collected.rolled
         metrics.update(
             reward_metrics_by_source(
@@ -285,27 +292,6 @@ class Trainer:
                 raise NonFiniteError(f"{what}: non-finite (NaN or inf) {kind} in {where}")
         if grads:
             raise NonFiniteError(f"{what}: the loss or the gradient norm is not finite (weights and gradients are)")
-
-    def _sync_weights(self, version: int) -> None:
-        """Stream the policy's weights into vLLM; `version` is the step whose update they hold.
-        Colocated, on GPU the engine wakes its weights first and its KV cache only after the load,
-        so the peak stays near training's (no-ops on CPU). Dedicated rollout ranks: training rank 0
-        sends the buckets over the weights bridge; every training rank takes part in gathering them."""
-        if self.roles is not None:
-            buckets = self.policy.hf_weight_buckets()
-            if self.roles.control is None:
-                for _ in buckets:  # the TP/PP gathers are collective: rank 0 sends what they give
-                    pass
-                return
-            self.roles.control.broadcast_object(("weights", version))
-            self.roles.weights.send_buckets(buckets)
-            return
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # hand training's cached activations back before vLLM wakes
-        self.engine.wake_up(["weights"])
-        self.engine.load_weights(self.policy.hf_weight_buckets())
-        self.engine.wake_up(["kv_cache"])
-        self.engines.set_weights_version(version)
 
     def _submit_next_round(self, step: int) -> PendingRound:
         """Draw step `step`'s first round (its own generator, continued by its step) and send it to
@@ -413,7 +399,7 @@ class Trainer:
             self.watchdog.stop()
         if stop_rollout_ranks:
             self._stop_rollout_ranks()
-        for part in ("scorer", "engine", "logger"):
+        for part in ("scorer", "weight_sync", "engine", "logger"):
             if getattr(self, part, None) is not None:
                 getattr(self, part).close()
         destroy_parallel()

@@ -799,12 +799,17 @@ def test_lora_activations_add_each_pairs_rank_and_each_linears_dropout(tmp_path,
     assert full_s["reference"] == full_s["weights"] and lora_s["reference"] == 0
 
 
+# LoRA runs without sequence parallelism (config/checks.py: the adapters see each linear's whole
+# input), which the 32B preset turns on
+NO_SP = "parallel.sequence_parallel=false"
+
+
 def test_lora_state_is_sharded_like_the_layout_on_the_32b_preset():
     """TP 4 x PP 2 x DP 4: a rank's adapters are its TP shard (column: B split, A whole; row: A
     split, B whole), their Adam state is split over DP; the base keeps only its bf16 weights."""
     from megatron_dppo.jobs.plan_lora import adapter_params, hf_adapter_params, layer_adapters
 
-    cfg = _cfg(QWEN3_32B, "model.lora.rank=64")
+    cfg = _cfg(QWEN3_32B, "model.lora.rank=64", NO_SP)
     arch = Arch.from_hf(load_hf_config(cfg.model.hf_dir))
     full, lora = memory_plan(_cfg(QWEN3_32B)), memory_plan(cfg)
     adapters = layer_adapters(arch, cfg.model.lora, False)
@@ -825,7 +830,7 @@ def test_lora_state_is_sharded_like_the_layout_on_the_32b_preset():
 
 
 def test_lora_plan_names_the_rank_and_the_sync_bytes(capsys):
-    assert plan_main(["--config", str(QWEN3_32B), "model.lora.rank=32"]) == 0
+    assert plan_main(["--config", str(QWEN3_32B), "model.lora.rank=32", NO_SP]) == 0
     out = capsys.readouterr().out
     assert "lora r=32 (alpha 32, targets qkv,proj,fc1,fc2, experts off)" in out
     assert "weight sync per step: 0.50 GiB (the adapters only, 122x less than every weight)" in out
@@ -842,7 +847,7 @@ def test_lora_step_time_moves_only_the_adapters():
     flags.update(dedicated_gen_tokens_per_s=None, dedicated_train_tokens_per_s=None, sync_gb_per_s=None)
     flags.update(generated_tokens=None, trained_tokens=None)
     args = type("Args", (), flags)
-    for overrides in ([], ["model.lora.rank=64"]):
+    for overrides in ([], ["model.lora.rank=64", NO_SP]):
         cfg = _cfg(QWEN3_32B, *overrides)
         plan = memory_plan(cfg)
         st = plan_step_time(cfg, plan, args)
@@ -857,12 +862,12 @@ def test_smallest_layout_of_the_32b_with_lora_is_smaller_than_full_fine_tuning(c
     from megatron_dppo.jobs.plan_smallest import smallest_layout
 
     full = smallest_layout(_cfg(QWEN3_32B))
-    lora = smallest_layout(_cfg(QWEN3_32B, "model.lora.rank=64"))
+    lora = smallest_layout(_cfg(QWEN3_32B, "model.lora.rank=64", NO_SP))
     assert lora["gpus"] < full["gpus"], (lora["overrides"], full["overrides"])
-    for found, extra in ((full, []), (lora, ["model.lora.rank=64"])):
+    for found, extra in ((full, []), (lora, ["model.lora.rank=64", NO_SP])):
         again = memory_plan(load_config(str(QWEN3_32B), [*extra, *found["overrides"].split()]))
         assert again["fits"] and again["layout"]["gpus"] == found["gpus"]
-    assert plan_main(["--config", str(QWEN3_32B), "--smallest", "model.lora.rank=64"]) == 0
+    assert plan_main(["--config", str(QWEN3_32B), "--smallest", "model.lora.rank=64", NO_SP]) == 0
     assert f"smallest layout that fits: {lora['gpus']} GPUs" in capsys.readouterr().out
 
 
@@ -891,7 +896,7 @@ def test_lora_weight_sync_row_is_the_adapters_export():
     through the GPU (output: all of them; input: this stage's half); vLLM loads one tensor at a time."""
     largest = 2 * 64 * 25600 * 2  # gather buffer + merged copy, bf16
     for overrides, gathered in ((["parallel.pp=2"], 1.5), (["parallel.pp=1", "parallel.tp=8"], 0)):
-        plan = memory_plan(_cfg(QWEN3_32B, "model.lora.rank=64", *overrides))
+        plan = memory_plan(_cfg(QWEN3_32B, "model.lora.rank=64", NO_SP, *overrides))
         sync = plan["sync_bytes"]
         for stage in plan["stages"].values():
             assert stage["generate"]["weight_sync"] == gathered * sync + largest + largest
