@@ -561,7 +561,9 @@ def execute(
     keep_checkpoints: bool,
     retries: int = 1,
     log=print,
+    start=Launched,
 ) -> dict:
+    """start(run, config, threads) -> a job with Launched's interface (tools/bench_lora.py's samples memory too)."""
     todo = [r for r in runs if force or not run_is_done(r, max_steps)]
     skipped = len(runs) - len(todo)
     if skipped:
@@ -578,7 +580,7 @@ def execute(
                 now = time.strftime("%H:%M:%S")
                 log(f"[{now}] start {r.name} (attempt {attempts[r.name] + 1}; {len(queue)} queued)")
                 attempts[r.name] += 1
-                active.append(Launched(r, config, threads))
+                active.append(start(r, config, threads))
             time.sleep(0.1)
             for job in active:
                 job.sample()

@@ -687,18 +687,19 @@ def check_model(cfg) -> None:
         )
 
 
-def claim_out_dir(out_dir: Path) -> None:
+def claim_out_dir(out_dir: Path, marker: str = OUT_MARKER) -> None:
     """Make --out this script's (its mark), or a one-line ValueError when it is a directory of
-    someone else's files: a new or empty directory is taken, a marked one is ours already."""
+    someone else's files: a new or empty directory is taken, a marked one is ours already.
+    marker: the script's own mark (tools/bench_lora.py's is .bench-lora)."""
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise ValueError(f"--out {out_dir} is not a directory: choose a new or empty directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / OUT_MARKER).is_file():
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / marker).is_file():
         raise ValueError(
-            f"--out {out_dir} holds files this script did not write (it has no {OUT_MARKER}): choose a new or "
+            f"--out {out_dir} holds files this script did not write (it has no {marker}): choose a new or "
             "empty directory"
         )
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / OUT_MARKER).touch()
+    (out_dir / marker).touch()
 
 
 def lock(out_dir: Path):
