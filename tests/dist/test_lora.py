@@ -13,12 +13,17 @@ import pytest
 WORKER = Path(__file__).resolve().parents[1] / "dist" / "workers" / "step" / "lora_check.py"
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_lora_equals_peft_log_probs_and_adapter_gradients(launch, tp, pp):
-    res = launch(WORKER, 2, "--tp", str(tp), "--pp", str(pp))
+@pytest.mark.parametrize(
+    "family,tp,pp",
+    [("qwen3", 2, 1), ("qwen3", 1, 2), ("llama", 2, 1), ("qwen2", 1, 2)],
+    ids=["qwen3-tp2", "qwen3-pp2", "llama-tp2", "qwen2-pp2"],
+)
+def test_lora_equals_peft_log_probs_and_adapter_gradients(launch, family, tp, pp):
+    """Every family model.hf_dir takes: Qwen3 (q/k norms), Llama 3 (none), Qwen2.5 (q/k/v biases)."""
+    res = launch(WORKER, 2, "--tp", str(tp), "--pp", str(pp), "--family", family)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     assert "LORA CHECK PASSED" in res.stdout
-    assert f"tp={tp} pp={pp} dp=1:" in res.stdout
+    assert f"{family} tp={tp} pp={pp} dp=1:" in res.stdout
 
 
 @pytest.mark.parametrize(

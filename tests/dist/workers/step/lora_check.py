@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grad_check import MAX_NEW, B, G, hf_model, make_problem, my_microbatches, reference_grads, seq_logp
+from grad_check import MAX_NEW, VOCAB, B, G, hf_model, make_problem, my_microbatches, reference_grads, seq_logp
 
 from megatron_dppo.algorithms import losses
 from megatron_dppo.config import AlgorithmConfig, OptimConfig
@@ -81,13 +81,19 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--negative-control", choices=["none", "alpha", "tp-sum"], default="none")
+    ap.add_argument("--family", choices=["qwen3", "llama", "qwen2"], default="qwen3")
     args = ap.parse_args()
     initialize_parallel(args.tp, args.pp, seed=0)
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     rank0 = dist.get_rank() == 0
-    cfg, base = hf_model()
+    if args.family == "qwen3":
+        cfg, base = hf_model()
+    else:  # Llama 3 (no q/k norm) and Qwen2.5 (q/k/v biases): the same adapters
+        from tiny_models import tiny_family_model
+
+        cfg, base = tiny_family_model(args.family, 0, vocab_size=VOCAB, max_position_embeddings=64)
     hf_sd = {k: v.clone() for k, v in base.state_dict().items() if k != "lm_head.weight"}
     ref = peft_model(base, seed=5)
     if args.negative_control == "tp-sum":  # each TP rank keeps its own share of A's gradient
@@ -142,14 +148,17 @@ def main():
     rel = math.sqrt(num / sum(float(g.pow(2).sum()) for g in ref_grads.values()))
     if rank0:
         print(
-            f"tp={args.tp} pp={args.pp} dp={dp_size}: start |dlogp| {start:.2e}, PEFT |dlogp| {lp_err:.2e} "
+            f"{args.family} tp={args.tp} pp={args.pp} dp={dp_size}: start |dlogp| {start:.2e}, "
+            f"PEFT |dlogp| {lp_err:.2e} "
             f"(adapters move them {moved:.3f}), reference-is-base |dlogp| {ref_err:.2e}, "
             f"loss {metrics['loss']:.6f} vs {ref_loss:.6f}, relative adapter grad error {rel:.2e}"
         )
     assert lp_err < 1e-5, f"log-probs differ from PEFT's: max |dlogp| {lp_err:.2e}"
     assert ref_err < 1e-5, f"the KL reference is not the base model: max |dlogp| {ref_err:.2e}"
     assert abs(metrics["loss"] - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (metrics["loss"], ref_loss)
-    assert rel < 1e-5, f"relative adapter grad error {rel:.2e} against PEFT"
+    # float32's floor: 1.5e-6 (Qwen3) to 1.4e-5 (Qwen2's perturbed q/k/v biases) at every layout; the
+    # negative controls give 0.98 and 1.7
+    assert rel < 3e-5, f"relative adapter grad error {rel:.2e} against PEFT"
 
     # A step moves the adapters and nothing else.
     before = {k: v.clone() for k, v in policy.hf_state_dict().items()}
