@@ -51,6 +51,13 @@ DIST_SMALL = [
 ]
 
 
+def small_train_cmd(out, name, *overrides, resume=False):
+    """A one-process run of the tiny main job at the SMALL budget (`python -m megatron_dppo.cli train`)."""
+    cmd = [sys.executable, "-m", "megatron_dppo.cli", "train", "--config", str(TINY / "addition.yaml"),
+           f"trainer.output_dir={out}", f"trainer.run_name={name}", *SMALL, *overrides]  # fmt: skip
+    return cmd + (["--resume"] if resume else [])
+
+
 def run_env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 

@@ -15,13 +15,12 @@ the tool's main(); the tests read what it wrote.
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli, run_torchrun
-from trainer_runs import run_env
+from trainer_runs import run_env, small_train_cmd
 from worker_results import safetensors_weights as _weights
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,26 +32,10 @@ TOKENS = torch.tensor([[5, 9, 12, 7, 3, 11, 4, 8]])
 
 
 def _train(root: Path) -> Path:
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_dppo.cli",
-        "train",
-        "--config",
-        "examples/tiny/addition.yaml",
-        f"trainer.output_dir={root}",
-        "trainer.max_steps=2",
-        "trainer.eval_every=0",
-        "trainer.prompts_per_step=8",
-        "data.train_size=8",
-        "logging.wandb=disabled",
-        "logging.progress=false",
-        "trainer.threads=1",
-        "model.lora.rank=8",
-        "model.lora.alpha=16",
-        "optim.lr=1e-3",
-        "trainer.save_every=2",
-    ]
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-3"]
+    cmd = small_train_cmd(
+        root, "tiny-addition-dppo", "trainer.max_steps=2", "data.train_size=8", *lora, "trainer.save_every=2"
+    )
     res = run_cli(cmd, run_env())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return root / "tiny-addition-dppo" / "checkpoints" / "step_000002"

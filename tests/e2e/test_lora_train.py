@@ -6,13 +6,22 @@ onto the base and that reproduces the trained policy."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_cli
-from trainer_runs import SMALL, TINY, assert_same_rollouts, metrics, rel_close, rollouts, run, run_env, train_cmd
+from trainer_runs import (
+    TINY,
+    assert_same_rollouts,
+    metrics,
+    rel_close,
+    rollouts,
+    run,
+    run_env,
+    small_train_cmd,
+    train_cmd,
+)
 
 from megatron_dppo.megatron.dcp_metadata import read_dcp_metadata
 from megatron_dppo.model.peft_dir import read_peft_adapter
@@ -22,25 +31,8 @@ TINY_MODEL = REPO / "examples" / "tiny" / "model"
 LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-3", "data.train_size=8"]
 
 
-def _cmd(out, name, *overrides, resume=False):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_dppo.cli",
-        "train",
-        "--config",
-        "examples/tiny/addition.yaml",
-        f"trainer.output_dir={out}",
-        f"trainer.run_name={name}",
-        *SMALL,
-        *LORA,
-        *overrides,
-    ]
-    return cmd + (["--resume"] if resume else [])
-
-
 def _run(out, name, *overrides, resume=False, ok=True):
-    res = run_cli(_cmd(out, name, *overrides, resume=resume), run_env())
+    res = run_cli(small_train_cmd(out, name, *LORA, *overrides, resume=resume), run_env())
     if ok:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res

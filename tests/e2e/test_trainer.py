@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from trainer_runs import SMALL
+from trainer_runs import small_train_cmd
 
 pytestmark = pytest.mark.slow  # training runs in subprocesses: minutes in all
 
@@ -33,20 +33,7 @@ def _env():
     )
 
 
-def train_cmd(tmp_path, name, *overrides, resume=False):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_dppo.cli",
-        "train",
-        "--config",
-        str(CONFIG),
-        f"trainer.output_dir={tmp_path}",
-        f"trainer.run_name={name}",
-        *SMALL,
-        *overrides,
-    ]
-    return cmd + (["--resume"] if resume else [])
+train_cmd = small_train_cmd
 
 
 def run(cmd, timeout=600):
