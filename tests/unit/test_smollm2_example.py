@@ -70,3 +70,15 @@ def test_reward_compares_numbers_not_strings():
     assert reward.final_number_reward("13 + 34 = 47", "47") == 1.0
     assert reward.final_number_reward("13 + 34 = 46", "47") == 0.0
     assert reward.final_number_reward("no number", "47") == 0.0
+
+
+def test_the_lora_example_is_the_dppo_example_with_adapters():
+    """examples/smollm2/lora.yaml differs from dppo.yaml only in model.lora, the learning rate and the
+    run name, so the two compare LoRA with the full fine-tune and nothing else."""
+    from megatron_dppo.config.load import load_config, to_dict
+
+    full, lora = (to_dict(load_config(str(REPO / "examples" / "smollm2" / f"{n}.yaml"))) for n in ("dppo", "lora"))
+    assert lora["model"].pop("lora")["rank"] == 16 and full["model"].pop("lora")["rank"] == 0
+    assert (lora["optim"].pop("lr"), full["optim"].pop("lr")) == (2e-4, 2e-5)
+    assert lora["trainer"].pop("run_name") == full["trainer"].pop("run_name") + "-lora"
+    assert lora == full
