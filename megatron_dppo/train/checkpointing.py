@@ -149,7 +149,7 @@ class Checkpoints:
             error = e
         if mdist.agree(error is None):
             try:
-                if self.policy.adapters is not None:  # LoRA: a PEFT adapter dir on model.hf_dir
+                if getattr(self.policy, "adapters", None) is not None:  # LoRA: a PEFT adapter dir on model.hf_dir
                     self._export_adapters(out)
                 else:
                     save_hf_checkpoint(self.policy.hf_weight_buckets(), out, self.cfg.model.hf_dir, self.is_main)
