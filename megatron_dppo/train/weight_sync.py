@@ -51,15 +51,39 @@ class AdapterSync:
         shutil.rmtree(self.directory, ignore_errors=True)  # made by mkdtemp above: ours alone
 
 
+def merged_buckets(buckets, adapters: dict, scale: float):
+    """The base's HF buckets with each adapted module's weight merged: W + scale B A (in fp32, cast
+    back), what PEFT's merge_and_unload computes; vLLM then serves the policy without LoRA."""
+    for bucket in buckets:
+        out = []
+        for name, t in bucket:
+            module = name.removesuffix(".weight")
+            a = adapters.get(f"{module}.lora_A.weight")
+            if a is not None:
+                b = adapters[f"{module}.lora_B.weight"]
+                t = (t.float() + scale * (b.float() @ a.float()).to(t.device)).to(t.dtype)
+            out.append((name, t))
+        yield out
+
+
 class WeightSync:
     """Pushes the policy's weights to wherever this run generates, after every update.
     engine: this rank's colocated RolloutEngine, or None with dedicated rollout ranks (roles)."""
 
     def __init__(self, cfg: Config, policy, *, engine, engines, roles):
         self.policy, self.engine, self.engines, self.roles = policy, engine, engines, roles
-        self.lora = policy.adapters is not None
+        lora = policy.adapters is not None
+        self.merged = lora and cfg.model.lora.sync == "merged"  # W + alpha/r B A as full weights
+        self.lora = lora and not self.merged  # the adapters alone, into vLLM's LoRA slot
+        self.scale = cfg.model.lora.alpha / cfg.model.lora.rank if lora else 0.0
         self.adapter_sync = AdapterSync(cfg) if self.lora and engine is not None else None
         self.bytes = 0  # the last sync's: what this rank sent or loaded (sync/bytes)
+
+    def describe(self) -> str:
+        """For the start-up line: what a LoRA run's sync sends ("" without LoRA)."""
+        if self.merged:
+            return "; LoRA: merged weights synced to vLLM (model.lora.sync=merged)"
+        return "; LoRA: adapters synced to vLLM's LoRA slot (model.lora.sync=adapters)" if self.lora else ""
 
     def push(self, version: int, start: bool = False) -> None:
         """Step `version`'s weights to the engines. start: the run's first sync (LoRA: the base too)."""
@@ -73,6 +97,8 @@ class WeightSync:
         its KV cache only after the load, so the peak stays near training's (no-ops on CPU). Rollout
         ranks: training rank 0 sends; every training rank takes part in gathering the buckets."""
         buckets = self.policy.hf_weight_buckets()
+        if self.merged:
+            buckets = merged_buckets(buckets, self.policy.hf_adapters(), self.scale)
         if self.roles is not None:
             if self.roles.control is None:
                 for _ in buckets:  # the TP/PP gathers are collective: rank 0 sends what they give

@@ -28,7 +28,8 @@ from megatron_dppo.model.peft_dir import read_peft_adapter
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = REPO / "examples" / "tiny" / "model"
-LORA = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-3", "data.train_size=8"]
+# the adapters' sync (the CPU's default is merged weights: test_merged_sync_serves_the_same_policy)
+LORA = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapters", "optim.lr=1e-3", "data.train_size=8"]
 
 
 def _run(out, name, *overrides, resume=False, ok=True):
@@ -129,7 +130,7 @@ def test_dedicated_rollout_rank_gets_the_adapters_and_equals_the_colocated_run(t
     """1 training + 1 rollout process at staleness 0: the adapters go over the weights bridge after
     every update, and the run equals the colocated one token for token (step 2 is sampled with the
     adapters of update 1), with vLLM's log-probs the trainer's."""
-    lora = ["model.lora.rank=8", "model.lora.alpha=16", "optim.lr=1e-3"]
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapters", "optim.lr=1e-3"]
     run(train_cmd(tmp_path, "colocated", TINY / "model", 1, *lora))
     res = run(train_cmd(tmp_path, "dedicated", TINY / "model", 2, *lora, "parallel.rollout_ranks=1"))
     assert "1 training + 1 rollout process(es)" in res.stdout + res.stderr
@@ -139,3 +140,16 @@ def test_dedicated_rollout_rank_gets_the_adapters_and_equals_the_colocated_run(t
         assert got[step]["train/logprob_gap_vllm"] < 1e-4
         for key in ("train/loss", "train/grad_norm", "reward/mean"):
             assert rel_close(got[step][key], ref[step][key], rel=1e-6), (step, key)
+
+
+def test_merged_sync_serves_the_same_policy(runs, tmp_path):
+    """model.lora.sync=merged (the CPU's default): vLLM gets W + alpha/r B A as full weights and no
+    LoRA slot; its log-probs are still the trainer's at every step, the start-up line says so, and
+    the run trains as the adapters-synced one does (same losses: the policy is the same)."""
+    res = _run(tmp_path, "merged", "trainer.max_steps=4", "model.lora.sync=merged")
+    assert "LoRA: merged weights synced to vLLM (model.lora.sync=merged)" in res.stdout + res.stderr
+    got, ref = _metrics(tmp_path / "merged"), _metrics(runs / "ref")
+    for step in (1, 2, 3, 4):
+        assert got[step]["train/logprob_gap_vllm"] < 1e-4, (step, got[step]["train/logprob_gap_vllm"])
+        assert got[step]["sync/bytes"] > ref[step]["sync/bytes"]  # every weight, not the adapters
+        assert abs(got[step]["train/loss"] - ref[step]["train/loss"]) <= 1e-4 * max(1.0, abs(ref[step]["train/loss"]))

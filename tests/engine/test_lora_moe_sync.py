@@ -102,7 +102,7 @@ def test_lora_on_an_moe_model_is_refused_by_name_where_vllm_has_no_triton(moe_di
         pytest.skip("this vLLM has Triton: it runs MoE layers under LoRA")
     with pytest.raises(ValueError) as e:
         RolloutEngine(str(moe_dir), dtype="float32", max_model_len=64, lora_rank=RANK)
-    assert "model.lora.rank" in str(e.value) and "Triton MoE kernel" in str(e.value) and "\n" not in str(e.value)
+    assert "model.lora.sync" in str(e.value) and "Triton MoE kernel" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_adapter_without_experts_arrives_and_a_sent_expert_that_did_not_is_named(engine, moe_dir, tmp_path):
