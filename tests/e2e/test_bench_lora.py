@@ -101,6 +101,13 @@ def test_verdict(lora, full, reason):
     assert (reasons == []) if reason is None else (len(reasons) == 1 and reasons[0].startswith(reason)), reasons
 
 
+def test_a_merged_sync_moves_the_full_models_bytes_by_design():
+    """--sync merged: the LoRA arm streams merged full weights, so equal bytes pass there and only there."""
+    arms = {"full": _arm("full"), "lora": _arm("lora", sync_bytes=_arm("full")["sync_bytes"])}
+    assert bl.verdict(arms, "lora", 30, 64, "merged") == []
+    assert bl.verdict(arms, "lora", 30, 64, "adapters")[0].startswith("the lora arm's weight sync moved")
+
+
 def test_out_with_a_users_files_is_refused_before_anything_runs(tmp_path, capsys):
     mine = tmp_path / "notes.txt"
     mine.write_text("mine")
