@@ -41,7 +41,8 @@ def test_quick_measures_both_arms_and_passes(quick):
     assert result["reasons"] == [] and result["lora_arm"] == "lora"
     # The arms' commands: the same budget, LoRA's three settings on top; both at once, one thread each.
     ov = result["settings"]["overrides"]
-    lora_only = {"model.lora.rank=16", "model.lora.alpha=32", "optim.lr=0.0002", "trainer.run_name=lora-s0"}
+    lora_only = {"model.lora.rank=16", "model.lora.alpha=32", "model.lora.sync=adapters", "optim.lr=0.0002"}
+    lora_only.add("trainer.run_name=lora-s0")
     assert set(ov["lora"]) - set(ov["full"]) == lora_only
     assert "trainer.threads=1" in ov["full"] and "trainer.eval_every=3" in ov["full"]
     assert result["settings"]["parallel"] == 2

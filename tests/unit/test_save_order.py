@@ -50,6 +50,7 @@ def _trainer(cfg, run_dir, first_step: int) -> Trainer:
     t.data = t.strategy = SimpleNamespace(skipped_long=0, state_dict=dict)
     t.curriculum, t.history, t.roles, t.pending = None, None, None, None
     t.policy = SimpleNamespace(attention=SimpleNamespace(describe=str), hf_weight_buckets=lambda: iter([]))
+    t.weight_sync = SimpleNamespace(describe=str)  # the start-up line's LoRA part: "" without LoRA
     t.watchdog = SimpleNamespace(phase=lambda *a: None, margin_warning=lambda: None, timing_line=str)
     paths = RunPaths(RunDirPlan(t.run_dir, "resume"), t.ckpt_dir, {})
     t.checkpoints = Checkpoints(
