@@ -149,14 +149,13 @@ class LinearAdapters(torch.nn.Module):
         return F.linear(h, pair.lora_B) * self.scale
 
     # ---- checkpoint and export: global tensors under HF names ------------------------------------
-    def named_pairs(self):
-        """(hf_module_name, lora_A, lora_B) of this rank."""
-        for name, pair in zip(self.names, self.pairs):
-            yield name, pair.lora_A, pair.lora_B
-
-    def split_dims(self) -> tuple[int | None, int | None]:
-        """The TP-split dimension of (A, B): None where the tensor is replicated."""
-        return (None, 0) if self.column else (1, None)
+    def factors(self):
+        """(pair index, HF module name, "lora_A" | "lora_B", this rank's parameter, its TP-split
+        dimension or None where it is replicated) of every factor: A and B of each pair."""
+        a_dim, b_dim = (None, 0) if self.column else (1, None)
+        for j, (name, pair) in enumerate(zip(self.names, self.pairs)):
+            yield j, name, "lora_A", pair.lora_A, a_dim
+            yield j, name, "lora_B", pair.lora_B, b_dim
 
 
 class LoraAdapters(torch.nn.Module):
@@ -195,14 +194,12 @@ class LoraAdapters(torch.nn.Module):
                     tp_group=parallel_state.get_expert_tensor_parallel_group(),
                     dp_cp_group=parallel_state.get_expert_data_parallel_group(),
                 )
-            a_dim, b_dim = lin.split_dims()
-            for j, (name, a, b) in enumerate(lin.named_pairs()):
-                for tensor, split, suffix in ((a, a_dim, "lora_A"), (b, b_dim, "lora_B")):
-                    local, saved = f"{prefix}linears.{key}.pairs.{j}.{suffix}", f"{prefix}{name}.{suffix}"
-                    if split is None:
-                        out[local] = make_sharded_tensor_for_checkpoint(tensor, saved, **kw)
-                    else:
-                        out[local] = make_tp_sharded_tensor_for_checkpoint(tensor, saved, tp_axis=split, **kw)
+            for j, name, suffix, tensor, split in lin.factors():
+                local, saved = f"{prefix}linears.{key}.pairs.{j}.{suffix}", f"{prefix}{name}.{suffix}"
+                if split is None:
+                    out[local] = make_sharded_tensor_for_checkpoint(tensor, saved, **kw)
+                else:
+                    out[local] = make_tp_sharded_tensor_for_checkpoint(tensor, saved, tp_axis=split, **kw)
         return out
 
     def hf_tensors(self, values: dict | None = None) -> dict[str, torch.Tensor]:
@@ -211,15 +208,13 @@ class LoraAdapters(torch.nn.Module):
         tensor} to export instead of the parameters themselves (their gradients)."""
         out = {}
         for lin in self.linears.values():
-            a_dim, b_dim = lin.split_dims()
-            for name, a, b in lin.named_pairs():
-                for param, dim, suffix in ((a, a_dim, "lora_A"), (b, b_dim, "lora_B")):
-                    t = (param if values is None else values[param]).detach()
-                    if dim is not None and lin.tp_size > 1:
-                        shards = [torch.empty_like(t) for _ in range(lin.tp_size)]
-                        dist.all_gather(shards, t.contiguous(), group=lin.group)
-                        t = torch.cat(shards, dim=dim)
-                    out[f"{name}.{suffix}.weight"] = t.cpu().clone()
+            for _, name, suffix, param, dim in lin.factors():
+                t = (param if values is None else values[param]).detach()
+                if dim is not None and lin.tp_size > 1:
+                    shards = [torch.empty_like(t) for _ in range(lin.tp_size)]
+                    dist.all_gather(shards, t.contiguous(), group=lin.group)
+                    t = torch.cat(shards, dim=dim)
+                out[f"{name}.{suffix}.weight"] = t.cpu().clone()
         return out
 
     @torch.no_grad()
@@ -227,21 +222,19 @@ class LoraAdapters(torch.nn.Module):
         """Copy whole HF-named adapters (hf_tensors' names; a PEFT directory's without its
         base_model.model. prefix) into this rank's slices. Every adapter of this stage must be there."""
         for lin in self.linears.values():
-            a_dim, b_dim = lin.split_dims()
-            for name, a, b in lin.named_pairs():
-                for param, dim, suffix in ((a, a_dim, "lora_A"), (b, b_dim, "lora_B")):
-                    key = f"{name}.{suffix}.weight"
-                    if key not in full:
-                        raise ValueError(f"{where} have no {key} (model.lora.targets={list(self.settings.targets)})")
-                    t = full[key]
-                    if dim is not None and lin.tp_size > 1:
-                        t = t.chunk(lin.tp_size, dim=dim)[lin.tp_rank]
-                    if tuple(t.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"{where}: {key} has shape {tuple(full[key].shape)}, this model's adapter "
-                            f"(model.lora.rank={self.settings.rank}) needs {tuple(param.shape)} on this rank"
-                        )
-                    param.copy_(t)
+            for _, name, suffix, param, dim in lin.factors():
+                key = f"{name}.{suffix}.weight"
+                if key not in full:
+                    raise ValueError(f"{where} have no {key} (model.lora.targets={list(self.settings.targets)})")
+                t = full[key]
+                if dim is not None and lin.tp_size > 1:
+                    t = t.chunk(lin.tp_size, dim=dim)[lin.tp_rank]
+                if tuple(t.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{where}: {key} has shape {tuple(full[key].shape)}, this model's adapter "
+                        f"(model.lora.rank={self.settings.rank}) needs {tuple(param.shape)} on this rank"
+                    )
+                param.copy_(t)
 
 
 def gather_over_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
