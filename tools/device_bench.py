@@ -141,7 +141,7 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
+def bench_model(name: str, cfg, seqs, args, peak: float, capacity: int) -> dict:
     from megatron_dppo.config import AlgorithmConfig, OptimConfig
     from megatron_dppo.megatron.model import module_device
     from megatron_dppo.megatron.policy import MegatronPolicy
@@ -161,12 +161,13 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
         "matmul_params": profiling.matmul_params(vars(cfg)),
         "distributed_optimizer": True,
         "packed_attention": device_checks._thd_impl(module_device(policy.model), dtype, cfg.head_dim),
+        "capacity": capacity,
     }
     real = [len(s.tokens) for s in seqs]
     flops = profiling.train_flops(vars(cfg), real)
     denominator = float(sum(len(s.tokens) - s.prompt_len for s in seqs))  # token-mean over the batch
     for layout in ("packed", "padded"):
-        mbs, density = microbatches(seqs, layout, args.capacity)
+        mbs, density = microbatches(seqs, layout, capacity)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         times = []
@@ -199,6 +200,27 @@ def bench_model(name: str, cfg, seqs, args, peak: float) -> dict:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+    return out
+
+
+def bench_within_memory(name: str, cfg, seqs, args, peak: float) -> dict:
+    """bench_model at --capacity tokens per micro-batch, halved while the GPU runs out of memory
+    (not below --max-len): on the first H100 run the 1.7B shape at 16384 did (docs/profiling.md).
+    Both layouts run at the capacity that fits; the ones that did not are listed."""
+    capacity, out_of_memory_at = args.capacity, []
+    while True:
+        try:
+            out = bench_model(name, cfg, seqs, args, peak, capacity)
+            break
+        except torch.cuda.OutOfMemoryError:
+            out_of_memory_at.append(capacity)
+            if capacity // 2 < args.max_len:
+                raise
+        gc.collect()  # outside the except block: the traceback no longer pins the policy
+        torch.cuda.empty_cache()
+        print(f"{name}: out of GPU memory at {capacity} tokens per micro-batch; again at {capacity // 2}", flush=True)
+        capacity //= 2
+    out["out_of_memory_at"] = out_of_memory_at
     return out
 
 
@@ -425,7 +447,7 @@ def main(argv=None) -> int:
                 result["skipped"].append(f"bench {name}: needs ~{need:.0f} s, {left:.0f} s left of --budget-s")
                 print(result["skipped"][-1], flush=True)
                 continue
-            result["models"].append(bench_model(name, cfg, seqs, args, peak))
+            result["models"].append(bench_within_memory(name, cfg, seqs, args, peak))
             save()
 
     sections = {

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from contextlib import nullcontext
 from typing import get_args
 
@@ -65,6 +66,10 @@ try:  # torch >= 2.10 (flash-attention varlen); absent or unusable on older buil
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - depends on the torch build
     varlen_attn = None
+
+# torch 2.11's varlen_attn has no enable_gqa (2.13's has): there the kv heads are repeated first,
+# which is what enable_gqa does inside the kernel (query head h reads kv head h // group).
+VARLEN_HAS_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 THD_IMPLS = get_args(ThdAttention)
 
@@ -383,6 +388,13 @@ def varlen_attention(query, key, value, row: PackedRow, *, scale):
     never see padding; padding outputs are zeroed."""
     t, heads, hn = query.shape
     offsets, real = row.varlen_inputs(query.device)
+    gqa = {}
+    if heads != key.size(1):
+        if VARLEN_HAS_GQA:
+            gqa["enable_gqa"] = True
+        else:
+            group = heads // key.size(1)
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     out = varlen_attn(
         query,
         key,
@@ -393,7 +405,7 @@ def varlen_attention(query, key, value, row: PackedRow, *, scale):
         row.max_seqlen,
         scale=scale,
         window_size=(-1, 0),
-        enable_gqa=heads != key.size(1),
+        **gqa,
     )
     if real is not None:
         out = out.masked_fill(~real, 0.0)

@@ -230,6 +230,29 @@ def test_varlen_call_is_wired_right(monkeypatch):
     assert seen["cu"] == starts + [total]  # the padded segments, tail padding in the last one
 
 
+def test_varlen_without_enable_gqa_repeats_the_kv_heads(monkeypatch):
+    """torch 2.11's varlen_attn has no enable_gqa (the first GPU run, docs/profiling.md, failed on
+    it): there the kv heads are repeated so that query head h reads kv head h // group, and the
+    result still equals the loop."""
+    from megatron_dppo.megatron import attention
+
+    lengths, starts, total = _ragged_row(random.Random(6), 10, gaps=True, tail=1)
+    row = _row(lengths, starts, total)
+
+    def varlen_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):
+        assert k.size(1) == v.size(1) == q.size(1), (q.shape, k.shape)
+        bounds = cu_q.tolist()
+        out = torch.cat([_reference_attention(q[a:b], k[a:b], v[a:b], scale) for a, b in zip(bounds, bounds[1:])])
+        return out.view(q.shape)
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_2_11)
+    monkeypatch.setattr(attention, "VARLEN_HAS_GQA", False)
+    q, k, v = _qkv(total, 6, 2)
+    got = attention.varlen_attention(q, k, v, row, scale=0.2)
+    want = attention.loop_attention(q, k, v, row, scale=0.2)
+    assert (got - want).abs().max() < 1e-5
+
+
 def test_packed_seq_params_from_thd_batches():
     """What reaches Megatron: qkv_format thd and the PADDED offsets as cu_seqlens, with
     cu_seqlens_padded None and pad_between_seqs False where PackedSeqParams has the field
