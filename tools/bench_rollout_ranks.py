@@ -1,11 +1,12 @@
 """Colocated against dedicated rollout ranks, side by side in one run of this tool (issue 32 item 4).
 
-Three `megatron-dppo train` runs of one config under torchrun with 2 processes, one after the
+`megatron-dppo train` runs of one config under torchrun with 2 processes, one after the
 other, each with one thread per process:
 
   colocated   parallel.rollout_ranks=0: DP=2, an engine per rank; every rank generates, then trains
   staleness0  parallel.rollout_ranks=1: 1 training + 1 rollout rank; the rollout waits for the weights
   staleness1  ... trainer.max_staleness=1 (tis): step t+1 rolls out while step t trains
+  staleness2, staleness4  ... trainer.max_staleness=k: the next k steps' rounds queued on the rollout rank
 
 and a table of what each measured: seconds per step and per phase (the trainer's own phases; for
 dedicated ranks rollout and reward are the engine's time and `rollout wait` the trainer's idle
@@ -40,6 +41,8 @@ RUNS = {
     "colocated": [],
     "staleness0": ["parallel.rollout_ranks=1"],
     "staleness1": ["parallel.rollout_ranks=1", "trainer.max_staleness=1", "algorithm.rollout_correction=tis"],
+    "staleness2": ["parallel.rollout_ranks=1", "trainer.max_staleness=2", "algorithm.rollout_correction=tis"],
+    "staleness4": ["parallel.rollout_ranks=1", "trainer.max_staleness=4", "algorithm.rollout_correction=tis"],
 }
 PHASES = ("rollout", "reward", "logprob", "train", "sync", "rollout_wait", "engine_idle")
 

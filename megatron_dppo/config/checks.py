@@ -134,7 +134,11 @@ def validate(cfg: Config) -> Config:
         ("trainer.run_name", run_name_problem(t.run_name) is None, "one plain directory name (no '/', not . or ..)"),
         ("trainer.output_dir", bool(t.output_dir), "a directory path (the run dir is <output_dir>/<run_name>)"),
         ("trainer.threads", t.threads >= 0, "an integer >= 0 (0 = torch's choice)"),
-        ("trainer.max_staleness", t.max_staleness in (0, 1), "0 or 1 (updates a rollout's weights may lag)"),
+        (
+            "trainer.max_staleness",
+            isinstance(t.max_staleness, int) and t.max_staleness >= 0,
+            "an integer >= 0 (updates a rollout's weights may lag)",
+        ),
         ("parallel.tp", c.parallel.tp >= 1, "an integer >= 1"),
         ("parallel.pp", c.parallel.pp >= 1, "an integer >= 1"),
         ("parallel.rollout_tp", c.parallel.rollout_tp >= 1, "an integer >= 1"),

@@ -286,8 +286,9 @@ class TrainerConfig:
     start_timeout_s: float | None = None
     threads: int = 0  # torch threads; resolved: 0 = what torch chose
     # With dedicated rollout ranks (parallel.rollout_ranks > 0): 0 = each step's rollout waits for
-    # its weights (what colocated runs do, token for token); 1 = the next step's rollout runs while
-    # this step trains, with weights one update behind (one-step off-policy: docs/algorithm.md 10)
+    # its weights (what colocated runs do, token for token); k >= 1 = the next k steps' rollouts are
+    # queued on the rollout ranks while this step trains, a step's completions sampled by weights
+    # k updates behind (off-policy: docs/algorithm.md 10)
     max_staleness: int = 0
 
 

@@ -10,7 +10,10 @@ groups), and torch offers no second default group, so the halves meet only throu
 process groups made directly on the launcher's store, of training rank 0 and the R rollout ranks
 (bridge rank 0 is training rank 0, bridge rank 1 + i is rollout rank i):
 
-  * `control` (gloo): requests from training rank 0, each rollout rank's reply;
+  * `control` (gloo): requests from training rank 0 (and the rollout ranks' start-up reports);
+  * `replies` (gloo): each rollout rank's reply to a request, in the order of the requests. A group
+    of its own because a rollout rank receives requests on one thread and sends replies from
+    another (train/rollout_rank.py): a group's calls must come in the same order on every member;
   * `weights` (NCCL on GPUs, gloo on CPU): the policy's HF-named buckets after each optimizer step,
     ended by a marker that counts what was sent (the receiver checks the count).
 
@@ -50,6 +53,7 @@ class Roles:
     rollout_ranks: int
     control: Bridge | None = None
     weights: Bridge | None = None
+    replies: Bridge | None = None
 
     @property
     def train_ranks(self) -> int:
@@ -96,6 +100,7 @@ def split_world(rollout_ranks: int, timeout: timedelta) -> Roles:
         bridge_rank = 0 if rank == 0 else 1 + roles.local_rank
         size = 1 + rollout_ranks
         roles.control = Bridge(dist.PrefixStore("dppo/bridge/control/", store), bridge_rank, size, timeout)
+        roles.replies = Bridge(dist.PrefixStore("dppo/bridge/replies/", store), bridge_rank, size, timeout)
         weights_store = dist.PrefixStore("dppo/bridge/weights/", store)
         roles.weights = Bridge(weights_store, bridge_rank, size, timeout, backend="nccl" if gpu else "gloo")
     return roles

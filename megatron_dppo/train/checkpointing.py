@@ -26,11 +26,11 @@ from megatron_dppo.train.step_rollout import PendingRound
 @dataclass
 class Restored:
     """What --resume takes from a checkpoint besides what it loads in place (policy, data order,
-    strategy, curriculum): its step, its prompt history, and the step after's rollout if one was saved."""
+    strategy, curriculum): its step, its prompt history, and the later steps' rollouts it saved."""
 
     step: int
     history: PromptHistory
-    pending: PendingRound | None
+    pending: list[PendingRound]
 
 
 class Checkpoints:
@@ -59,12 +59,12 @@ class Checkpoints:
         return bool(every and (step % every == 0 or final))
 
     # ---- save and restore --------------------------------------------------------------------------
-    def save(self, step: int, row: dict, history: PromptHistory, pending: PendingRound | None, logger) -> dict:
+    def save(self, step: int, row: dict, history: PromptHistory, pending: list[PendingRound], logger) -> dict:
         """-> the save's cost, as metrics. The step's metrics `row` (without the save's cost, not
         known yet) is staged in the run dir first (RunLogger.stage): the loop logs it only after the
         save, and a run killed in between resumes after this step with the staged row restored, so no
-        step that a checkpoint claims lacks its row. pending: the next step's first round, already
-        rolled out (trainer.max_staleness=1), saved beside the checkpoint."""
+        step that a checkpoint claims lacks its row. pending: the next steps' first rounds, already
+        rolled out (trainer.max_staleness = k >= 1), saved beside the checkpoint."""
         from megatron_dppo.megatron.checkpoint import PENDING_ROLLOUT, checkpoint_bytes, new_run_id, save_checkpoint
 
         self.watchdog.phase("save", step)
@@ -73,9 +73,9 @@ class Checkpoints:
         t0 = time.perf_counter()
         extra_files = {"hf_config.json": os.path.join(self.cfg.model.hf_dir, "config.json")}
         pending_file = os.path.join(self.run_dir, "." + PENDING_ROLLOUT)
-        if pending is not None and self.is_main:
+        if pending and self.is_main:
             with open(pending_file, "w") as f:
-                json.dump(pending.to_state(), f)
+                json.dump({"rounds": [p.to_state() for p in pending]}, f)
             extra_files[PENDING_ROLLOUT] = pending_file
         path = save_checkpoint(
             self.ckpt_dir,
@@ -105,10 +105,10 @@ class Checkpoints:
         self.last_save = time.monotonic()
         return {"time/checkpoint": seconds, "checkpoint/bytes": size}
 
-    def restore(self, path: str, rolls_ahead: bool) -> Restored:
+    def restore(self, path: str, rolls_ahead: int) -> Restored:
         """Load the checkpoint at `path` (startup.check_resumable checked it) into the policy, the
-        data order, the strategy and the curriculum. rolls_ahead: this run rolls out one step ahead
-        (dedicated rollout ranks at trainer.max_staleness=1), so it can take a saved rollout."""
+        data order, the strategy and the curriculum. rolls_ahead: the steps this run rolls out ahead
+        (dedicated rollout ranks: trainer.max_staleness), so it can take that many saved rounds."""
         from megatron_dppo.megatron.checkpoint import load_checkpoint, read_pending_rollout
 
         state = load_checkpoint(path, self.policy)
@@ -118,16 +118,17 @@ class Checkpoints:
             self.curriculum.load_state_dict(state["adaprefix"])
         history = PromptHistory.load(state["history_path"])
         self.run_id = state["run_id"]
-        pending = read_pending_rollout(path)  # saved at trainer.max_staleness=1: the next step's rollout
-        if pending is not None:
-            if not rolls_ahead:
-                raise ValueError(
-                    f"--resume: {path} holds step {state['step'] + 1}'s rollout, sampled one update behind "
-                    "(parallel.rollout_ranks > 0, trainer.max_staleness=1): resume with trainer.max_staleness=1 "
-                    "and dedicated rollout ranks"
-                )
-            pending = PendingRound.from_state(pending, {r.id: r for r in self.data.records})
-        return Restored(state["step"], history, pending)
+        saved = read_pending_rollout(path)  # saved at trainer.max_staleness >= 1: the next steps' rollouts
+        rounds = [] if saved is None else saved.get("rounds", [saved])  # one round, unlisted: before k > 1
+        if len(rounds) > rolls_ahead:
+            steps = f"step {state['step'] + 1}'s rollout" if len(rounds) == 1 else f"{len(rounds)} steps' rollouts"
+            raise ValueError(
+                f"--resume: {path} holds {steps}, sampled ahead (parallel.rollout_ranks > 0, "
+                f"trainer.max_staleness={len(rounds)}): resume with trainer.max_staleness >= {len(rounds)} "
+                "and dedicated rollout ranks"
+            )
+        by_id = {r.id: r for r in self.data.records}
+        return Restored(state["step"], history, [PendingRound.from_state(r, by_id) for r in rounds])
 
     # ---- HF exports --------------------------------------------------------------------------------
     def export_hf(self, step: int) -> str:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import time
 
-from megatron_dppo.run import collectives as mdist
-
 
 class Evaluation:
     def __init__(self, eval_every: int, sets: list, *, engines, renderer, run_dir: str, is_main: bool, watchdog):
@@ -40,12 +38,9 @@ class Evaluation:
         is not a verdict)."""
         if not self.sets:
             return {}
-        if self.engines.remote:  # the rollout ranks' engines run the sets; rank 0 relays their metrics
-            control, metrics = self.engines.control, None
-            if control is not None:
-                control.broadcast_object(("eval", {"step": step, "dump_dir": self.dump_dir}))
-                metrics = control.gather_objects()[0]
-            return mdist.broadcast_object(metrics)
+        if self.engines.remote:  # the rollout ranks' engines run the sets (after the rounds in flight)
+            ticket = self.engines.request("eval", {"step": step, "dump_dir": self.dump_dir})
+            return self.engines.reply(ticket)[0]
         return self.engines.worker.evaluate(
             self.sets, renderer=self.renderer, step=step, dump_dir=self.dump_dir, is_main=self.is_main
         )

@@ -8,6 +8,11 @@ leader, the reward workers, serving training rank 0's requests in the order it s
     ("eval", {step, dump})  the eval: sets over the rollout ranks' engines; reply with the metrics
     ("stop", None)          close and exit
 
+Requests are read, and the weights after them staged, by one thread while the engine works on
+the earlier ones; replies are sent by another (train/rollout_mail.py), so up to
+trainer.max_staleness steps' rounds can be queued and the engine starts the next one at once. The
+engine takes them in the order they were sent: a wave samples with the last weights sent before it.
+
 The rollout ranks' own world (run/bridge.split_world) is vLLM's: an engine of parallel.rollout_tp
 ranks is tensor parallel over them, as colocated engines are over the trainer's world.
 
@@ -40,12 +45,16 @@ from megatron_dppo.run.bridge import BridgeBroken, Roles, StreamCount, WeightStr
 from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
+from megatron_dppo.train.rollout_mail import (
+    GONE,
+    Inbox,
+    Outbox,
+    TrainingRanksGone,
+    load_staged_weights,
+    receive_weights,
+)
 from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker
 from megatron_dppo.train.weight_sync import AdapterSync
-
-
-class TrainingRanksGone(RuntimeError):
-    """The bridge to training rank 0 broke before it said stop (it crashed or was killed)."""
 
 
 class RolloutRanksGone(RuntimeError):
@@ -86,30 +95,38 @@ def serve(cfg: Config, roles: Roles) -> int:
         control, weights = roles.control, roles.weights
         reward = scorer.describe() if scorer is not None else None
         _call(control.gather_objects, {"init_s": init_s, "logprobs_mode": engine.logprobs_mode, "reward": reward})
-        idle = 0.0  # seconds spent waiting for the trainer since the last reply to a wave
+        # From here requests come in and replies go out on threads of their own (train/rollout_mail.py)
+        inbox, outbox = Inbox(control, weights, receive_adapters), Outbox(roles.replies)
+        idle = 0.0  # seconds spent waiting for a request since the last reply to a wave
         while True:
             watchdog.phase("wait for the trainer")
             t0 = time.perf_counter()
-            kind, payload = _call(control.broadcast_object)
+            kind, payload = inbox.take()
             idle += time.perf_counter() - t0
             if kind == "stop":
+                outbox.close()  # the trainer read every reply before it said stop
                 stopped = True
                 break
             if kind == "weights":
-                watchdog.phase("load weights", payload)
-                load_synced_weights(engine, weights, payload)
-                worker.weights_version = payload
+                version, staged = payload
+                watchdog.phase("load weights", version)
+                load_staged_weights(engine, staged, version)
+                del staged, payload
+                inbox.loaded()
+                worker.weights_version = version
             elif kind == "adapters":  # LoRA: the adapters alone, one bucket (train/weight_sync.py)
-                watchdog.phase("load adapters", payload)
+                version, tensors = payload
+                watchdog.phase("load adapters", version)
                 adapter_sync = adapter_sync or AdapterSync(cfg)
-                adapter_sync.load(engine, receive_adapters(weights, payload), payload)
-                worker.weights_version = payload
+                adapter_sync.load(engine, tensors, version)
+                inbox.loaded()
+                worker.weights_version = version
             elif kind == "wave":
                 watchdog.phase("rollout", payload.step)
                 part = worker.part(payload)
                 if place.leader:
                     part.seconds["idle"] = idle
-                _call(control.gather_objects, part)
+                outbox.put(part)
                 idle = 0.0
             elif kind == "eval":
                 watchdog.phase("eval", payload["step"])
@@ -120,7 +137,7 @@ def serve(cfg: Config, roles: Roles) -> int:
                     dump_dir=payload["dump_dir"],
                     is_main=roles.local_rank == 0,
                 )
-                _call(control.gather_objects, metrics)
+                outbox.put(metrics)
             else:
                 raise RuntimeError(f"rollout rank: unknown request {kind!r} from the trainer")
     finally:
@@ -137,29 +154,15 @@ def serve(cfg: Config, roles: Roles) -> int:
 
 
 def load_synced_weights(engine, weights, version: int) -> StreamCount:
-    """Load one weight sync (step `version`'s update) from the weights bridge into the engine, and
-    check that the load read the stream to its end marker: an engine that returned early would
-    leave the rest of the stream in the bridge (the next request would read bucket bytes) and
-    sample with weights of two versions. -> what was read."""
-    count = StreamCount()
-    engine.load_weights(_call_iter(weights.receive_buckets(count)))
-    if not count.ended:
-        after = (
-            f"after {count.buckets} bucket(s), {count.tensors} tensor(s), the last {count.last!r}"
-            if count.buckets
-            else "before its first bucket"
-        )
-        raise WeightStreamError(
-            f"rollout rank: the engine's load of step {version}'s weights returned {after}, before the weights "
-            "bridge's end marker: its weights mix two versions"
-        )
-    return count
+    """Load one weight sync (step `version`'s update) from the weights bridge into the engine,
+    checking that the engine read it to its end marker (rollout_mail.load_staged_weights). -> what was read."""
+    return load_staged_weights(engine, receive_weights(weights, version), version)
 
 
 def receive_adapters(weights, version: int) -> dict:
     """One adapter sync from the weights bridge, read to its end marker -> {HF name: tensor}."""
     count = StreamCount()
-    tensors = {name: t.clone() for bucket in _call_iter(weights.receive_buckets(count)) for name, t in bucket}
+    tensors = {name: t.clone() for bucket in weights.receive_buckets(count) for name, t in bucket}
     if not count.ended:
         raise WeightStreamError(f"rollout rank: step {version}'s adapters ended before the weights bridge's end marker")
     return tensors
@@ -170,18 +173,7 @@ def _call(fn, *args):
     try:
         return fn(*args)
     except BridgeBroken:
-        raise TrainingRanksGone(
-            "the training ranks went away without saying stop (see their output): this rollout rank exits"
-        ) from None
-
-
-def _call_iter(it):
-    while True:
-        try:
-            item = _call(next, it)
-        except StopIteration:
-            return
-        yield item
+        raise TrainingRanksGone(GONE) from None
 
 
 def _note_signals() -> list[int]:

@@ -250,7 +250,7 @@ def start_step_engines(cfg: Config, roles, *, tokenizer, scorer, watchdog) -> St
     reports = mdist.broadcast_object(reports)
     return StepEngines(
         engine=None,
-        engines=RemoteEngines(roles.control, watchdog),
+        engines=RemoteEngines(roles.control, roles.replies, watchdog),
         logprobs_mode=reports[0]["logprobs_mode"],
         init_s=max(r["init_s"] for r in reports),
         reward_description=next(r["reward"] for r in reports if r["reward"] is not None),

@@ -237,7 +237,7 @@ class LocalEngines:
     def submit(self, req: WaveRequest, timer=None) -> None:
         self._part = self.worker.part(req, timer)
 
-    def parts(self, timer=None) -> list[EnginePart]:
+    def parts(self, timer=None, ticket=None) -> list[EnginePart]:
         part, self._part = self._part, None
         return mdist.all_gather_objects(part)
 
@@ -246,32 +246,60 @@ class LocalEngines:
 
 
 class RemoteEngines:
-    """Dedicated rollout ranks: training rank 0 sends a request over the bridge (the rollout
-    ranks start on it at once) and later collects every rollout rank's part, which it passes to
-    the other training ranks. `submit` returns at once: the trainer works while the engines do."""
+    """Dedicated rollout ranks: training rank 0 sends each request over the control bridge and
+    returns at once (a thread of every rollout rank is always there to take it, train/rollout_rank.py);
+    the rollout ranks answer in the order of the requests on the replies bridge. `submit` gives the
+    request a ticket (its place in that order, the same on every training rank); `parts(ticket)`
+    waits for that reply, keeping any earlier one it reads on the way (a round in flight for a later
+    step, trainer.max_staleness = k) until it is asked for."""
 
     remote = True
 
-    def __init__(self, control, watchdog=None):
-        self.control = control  # run/bridge.Bridge on training rank 0, None on the other training ranks
-        self.watchdog = watchdog
-        self.in_flight = False
+    def __init__(self, control, replies, watchdog=None):
+        # run/bridge.Bridge on training rank 0, None on the other training ranks
+        self.control, self.replies, self.watchdog = control, replies, watchdog
+        self.sent = 0  # tickets given out
+        self.read = 0  # replies read, in ticket order
+        self.kept: dict[int, list] = {}  # ticket -> the reply read before it was asked for
 
-    def submit(self, req: WaveRequest, timer=None) -> None:
-        if self.in_flight:
-            raise RuntimeError("a rollout request is already in flight (one at a time)")
+    @property
+    def in_flight(self) -> int:
+        """Requests whose reply has not been read yet."""
+        return self.sent - self.read
+
+    def request(self, kind: str, payload) -> int:
+        """Send one request (any kind that is answered) -> its ticket."""
         if self.control is not None:
-            self.control.broadcast_object(("wave", req))
-        self.in_flight = True
+            self.control.broadcast_object((kind, payload))
+        self.sent += 1
+        return self.sent - 1
 
-    def parts(self, timer=None) -> list[EnginePart]:
-        """The rollout ranks' parts, on every training rank; the wait is timer's `rollout_wait`."""
-        if not self.in_flight:
-            raise RuntimeError("no rollout request in flight")
-        self.in_flight = False
+    def submit(self, req: WaveRequest, timer=None) -> int:
+        return self.request("wave", req)
+
+    def reply(self, ticket: int | None = None, timer=None) -> list:
+        """Every rollout rank's reply to request `ticket` (default: the last one sent), on every
+        training rank; the wait is timer's `rollout_wait`."""
+        ticket = self.sent - 1 if ticket is None else ticket
+        if not 0 <= ticket < self.sent or (ticket < self.read and ticket not in self.kept):
+            raise RuntimeError(f"no rollout request {ticket} in flight ({self.sent} sent, {self.read} read)")
         with _phase(timer, "rollout_wait"):
-            parts = self.control.gather_objects() if self.control is not None else None
-            return mdist.broadcast_object(parts)
+            while ticket not in self.kept:
+                got = self.replies.gather_objects() if self.replies is not None else None
+                self.kept[self.read] = mdist.broadcast_object(got)
+                self.read += 1
+        return self.kept.pop(ticket)
+
+    def parts(self, timer=None, ticket: int | None = None) -> list[EnginePart]:
+        """The rollout ranks' parts of a wave (default: the last request sent)."""
+        return self.reply(ticket, timer)
+
+    def drain(self) -> None:
+        """Training rank 0 alone (the stop): read and drop every reply still owed, since a rollout
+        rank sends each one before it reads the stop."""
+        while self.read < self.sent and self.replies is not None:
+            self.replies.gather_objects()
+            self.read += 1
 
 
 class StepRollout:
@@ -302,11 +330,11 @@ class StepRollout:
             return None
         return WaveRequest(step, rnd, items, prompts[0], prompts[1], want, drawn)
 
-    def submit_first(self, step: int, rnd: int, items: list[tuple]) -> None:
-        """Send the first wave of a round (what __call__ would send first) and return at once."""
+    def submit_first(self, step: int, rnd: int, items: list[tuple]) -> int | None:
+        """Send the first wave of a round (what __call__ would send first) and return at once ->
+        its ticket (None: nothing to generate)."""
         req = self._request(step, rnd, items, self._prompts(step, items), {})
-        if req is not None:
-            self.engines.submit(req)
+        return None if req is None else self.engines.submit(req)
 
     def __call__(self, step, rnd, items, counts: RolloutCounts, timer, first_parts=None) -> list[Group]:
         """items: (record, slot, w_q) of the prompts to roll out. Each engine generates a contiguous
@@ -358,19 +386,30 @@ class StepRollout:
 
 @dataclass
 class PendingRound:
-    """A step's first round, drawn and sent to the rollout ranks during the step before it
-    (trainer.max_staleness=1): the drawn prompts and pruning decisions, the step's generator (the
-    step continues it), its counts, and the engines' parts once received. A checkpoint holds it
-    (to_state), so a resumed run trains the step on the same completions."""
+    """A step's first round, drawn and sent to the rollout ranks up to trainer.max_staleness steps
+    before it: the drawn prompts and pruning decisions, the step's generator (the step continues it),
+    its counts, the request's ticket (RemoteEngines) and the engines' parts once received. A
+    checkpoint holds it with its parts (to_state), so a resumed run trains the step on the same
+    completions."""
 
     step: int
     round: object  # algorithms.batch.Round
     generator: torch.Generator
     counts: RolloutCounts
     parts: list[EnginePart] | None = None
+    ticket: int | None = None  # None: nothing was sent (every prompt pruned), or restored with its parts
+
+    def take_parts(self, engines, timer=None) -> list[EnginePart] | None:
+        """The parts, read from the engines first if still in flight."""
+        if self.parts is None and self.ticket is not None:
+            self.parts = engines.parts(timer, self.ticket)
+        return self.parts
 
     def to_state(self) -> dict:
-        """JSON-able: records by id, tensors as lists (no pickle: checkpoints are never unpickled)."""
+        """JSON-able: records by id, tensors as lists (no pickle: checkpoints are never unpickled).
+        Its parts must have been read (take_parts): a reply still in flight is not in a checkpoint."""
+        if self.parts is None and self.ticket is not None:
+            raise RuntimeError(f"step {self.step}'s rollout is still in flight: read its parts before saving it")
         return {
             "step": self.step,
             "round": {

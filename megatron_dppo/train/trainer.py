@@ -12,9 +12,9 @@ data-parallel rank then trains on its share of the packs. Megatron details live 
 megatron_dppo/megatron/, host-side collectives in megatron_dppo/run/collectives.py.
 
 With dedicated rollout ranks (parallel.rollout_ranks) the engines run on other processes
-(train/rollout_rank.py) and the same step sends them its requests; at trainer.max_staleness=1 the
-step also draws the next step's first round and sends it before its own update, so that rollout
-runs while this step trains (docs/algorithm.md section 10).
+(train/rollout_rank.py) and the same step sends them its requests; at trainer.max_staleness = k >= 1
+the step also keeps the next k steps' first rounds drawn and sent before its own update, so that
+rollout runs while this step trains (docs/algorithm.md section 10).
 
 Beside it: start-up in startup.py, checkpoints, resume and HF exports in checkpointing.py, the
 held-out evaluation in evaluation.py, the step's metrics and log notes in metrics.py.
@@ -117,7 +117,7 @@ class Trainer:
         )
         self.aux_tokens = self.method.aux.tokens(self.tokenizer, self.renderer)  # SSOPD's teacher-prompt ids
         self.history = PromptHistory(ema=cfg.pruning.history_ema)
-        self.pending: PendingRound | None = None  # the next step's first round, in flight (max_staleness=1)
+        self.pending: list[PendingRound] = []  # the next steps' first rounds, in flight (max_staleness=k)
         self.scorer = None if self.roles else RewardScorer.from_config(cfg.reward)
         self.pack_layout = startup.pack_layout(cfg, self.tokenizer, self.policy, self.dp_rank, self.dp_size)
         started = startup.start_step_engines(
@@ -148,7 +148,7 @@ class Trainer:
             startup.load_starting_weights(cfg, self.policy, self.model_dir)
         if resume:
             restored = self.checkpoints.restore(
-                paths.resume_path, rolls_ahead=bool(self.roles and cfg.trainer.max_staleness)
+                paths.resume_path, rolls_ahead=cfg.trainer.max_staleness if self.roles else 0
             )
             self.first_step, self.history, self.pending = restored.step + 1, restored.history, restored.pending
         self.rollout = StepRollout(  # after the resume: it reads the restored prompt history
@@ -185,12 +185,12 @@ class Trainer:
         timer = PhaseTimer(self.watchdog, step)
         self.watchdog.phase("prompts", step)
         t_step = time.perf_counter()
-        pending, self.pending = self.pending, None  # round 0, drawn and rolled out during the last step
+        pending = self.pending.pop(0) if self.pending else None  # round 0, drawn and sent in an earlier step
         if pending is not None and pending.step != step:
             raise RuntimeError(f"step {step} found step {pending.step}'s rollout in flight")
         gen = pending.generator if pending else step_generator(tc.seed, step)
         counts = pending.counts if pending else RolloutCounts()
-        first_parts = pending.parts if pending else None
+        first_parts = pending.take_parts(self.engines, timer) if pending else None
 
         collected = batch.collect(  # prompts -> prune prompts -> rollout -> rewards [-> refill]
             self.method,
@@ -209,10 +209,11 @@ class Trainer:
                 self.strategy.observe([g.record.id for g in run], stack_rewards(run))
         curriculum_metrics = self.curriculum.observe(collected.rolled, step) if self.curriculum else {}
         lag_metrics = self._check_staleness(collected.trained, step)
-        if tc.max_staleness and self.roles and step < tc.max_steps:
-            # The next step's first round rolls out on the rollout ranks while this step trains:
-            # drawn now, after this step's rollout reached the history, as the colocated run draws it.
-            self.pending = self._submit_next_round(step + 1)
+        if tc.max_staleness and self.roles:
+            # The next k steps' first rounds roll out on the rollout ranks while this step trains:
+            # the one drawn now after this step's rollout reached the history (k = 1: as the
+            # colocated run draws it), each sampled by the last weights sent before it.
+            self._keep_rounds_in_flight(step)
         if self.engine is not None:
             # GPU: give the KV cache (and weights) back to training. LoRA: level 1 at most, since level 2
             # drops the base weights and its sync sends the adapters alone (a no-op on the CPU)
@@ -246,9 +247,6 @@ class Trainer:
                     train.append(self.policy.train_step(mb.microbatches + mb.aux_microbatches, mb.denominator))
                     if not (math.isfinite(train[-1]["loss"]) and math.isfinite(train[-1]["grad_norm"])):
                         self._check_finite(f"step {step}'s update", grads=True)
-        if self.pending is not None and self.engines.in_flight:
-            self.watchdog.phase("rollout_wait", step)
-            self.pending.parts = self.engines.parts(timer)  # the next step's rollout, done
         with timer("sync"):
             self.weight_sync.push(step)  # the new weights (LoRA: adapters) to vLLM
 
@@ -293,13 +291,17 @@ class Trainer:
         if grads:
             raise NonFiniteError(f"{what}: the loss or the gradient norm is not finite (weights and gradients are)")
 
-    def _submit_next_round(self, step: int) -> PendingRound:
-        """Draw step `step`'s first round (its own generator, continued by its step) and send it to
-        the rollout ranks without waiting."""
-        gen = step_generator(self.cfg.trainer.seed, step)
-        first = batch.draw_round(self.method, self.strategy, self.data.next_batch, self.history.stats, gen)
-        self.rollout.submit_first(step, 0, first.kept())
-        return PendingRound(step, first, gen, RolloutCounts())
+    def _keep_rounds_in_flight(self, step: int) -> None:
+        """Draw and send the first rounds of steps step+1 .. step+k not yet sent (k =
+        trainer.max_staleness; none past trainer.max_steps), each with its own generator
+        (continued by its step), without waiting."""
+        tc = self.cfg.trainer
+        nxt = self.pending[-1].step + 1 if self.pending else step + 1
+        for later in range(nxt, min(step + tc.max_staleness, tc.max_steps) + 1):
+            gen = step_generator(tc.seed, later)
+            first = batch.draw_round(self.method, self.strategy, self.data.next_batch, self.history.stats, gen)
+            ticket = self.rollout.submit_first(later, 0, first.kept())
+            self.pending.append(PendingRound(later, first, gen, RolloutCounts(), ticket=ticket))
 
     def _check_staleness(self, trained: list[Group], step: int) -> dict:
         """With dedicated rollout ranks: how many updates behind the trained weights (step - 1)
@@ -312,9 +314,12 @@ class Trainer:
                 f"step {step} would train on completions sampled {max(lags)} updates behind, more than "
                 f"trainer.max_staleness={self.cfg.trainer.max_staleness}"
             )
+        k = self.cfg.trainer.max_staleness
         return {
             "rollout/policy_lag_mean": sum(lags) / len(lags) if lags else 0.0,
             "rollout/policy_lag_max": max(lags, default=0),
+            # the histogram, as one scalar per lag 0..k (what every logger plots): completions' fractions
+            **{f"rollout/policy_lag_frac_{j}": lags.count(j) / len(lags) if lags else 0.0 for j in range(k + 1)},
         }
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -345,6 +350,8 @@ class Trainer:
                 if step % 10 == 0:
                     malloc_trim()
                 if self.checkpoints.save_due(step, final):
+                    for p in self.pending:  # a checkpoint holds the rounds in flight with their completions
+                        p.take_parts(self.engines)
                     m.update(self.checkpoints.save(step, m, self.history, self.pending, self.logger))
                 self.logger.log(m)  # after the checkpoint, its row staged before it (Checkpoints.save)
                 rows.append(m)
@@ -417,8 +424,7 @@ class Trainer:
             if engines is None:  # start-up failed before their reports were taken: they may be sending them
                 stop_without_waiting(control, "training rank 0 stopped during start-up (its error says why)")
                 return
-            if engines.in_flight:
-                control.gather_objects()
+            engines.drain()  # the replies still owed: a rollout rank sends each one before it reads the stop
             control.broadcast_object(("stop", None))
         except RuntimeError:
             pass

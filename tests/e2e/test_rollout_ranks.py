@@ -19,6 +19,7 @@ rollout process under torchrun), against the colocated 1-process run of the same
 """
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -161,6 +162,44 @@ def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exac
         assert_same_rollouts(rollouts(tmp_path / "killed", step), rollouts(tmp_path / "stale", step))
         assert got[step]["rollout/policy_lag_max"] == ref[step]["rollout/policy_lag_max"]
     _compare(ref, got, range(1, LONG + 1))
+
+
+def test_staleness_2_queues_two_rounds_and_resumes_from_both(tmp_path):
+    """trainer.max_staleness=2: steps 2 and 3 are sent during step 1 (both sampled by the starting
+    weights), then each step sends the one two steps on, so step s >= 3 trains on step s-3's update's
+    completions: policy_lag_max 0, 1, 2, 2, 2, each step's log-probs those of the weights it says
+    (the check fails for the versions either side). A checkpoint holds both rounds in flight with
+    their completions; --resume from step 2's repeats the uninterrupted run's steps 3-5 exactly."""
+    k2 = [*DEDICATED, "trainer.max_staleness=2", "algorithm.rollout_correction=tis", f"trainer.max_steps={LONG}"]
+    run(
+        train_cmd(
+            tmp_path,
+            "k2",
+            MODEL,
+            2,
+            *k2,
+            "trainer.save_hf_every=1",
+            "trainer.save_every=1",
+            "trainer.keep_checkpoints=5",
+        )
+    )
+    ref = metrics(tmp_path / "k2")
+    assert [ref[s]["rollout/policy_lag_max"] for s in range(1, LONG + 1)] == [0, 1, 2, 2, 2]
+    _assert_each_step_sampled_by_the_weights_it_says(tmp_path / "k2", ref)
+    saved = tmp_path / "k2" / "checkpoints" / "step_000002" / "pending_rollout.json"
+    assert [r["step"] for r in json.loads(saved.read_text())["rounds"]] == [3, 4]
+
+    resumed = tmp_path / "resumed"  # the run as if killed after step 2's save
+    shutil.copytree(tmp_path / "k2", resumed)
+    (resumed / "checkpoints" / "latest").write_text("step_000002\n")
+    for step in range(3, LONG + 1):
+        (resumed / "rollouts" / f"step_{step:06d}.jsonl").unlink()
+    run(train_cmd(tmp_path, "resumed", MODEL, 2, *k2, resume=True))
+    got = metrics(resumed)
+    for step in range(3, LONG + 1):
+        assert_same_rollouts(rollouts(resumed, step), rollouts(tmp_path / "k2", step))
+        assert got[step]["rollout/policy_lag_max"] == ref[step]["rollout/policy_lag_max"]
+    _compare(ref, got, range(3, LONG + 1))
 
 
 @pytest.mark.parametrize("fault", ["stalled", "killed"])

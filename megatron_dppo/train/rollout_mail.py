@@ -1,0 +1,161 @@
+"""A rollout rank's two mail threads, so that its engine never waits for the trainer's calls and the
+trainer never waits for a generation to end before it can send (trainer.max_staleness = k):
+
+  * `Inbox`: a thread that takes training rank 0's requests off the control bridge as they come,
+    and the weights that follow a "weights" / "adapters" request off the weights bridge, read to
+    the stream's end marker into host memory (a staged copy). The main thread takes them in the
+    order they were sent. One staged copy at most: the thread reads the next weights only once the
+    main thread has loaded the last (a trainer that runs further ahead waits in its push).
+  * `Outbox`: a thread that sends the main thread's replies on the replies bridge, in order, while
+    the main thread goes on to the next request.
+
+Both bridges' calls stay in one order on every member (each group is used by one thread on each
+side). A bridge that breaks (the training ranks are gone) reaches the main thread as
+TrainingRanksGone at its next take or put.
+
+Why by hand: vLLM's async engine would let one process generate and receive at once, but the
+weights arrive over our own process-group bridge (run/bridge.py), which has no callback API; two
+threads and two queues are the smallest thing that lets the bridge calls and generation overlap.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from megatron_dppo.run.bridge import BridgeBroken, StreamCount, WeightStreamError
+
+POLL_S = 1.0  # how often a blocked take looks at its thread's error (signals are handled meanwhile)
+
+
+class TrainingRanksGone(RuntimeError):
+    """The bridge to training rank 0 broke before it said stop (it crashed or was killed)."""
+
+
+GONE = "the training ranks went away without saying stop (see their output): this rollout rank exits"
+
+
+def _gone_or(e: BaseException) -> BaseException:
+    return TrainingRanksGone(GONE) if isinstance(e, BridgeBroken) else e
+
+
+class StagedWeights:
+    """One weight sync read to its end marker: the buckets (views of their received buffers) and
+    the stream's count."""
+
+    def __init__(self, buckets: list, count: StreamCount):
+        self.buckets, self.count = buckets, count
+
+
+def receive_weights(weights, version: int) -> StagedWeights:
+    """Every bucket of one weight sync from the weights bridge, to its end marker."""
+    count = StreamCount()
+    buckets = list(weights.receive_buckets(count))
+    if not count.ended:  # receive_buckets ends only at the marker; a generator closed early would not
+        raise WeightStreamError(f"rollout rank: step {version}'s weights ended before the weights bridge's end marker")
+    return StagedWeights(buckets, count)
+
+
+def load_staged_weights(engine, staged: StagedWeights, version: int) -> StreamCount:
+    """Load a staged sync into the engine and check that the engine read every bucket: one that
+    returned early would sample with weights of two versions."""
+    read = StreamCount()
+
+    def buckets():
+        for bucket in staged.buckets:
+            read.add([(name, None, None) for name, _ in bucket])
+            yield bucket
+        read.ended = True
+
+    engine.load_weights(buckets())
+    if not read.ended:
+        after = (
+            f"after {read.buckets} bucket(s), {read.tensors} tensor(s), the last {read.last!r}"
+            if read.buckets
+            else "before its first bucket"
+        )
+        raise WeightStreamError(
+            f"rollout rank: the engine's load of step {version}'s weights returned {after}, before the weights "
+            "bridge's end marker: its weights mix two versions"
+        )
+    return staged.count
+
+
+class Inbox:
+    """The requests of training rank 0, in order, with each sync's weights staged (module docstring).
+    take() -> (kind, payload); for "weights" the payload is (version, StagedWeights), for "adapters"
+    (version, {HF name: tensor}); call loaded() once they are in the engine."""
+
+    def __init__(self, control, weights, receive_adapters):
+        self.control, self.weights, self.receive_adapters = control, weights, receive_adapters
+        self.items: queue.Queue = queue.Queue()
+        self.slot = threading.Semaphore(1)  # one staged copy of the weights at a time
+        self.thread = threading.Thread(target=self._run, name="rollout-inbox", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                kind, payload = self.control.broadcast_object()
+                if kind == "weights":
+                    self.slot.acquire()
+                    payload = (payload, receive_weights(self.weights, payload))
+                elif kind == "adapters":
+                    self.slot.acquire()
+                    payload = (payload, self.receive_adapters(self.weights, payload))
+                self.items.put((kind, payload))
+                if kind == "stop":
+                    return
+        except BaseException as e:  # noqa: BLE001 - the main thread raises it at its next take
+            self.items.put(("error", _gone_or(e)))
+
+    def take(self):
+        while True:
+            try:
+                kind, payload = self.items.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if kind == "error":
+                raise payload
+            return kind, payload
+
+    def loaded(self) -> None:
+        """The staged weights are in the engine: the slot is free for the next sync."""
+        self.slot.release()
+
+
+class Outbox:
+    """The main thread's replies, sent in order by a thread of their own (module docstring)."""
+
+    def __init__(self, replies):
+        self.replies = replies
+        self.items: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="rollout-outbox", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.items.get()
+            if item is _CLOSE:
+                return
+            try:
+                self.replies.gather_objects(item)
+            except BaseException as e:  # noqa: BLE001 - the main thread raises it at its next put
+                self.error = _gone_or(e)
+                return
+
+    def put(self, reply) -> None:
+        if self.error is not None:
+            raise self.error
+        self.items.put(reply)
+
+    def close(self) -> None:
+        """Send what is queued, then end the thread (the trainer read every reply before its stop)."""
+        self.items.put(_CLOSE)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+_CLOSE = object()
