@@ -51,6 +51,9 @@ class Group:
     # Each completion's own version when they differ: BPPO's later waves of a group are sampled
     # after its first, possibly by newer weights (extend); empty: all of them policy_version.
     completion_versions: list[int] = field(default_factory=list)
+    # rollout.partial: per completion, [token index, version] where new weights took over mid-completion
+    # (its first tokens are versions()'s); empty: no completion of the group changed weights
+    version_switches: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def group_size(self) -> int:
@@ -77,6 +80,8 @@ class Group:
         mine, theirs = self.versions(), more.versions()
         if mine + theirs != [self.policy_version] * (len(mine) + len(theirs)):
             self.completion_versions = mine + theirs
+        if self.version_switches or more.version_switches:
+            self.version_switches = self.switches() + more.switches()
         self.completions += more.completions
         self.rewards += more.rewards
         self.truncated += more.truncated
@@ -85,8 +90,13 @@ class Group:
         self.reward_extras += more.reward_extras
 
     def versions(self) -> list[int]:
-        """The weights' version that sampled each completion."""
+        """The weights' version that sampled each completion (partial rollouts: its first tokens,
+        the oldest, by which its lag counts)."""
         return list(self.completion_versions) or [self.policy_version] * len(self.completions)
+
+    def switches(self) -> list[list[list[int]]]:
+        """Each completion's [token index, version] weight switches (rollout.partial; [] for none)."""
+        return [list(s) for s in self.version_switches] or [[] for _ in self.completions]
 
     def completion_lengths(self) -> list[int]:
         return [len(c) for c in self.completions]
@@ -135,7 +145,7 @@ class Group:
         was generated but not trained (pruned, uninformative, past the refill) has weight 0."""
         weights = self.completion_weights or [0.0] * self.group_size
         advantages = self.advantages or [None] * self.group_size
-        prompt, versions = decode(self.prompt_ids), self.versions()
+        prompt, versions, switches = decode(self.prompt_ids), self.versions(), self.switches()
         return [
             {
                 "id": self.record.id,
@@ -155,9 +165,17 @@ class Group:
                 # sum of log pi_rollout over the completion's tokens (the engine's, as sampled)
                 "rollout_logprob_sum": sum(self.sampling_logprobs[i]) if self.sampling_logprobs else None,
                 "policy_version": versions[i],  # the weights that sampled it: those after this step's update
+                **self._switch_fields(i, switches[i]),
             }
             for i, c in enumerate(self.completions)
         ]
+
+    def _switch_fields(self, i: int, switches: list) -> dict:
+        """A partial rollout's row also says where the weights changed and each token's log-prob (to
+        check each stretch against its own weights); {} for a completion that did not change."""
+        if not switches:
+            return {}
+        return {"version_switches": switches, "rollout_logprobs": list(self.sampling_logprobs[i])}
 
 
 def stack_rewards(groups: list[Group]) -> torch.Tensor:
@@ -228,6 +246,9 @@ def rollout_metrics(trained: list[Group], rolled: list[Group], counts: RolloutCo
         "rollout/prompts_drawn": counts.prompts_drawn,
         "rollout/groups": len(rolled),
     }
+    if any(g.version_switches for g in rolled):  # rollout.partial: completions that changed weights mid-way
+        switched = [bool(s) for g in rolled for s in g.switches()]
+        out["rollout/weight_switched_frac"] = sum(switched) / len(switched)
     for kind, n in counts.reward_failures.items():
         out[f"reward/failures/{kind}"] = n
     if G:

@@ -48,6 +48,23 @@ def validate(cfg: Config) -> Config:
         ("pruning.history_ema", 0 <= c.pruning.history_ema < 1, "a number in [0, 1) (0 = last value)"),
         ("rollout.group_size", r.group_size >= 2, "an integer >= 2"),
         ("rollout.max_new_tokens", r.max_new_tokens >= 1, "an integer >= 1"),
+        ("rollout.partial_chunk", r.partial_chunk >= 1, "an integer >= 1 (tokens between looks for new weights)"),
+        (
+            "rollout.partial",
+            not (r.partial and c.parallel.rollout_tp > 1),
+            "false with parallel.rollout_tp > 1 (the ranks of one engine would have to agree on the chunk where new "
+            "weights load: not built)",
+        ),
+        (
+            "rollout.partial",
+            not (r.partial and r.routing_replay),
+            "false with rollout.routing_replay=true (a completion's routed experts across a weight switch: not built)",
+        ),
+        (
+            "rollout.partial",
+            not (r.partial and r.stop),
+            "false with rollout.stop strings (a stop string across a chunk boundary would be missed: not built)",
+        ),
         (
             "rollout.max_model_len",
             r.max_model_len > r.max_new_tokens,
@@ -282,6 +299,12 @@ def inert_keys(cfg: Config) -> dict[str, str]:
             "parallel.rollout_ranks=0: colocated ranks generate and train in turn, so every rollout uses the "
             "latest weights"
         )
+    if cfg.rollout.partial and not (cfg.parallel.rollout_ranks and cfg.trainer.max_staleness):
+        out["rollout.partial"] = (
+            "no new weights arrive during a rollout without dedicated rollout ranks and trainer.max_staleness >= 1"
+        )
+    if not cfg.rollout.partial:
+        out["rollout.partial_chunk"] = "rollout.partial=false"
     if cfg.parallel.recompute != "selective":
         out["parallel.recompute_modules"] = (
             f"parallel.recompute={cfg.parallel.recompute} (it acts with parallel.recompute=selective)"

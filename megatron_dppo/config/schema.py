@@ -159,6 +159,11 @@ class RolloutConfig:
     # MoE: vLLM returns the experts it routed each token to, and Megatron's log-prob and training
     # passes route every token to those (docs/algorithm.md section 9). Needs vLLM's Model Runner V2.
     routing_replay: bool = False
+    # Partial rollouts (dedicated rollout ranks, trainer.max_staleness >= 1): new weights that
+    # arrive mid-round load between chunks of partial_chunk tokens, and unfinished completions go
+    # on under them; each token keeps the log-prob of the weights that sampled it (docs/gpus.md).
+    partial: bool = False
+    partial_chunk: int = 64  # tokens generated between looks for new weights (rollout.partial)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 
 from megatron_dppo.run.bridge import BridgeBroken, StreamCount, WeightStreamError
 
@@ -84,11 +85,15 @@ def load_staged_weights(engine, staged: StagedWeights, version: int) -> StreamCo
 class Inbox:
     """The requests of training rank 0, in order, with each sync's weights staged (module docstring).
     take() -> (kind, payload); for "weights" the payload is (version, StagedWeights), for "adapters"
-    (version, {HF name: tensor}); call loaded() once they are in the engine."""
+    (version, {HF name: tensor}); call loaded() once they are in the engine. take_sync() takes a
+    staged sync out of turn (partial rollouts: new weights load between chunks of a round)."""
+
+    SYNCS = ("weights", "adapters")
 
     def __init__(self, control, weights, receive_adapters):
         self.control, self.weights, self.receive_adapters = control, weights, receive_adapters
-        self.items: queue.Queue = queue.Queue()
+        self.items: deque = deque()
+        self.arrived = threading.Condition()
         self.slot = threading.Semaphore(1)  # one staged copy of the weights at a time
         self.thread = threading.Thread(target=self._run, name="rollout-inbox", daemon=True)
         self.thread.start()
@@ -103,21 +108,43 @@ class Inbox:
                 elif kind == "adapters":
                     self.slot.acquire()
                     payload = (payload, self.receive_adapters(self.weights, payload))
-                self.items.put((kind, payload))
+                self._put((kind, payload))
                 if kind == "stop":
                     return
         except BaseException as e:  # noqa: BLE001 - the main thread raises it at its next take
-            self.items.put(("error", _gone_or(e)))
+            self._put(("error", _gone_or(e)))
+
+    def _put(self, item) -> None:
+        with self.arrived:
+            self.items.append(item)
+            self.arrived.notify()
 
     def take(self):
-        while True:
-            try:
-                kind, payload = self.items.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if kind == "error":
-                raise payload
-            return kind, payload
+        with self.arrived:
+            while not self.items:
+                self.arrived.wait(POLL_S)  # a timed wait: signals are handled meanwhile
+            kind, payload = self.items.popleft()
+        if kind == "error":
+            raise payload
+        return kind, payload
+
+    def wait_for_sync(self) -> None:
+        """Until a staged sync (or an error) is in the queue."""
+        with self.arrived:
+            while not any(item[0] in (*self.SYNCS, "error") for item in self.items):
+                self.arrived.wait(POLL_S)
+
+    def take_sync(self):
+        """The first staged sync (kind, payload) wherever it is in the queue, None without one; an
+        error that arrived is raised."""
+        with self.arrived:
+            for i, item in enumerate(self.items):
+                if item[0] == "error":
+                    raise item[1]
+                if item[0] in self.SYNCS:
+                    del self.items[i]  # by place: == on a payload of tensors has no single truth value
+                    return item
+        return None
 
     def loaded(self) -> None:
         """The staged weights are in the engine: the slot is free for the next sync."""

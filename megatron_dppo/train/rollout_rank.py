@@ -61,6 +61,8 @@ class RolloutRanksGone(RuntimeError):
     """Training rank 0's side: the bridge to a rollout rank broke in the middle of the run."""
 
 
+# Tests of partial rollouts: wait for the next weights at a round's first chunk boundary (newer_weights)
+SWITCH_WAIT = "MEGATRON_DPPO_PARTIAL_SWITCH_WAIT"
 STOP_KEY = "stop"  # in the control bridge's store: training rank 0's word to stop, when it cannot broadcast it
 STOP_POLL_S = 0.5  # how often a rollout rank looks for it (a store request: cheap, even for many ranks)
 
@@ -97,6 +99,33 @@ def serve(cfg: Config, roles: Roles) -> int:
         _call(control.gather_objects, {"init_s": init_s, "logprobs_mode": engine.logprobs_mode, "reward": reward})
         # From here requests come in and replies go out on threads of their own (train/rollout_mail.py)
         inbox, outbox = Inbox(control, weights, receive_adapters), Outbox(roles.replies)
+
+        def load_sync(kind, payload) -> None:
+            """A staged sync into the engine: the weights, or LoRA's adapters (train/weight_sync.py)."""
+            nonlocal adapter_sync
+            version, staged = payload
+            watchdog.phase(f"load {kind}", version)
+            if kind == "weights":
+                load_staged_weights(engine, staged, version)
+            else:
+                adapter_sync = adapter_sync or AdapterSync(cfg)
+                adapter_sync.load(engine, staged, version)
+            inbox.loaded()
+            worker.weights_version = version
+
+        def newer_weights(wanted_by: int) -> bool:
+            """rollout.partial: between chunks of a round for step `wanted_by`, load the weights that
+            arrived meanwhile. Under SWITCH_WAIT (tests: a switch where timing would decide) it first
+            waits for them when the trainer will send newer weights before it needs this round."""
+            if os.environ.get(SWITCH_WAIT) and worker.weights_version < wanted_by - 1:
+                inbox.wait_for_sync()
+            sync = inbox.take_sync()
+            if sync is not None:
+                load_sync(*sync)
+            return sync is not None
+
+        if cfg.rollout.partial:
+            worker.between_chunks = newer_weights
         idle = 0.0  # seconds spent waiting for a request since the last reply to a wave
         while True:
             watchdog.phase("wait for the trainer")
@@ -107,20 +136,9 @@ def serve(cfg: Config, roles: Roles) -> int:
                 outbox.close()  # the trainer read every reply before it said stop
                 stopped = True
                 break
-            if kind == "weights":
-                version, staged = payload
-                watchdog.phase("load weights", version)
-                load_staged_weights(engine, staged, version)
-                del staged, payload
-                inbox.loaded()
-                worker.weights_version = version
-            elif kind == "adapters":  # LoRA: the adapters alone, one bucket (train/weight_sync.py)
-                version, tensors = payload
-                watchdog.phase("load adapters", version)
-                adapter_sync = adapter_sync or AdapterSync(cfg)
-                adapter_sync.load(engine, tensors, version)
-                inbox.loaded()
-                worker.weights_version = version
+            if kind in Inbox.SYNCS:
+                load_sync(kind, payload)
+                del payload
             elif kind == "wave":
                 watchdog.phase("rollout", payload.step)
                 part = worker.part(payload)

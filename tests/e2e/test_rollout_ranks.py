@@ -202,6 +202,52 @@ def test_staleness_2_queues_two_rounds_and_resumes_from_both(tmp_path):
     _compare(ref, got, range(3, LONG + 1))
 
 
+def _stretch_gap(run_dir, version: int, rows, part: str) -> float:
+    """The largest |engine's log-prob sum - transformers'| under `version`'s weights over the rows'
+    tokens before ("first") or from ("rest") each row's weight switch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_dppo.rollout.vllm_engine import hf_completion_logprobs
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(_weights_of(run_dir, version), dtype=torch.float32).eval()
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows]
+    hf = hf_completion_logprobs(model, prompts, [r["completion_ids"] for r in rows])
+    gaps = []
+    for lp, r in zip(hf, rows):
+        (at, _), engine = r["version_switches"][0], r["rollout_logprobs"]
+        cut = slice(0, at) if part == "first" else slice(at, None)
+        gaps.append(abs(float(lp[cut].sum()) - sum(engine[cut])))
+    return max(gaps)
+
+
+def test_partial_rollouts_continue_unfinished_completions_under_the_new_weights(tmp_path):
+    """rollout.partial at trainer.max_staleness=1, 2-token chunks, the rollout rank made to wait for
+    the next weights at a round's first chunk boundary (SWITCH_WAIT: where timing would decide): from
+    step 2 on, the completions still going after 2 tokens finish under the weights of the update that
+    arrived meanwhile. Each such row's first tokens have the log-probs of step s-2's weights and the
+    rest those of step s-1's (and not s-2's: the negative control); the lag counts from the first
+    tokens (policy_lag_max 1)."""
+    from conftest import run_cli
+
+    from megatron_dppo.train.rollout_rank import SWITCH_WAIT
+
+    partial = [*STALE, "rollout.partial=true", "rollout.partial_chunk=2", "trainer.save_hf_every=1"]
+    cmd = train_cmd(tmp_path, "partial", MODEL, 2, *partial, "trainer.max_steps=3")
+    res = run_cli(cmd, {**run_env(), SWITCH_WAIT: "1"}, 600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ref = metrics(tmp_path / "partial")
+    assert [ref[s]["rollout/policy_lag_max"] for s in (1, 2, 3)] == [0, 1, 1]
+    for step in (2, 3):
+        assert ref[step]["rollout/weight_switched_frac"] > 0, ref[step]
+        rows = [r for r in rollouts(tmp_path / "partial", step) if "version_switches" in r]
+        assert rows and all(r["version_switches"] == [[2, step - 1]] for r in rows), rows[:2]
+        assert _stretch_gap(tmp_path / "partial", step - 2, rows, "first") < SAME
+        assert _stretch_gap(tmp_path / "partial", step - 1, rows, "rest") < SAME
+        assert _stretch_gap(tmp_path / "partial", step - 2, rows, "rest") > APART
+
+
 @pytest.mark.parametrize("fault", ["stalled", "killed"])
 def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     """The rollout rank is frozen (SIGSTOP: the trainer's stall watchdog names the wait and ends

@@ -118,6 +118,8 @@ INERT = [
     (("algorithm.rollout_correction=tis_mask",), "algorithm.rollout_correction_seq_high"),  # a token mask
     (("algorithm.rollout_correction=seq_mask",), "algorithm.rollout_correction_low"),  # a geometric mask
     ((), "trainer.max_staleness"),  # colocated: every rollout has the latest weights
+    ((), "rollout.partial"),  # colocated: no weights arrive mid-round
+    ((), "rollout.partial_chunk"),  # rollout.partial=false
     (("parallel.rollout_ranks=1",), "rollout.sleep_level"),  # dedicated engines share no device: never asleep
     (("trainer.stall_timeout_s=0",), "trainer.start_timeout_s"),  # no watchdog
     ((), "model.lora.alpha"),  # rank 0: no adapters

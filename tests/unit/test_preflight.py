@@ -322,3 +322,25 @@ def test_the_context_is_derived_as_vllm_derives_it(tmp_path, config_changes, tok
     check_context(allowed, str(tmp_path))
     with pytest.raises(ValueError, match=f"rollout.max_model_len': {allowed + 1} is more .* at most {allowed}$"):
         check_context(allowed + 1, str(tmp_path))
+
+
+def test_partial_rollouts_are_refused_where_not_built_and_warned_about_where_inert():
+    """rollout.partial: refused, naming the key, with an engine over several ranks, stop strings or
+    routing replay; a warning where no weights arrive mid-round (colocated, or staleness 0)."""
+    base = ("parallel.rollout_ranks=1", "trainer.max_staleness=1", "algorithm.rollout_correction=tis")
+    for other, why in [
+        ("parallel.rollout_tp=2", "false with parallel.rollout_tp > 1"),
+        ("rollout.stop=[STOP]", "false with rollout.stop strings"),
+        ("rollout.routing_replay=true", "false with rollout.routing_replay=true"),
+    ]:
+        with pytest.raises(ValueError, match=r"rollout\.partial"):
+            try:
+                cfg_with(*base, "rollout.partial=true", other)
+            except ValueError as e:
+                assert why in str(e), str(e)
+                raise
+    assert config_warnings(cfg_with(*base, "rollout.partial=true")) == []
+    (line,) = config_warnings(cfg_with("rollout.partial=true"))
+    assert line.startswith("warning: rollout.partial=true is ignored: no new weights arrive during a rollout")
+    (line,) = config_warnings(cfg_with("rollout.partial_chunk=8"))
+    assert "rollout.partial_chunk=8 is ignored: rollout.partial=false" in line
