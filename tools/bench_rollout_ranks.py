@@ -7,6 +7,10 @@ other, each with one thread per process:
   staleness0  parallel.rollout_ranks=1: 1 training + 1 rollout rank; the rollout waits for the weights
   staleness1  ... trainer.max_staleness=1 (tis): step t+1 rolls out while step t trains
   staleness2, staleness4  ... trainer.max_staleness=k: the next k steps' rounds queued on the rollout rank
+  staleness1-partial, staleness2-partial  ... and rollout.partial=true: weights that arrive mid-round
+              take over between 64-token chunks
+
+each for every method of --methods (e.g. grpo,dppo: pruning.strategy none / dppo on the config),
 
 and a table of what each measured: seconds per step and per phase (the trainer's own phases; for
 dedicated ranks rollout and reward are the engine's time and `rollout wait` the trainer's idle
@@ -43,14 +47,29 @@ RUNS = {
     "staleness1": ["parallel.rollout_ranks=1", "trainer.max_staleness=1", "algorithm.rollout_correction=tis"],
     "staleness2": ["parallel.rollout_ranks=1", "trainer.max_staleness=2", "algorithm.rollout_correction=tis"],
     "staleness4": ["parallel.rollout_ranks=1", "trainer.max_staleness=4", "algorithm.rollout_correction=tis"],
+    "staleness1-partial": [
+        "parallel.rollout_ranks=1",
+        "trainer.max_staleness=1",
+        "algorithm.rollout_correction=tis",
+        "rollout.partial=true",
+    ],
+    "staleness2-partial": [
+        "parallel.rollout_ranks=1",
+        "trainer.max_staleness=2",
+        "algorithm.rollout_correction=tis",
+        "rollout.partial=true",
+    ],
 }
+# --methods: the method's overrides on top of the config (its own method is "config")
+METHODS = {"config": [], "grpo": ["pruning.strategy=none"], "dppo": ["pruning.strategy=dppo"]}
 PHASES = ("rollout", "reward", "logprob", "train", "sync", "rollout_wait", "engine_idle")
 
 
-def run_one(name: str, args, out_dir: str) -> dict:
+def run_one(name: str, args, out_dir: str, method: str = "config") -> dict:
+    label = name if method == "config" else f"{method}-{name}"
     overrides = [
         f"trainer.output_dir={out_dir}",
-        f"trainer.run_name={name}",
+        f"trainer.run_name={label}",
         f"trainer.max_steps={args.steps}",
         "trainer.max_time_s=0",
         f"trainer.eval_every={args.steps}",
@@ -61,6 +80,7 @@ def run_one(name: str, args, out_dir: str) -> dict:
         "logging.tensorboard=false",
         "logging.progress=false",
         *RUNS[name],
+        *METHODS[method],
         *args.overrides,
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1"]
@@ -69,9 +89,9 @@ def run_one(name: str, args, out_dir: str) -> dict:
     res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if res.returncode != 0:
-        raise SystemExit(f"bench_rollout_ranks: run {name} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    rows = read_metrics(os.path.join(out_dir, name, "metrics.jsonl"))
-    return summarize(name, rows, wall, " ".join(cmd[cmd.index("train") :]))
+        raise SystemExit(f"bench_rollout_ranks: run {label} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    rows = read_metrics(os.path.join(out_dir, label, "metrics.jsonl"))
+    return summarize(label, rows, wall, " ".join(cmd[cmd.index("train") :]))
 
 
 def summarize(name: str, rows: list[dict], wall: float, command: str) -> dict:
@@ -103,6 +123,7 @@ def summarize(name: str, rows: list[dict], wall: float, command: str) -> dict:
         "rollout_kl_k3": mean("train/rollout_kl_k3"),
         "rollout_ratio_max": max((r.get("train/rollout_ratio_max") or 0.0) for r in later),
         "policy_lag": mean("rollout/policy_lag_mean"),
+        "weight_switched": mean("rollout/weight_switched_frac"),  # rollout.partial: completions that changed weights
     }
     out["idle_train"] = out["phases_s"]["rollout_wait"] / step_s if step_s else 0.0
     out["idle_rollout"] = out["phases_s"]["engine_idle"] / step_s if step_s else 0.0
@@ -138,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default="examples/tiny/longtail.yaml")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {list(RUNS)}")
+    parser.add_argument("--methods", default="config", help=f"comma-separated, of {list(METHODS)}")
     parser.add_argument("--work-dir", default="runs/bench_rollout_ranks")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run")
@@ -146,10 +168,15 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         parser.error(f"--runs: unknown run {unknown[0]!r}; expected some of {list(RUNS)}")
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown method {unknown[0]!r}; expected some of {list(METHODS)}")
     results = []
-    for name in names:
-        results.append(run_one(name, args, os.path.abspath(args.work_dir)))
-        print(f"{name}: {results[-1]['steps']} steps, {results[-1]['step_s']:.2f} s/step", flush=True)
+    for method in methods:
+        for name in names:
+            results.append(run_one(name, args, os.path.abspath(args.work_dir), method))
+            print(f"{results[-1]['run']}: {results[-1]['steps']} steps, {results[-1]['step_s']:.2f} s/step", flush=True)
     print(table(results))
     if args.out:
         git = dict(cwd=REPO, capture_output=True, text=True)
