@@ -37,6 +37,8 @@ and the host's work between phases are left out of every row alike.
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 
 GB = 1e9  # bandwidths in GB/s, as interconnects are quoted
 
@@ -179,3 +181,345 @@ def format_step_times(st: dict) -> list[str]:
         )
     )
     return lines
+
+
+# ---- staleness k >= 1 and partial rollouts: a long tail, a k-deep queue (issue 46 item 5) ----------
+#
+# The formulas above charge a rollout G / (g R): a rate that already holds the long tail at the
+# layout it was measured on. An asynchronous pipeline changes what the tail costs, so here the
+# rollout of one step (a "round") is two things:
+#
+#   bulk   the GPU-seconds the round's tokens take on a saturated engine, a = (1 - f) G / g: it
+#          shrinks with more rollout GPUs (a / R seconds);
+#   tail   the seconds the round then waits on its longest completions with the engine nearly
+#          empty, tau = f G / (g N) at the N colocated GPUs g was measured on: a decode latency,
+#          the same on any number of GPUs. Per round it is drawn (seeded) from a lognormal of mean
+#          tau and log-sd tail_sigma: a step's longest completion varies from step to step.
+#
+# f (tail_share) is the share of a synchronous (colocated) rollout spent in the tail; with every
+# completion in flight at once and a constant decode step it is 1 - mean length / longest length.
+# Two engines, the two ways a rollout rank can meet new weights:
+#
+#   without partial rollouts  rounds one after another, each bulk then its own tail (a round ends
+#                             when its longest completion does); weights load between rounds.
+#   partial rollouts          the engine pauses for the weights and goes on: a round's unfinished
+#                             completions continue under the new weights while the freed batch
+#                             slots take the next admitted round's prompts, so a tail runs beside
+#                             the next round's bulk and costs the engine nothing.
+#
+# Staleness k: round r may start once the engine holds version r - k (the weights after r - k
+# updates); step r trains round r once it is complete, so its oldest token is at most k updates
+# old. Each update's weights are pushed (weights_s, the trainer's side) into one staged copy that
+# the engine loads (weights_s again, its side): at once with partial rollouts (the engine pauses
+# for the push), between rounds without; a trainer that is a push ahead of the engine's loads waits
+# (docs/scaling.md 2d; train/rollout_mail.py's one staged copy). When the engine waits for the
+# weights the load streams with the push: one weights_s for both. Rewards and the host's work are
+# in fixed_s (the trainer's, per step) or left out. With tail_share 0 at k = 0 and 1 this is
+# step_times' staleness 0 and 1 rows exactly (tests/unit/test_plan_async.py).
+
+
+@dataclasses.dataclass
+class AsyncInputs:
+    generated_tokens: float  # per step
+    trained_tokens: float  # per step
+    gen_tokens_per_s: float  # per GPU, a colocated synchronous rollout's rate as measured (its tail included)
+    train_tokens_per_s: float  # per training GPU, log-prob + update
+    tail_share: float = 0.0  # f: the share of that colocated rollout spent waiting on the longest completions
+    tail_sigma: float = 0.5  # log-sd of a round's tail (lognormal, mean tail_share x the colocated rollout)
+    weights_s: float = 0.0  # one weight move, seconds (W / B), each side
+    fixed_s: float = 0.0  # per step on the trainer, seconds that do not shrink with GPUs (rewards, host)
+    colocated_train_tokens_per_s: float | None = None  # per GPU colocated; None: train_tokens_per_s
+    colocated_weights_s: float | None = None  # the colocated sync; None: weights_s
+
+
+def check_async_inputs(inp: AsyncInputs) -> None:
+    """ValueError naming the field of an input that cannot be used."""
+    for name in ("generated_tokens", "trained_tokens", "gen_tokens_per_s", "train_tokens_per_s"):
+        if not getattr(inp, name) > 0:
+            raise ValueError(f"{name}: expected a number > 0, got {getattr(inp, name)}")
+    if not 0 <= inp.tail_share < 1:
+        raise ValueError(f"tail_share: expected 0 <= f < 1 (the share of a rollout in its tail), got {inp.tail_share}")
+    for name in ("tail_sigma", "weights_s", "fixed_s"):
+        if not getattr(inp, name) >= 0:
+            raise ValueError(f"{name}: expected a number >= 0, got {getattr(inp, name)}")
+    if inp.colocated_train_tokens_per_s is not None and not inp.colocated_train_tokens_per_s > 0:
+        raise ValueError(f"colocated_train_tokens_per_s: expected a number > 0, got {inp.colocated_train_tokens_per_s}")
+    if inp.colocated_weights_s is not None and not inp.colocated_weights_s >= 0:
+        raise ValueError(f"colocated_weights_s: expected a number >= 0, got {inp.colocated_weights_s}")
+
+
+def rollout_parts(inp: AsyncInputs, gpus: int) -> tuple[float, float]:
+    """(bulk GPU-seconds of a round, mean tail seconds), from the colocated rate on `gpus` GPUs."""
+    colocated_rollout_s = inp.generated_tokens / (inp.gen_tokens_per_s * gpus)
+    return (1 - inp.tail_share) * colocated_rollout_s * gpus, inp.tail_share * colocated_rollout_s
+
+
+def colocated_step_s(inp: AsyncInputs, gpus: int) -> float:
+    """Mean colocated step: every GPU generates (bulk / N + the tail), trains, then syncs."""
+    bulk, tail = rollout_parts(inp, gpus)
+    t_colo = inp.colocated_train_tokens_per_s or inp.train_tokens_per_s
+    w_colo = inp.weights_s if inp.colocated_weights_s is None else inp.colocated_weights_s
+    return bulk / gpus + tail + inp.trained_tokens / (t_colo * gpus) + w_colo + inp.fixed_s
+
+
+def with_pruning(inp: AsyncInputs, gpus: int, *, generated_kept: float, trained_kept: float) -> AsyncInputs:
+    """The same run with DPPO's pruning: prompt pruning generates generated_kept of the tokens (the
+    bulk shrinks by that), completion pruning trains trained_kept of them; a round's tail stays as
+    long in seconds (the longest completion among fewer prompts is about as long: the cap). The
+    colocated rate and tail share are restated so that rollout_parts gives that bulk and that tail."""
+    for name, kept in (("generated_kept", generated_kept), ("trained_kept", trained_kept)):
+        if not 0 < kept <= 1:
+            raise ValueError(f"{name}: expected a fraction in (0, 1], got {kept}")
+    bulk, tail = rollout_parts(inp, gpus)
+    rollout_s = generated_kept * bulk / gpus + tail  # the pruned colocated rollout
+    generated = inp.generated_tokens * generated_kept
+    return dataclasses.replace(
+        inp,
+        generated_tokens=generated,
+        trained_tokens=inp.trained_tokens * trained_kept,
+        gen_tokens_per_s=generated / (rollout_s * gpus),
+        tail_share=tail / rollout_s,
+    )
+
+
+def async_step_times(
+    inp: AsyncInputs, *, gpus: int, rollout_gpus: int, staleness: int, partial: bool, steps: int = 200, seed: int = 0
+) -> dict:
+    """The dedicated layout's steady-state step (rollout_gpus of `gpus` generating) at staleness k,
+    beside the colocated step on all `gpus`: simulate_pipeline with the rates turned into seconds."""
+    check_async_inputs(inp)
+    if not 0 < rollout_gpus < gpus:
+        raise ValueError(f"rollout_gpus: expected 0 < R < gpus={gpus}, got {rollout_gpus}")
+    bulk, tail = rollout_parts(inp, gpus)
+    out = simulate_pipeline(
+        rollout_s=bulk / rollout_gpus,
+        train_s=inp.trained_tokens / (inp.train_tokens_per_s * (gpus - rollout_gpus)) + inp.fixed_s,
+        tail_s=tail,
+        tail_sigma=inp.tail_sigma,
+        weights_s=inp.weights_s,
+        staleness=staleness,
+        partial=partial,
+        steps=steps,
+        seed=seed,
+    )
+    out.update(gpus=gpus, rollout_gpus=rollout_gpus, colocated_s=colocated_step_s(inp, gpus))
+    out["speedup"] = out["colocated_s"] / out["step_s"]
+    return out
+
+
+def balanced_split(
+    inp: AsyncInputs, *, gpus: int, staleness: int, partial: bool, multiple: int = 1, steps: int = 200, seed: int = 0
+) -> dict:
+    """The number of rollout GPUs R (a multiple of `multiple`, e.g. parallel.rollout_tp, leaving at
+    least one training GPU) whose predicted steady-state step is shortest at staleness k, and that
+    step. Every R is simulated with the same tail draws (seed), so the comparison is not noise.
+    Returns async_step_times' dict at the best R, plus by_rollout_gpus {R: step_s}."""
+    if not (isinstance(multiple, int) and multiple >= 1):
+        raise ValueError(f"multiple: expected an integer >= 1 (parallel.rollout_tp), got {multiple}")
+    if not (isinstance(gpus, int) and gpus > multiple):
+        raise ValueError(f"gpus: expected an integer > multiple={multiple} (rollout and training GPUs), got {gpus}")
+    runs = {
+        r: async_step_times(
+            inp, gpus=gpus, rollout_gpus=r, staleness=staleness, partial=partial, steps=steps, seed=seed
+        )
+        for r in range(multiple, gpus, multiple)
+    }
+    best = min(runs, key=lambda r: (runs[r]["step_s"], r))
+    return {**runs[best], "by_rollout_gpus": {r: run["step_s"] for r, run in runs.items()}}
+
+
+def simulate_pipeline(
+    *,
+    rollout_s: float,
+    train_s: float,
+    tail_s: float = 0.0,
+    tail_sigma: float = 0.5,
+    weights_s: float = 0.0,
+    staleness: int,
+    partial: bool,
+    steps: int = 200,
+    seed: int = 0,
+) -> dict:
+    """Discrete-event simulation of `steps` steps of one trainer and one rollout engine (section
+    comment above). rollout_s: a round's bulk on the rollout GPUs; train_s: a step's training on the
+    training GPUs; tail_s: a round's mean tail. Returns the steady-state step (the mean over the
+    steps between the first and the last fifth), the trainer's mean wait for its round there, the
+    engine's bulk share of the step, and the policy lag of the trained rounds (updates between the
+    weights of a round's oldest token and the trainer's)."""
+    if not (isinstance(staleness, int) and staleness >= 0):
+        raise ValueError(f"staleness: expected an integer k >= 0 (trainer.max_staleness), got {staleness}")
+    if not (isinstance(steps, int) and steps >= 5):
+        raise ValueError(f"steps: expected an integer >= 5, got {steps}")
+    for name, value in (("rollout_s", rollout_s), ("train_s", train_s)):
+        if not value > 0:
+            raise ValueError(f"{name}: expected seconds > 0, got {value}")
+    tails = _tail_draws(tail_s, tail_sigma, steps, seed)
+    run = (_PartialEngineRun if partial else _RoundEngineRun)(rollout_s, train_s, tails, weights_s, staleness, steps)
+    run.simulate()
+    warm = steps // 5  # the first and last fifth left out: the queue filling, the last rounds' tails
+    done, started = run.step_done, run.step_start
+    step_s = (done[steps - warm - 1] - done[warm - 1]) / (steps - 2 * warm)
+    waits = [started[s] - done[s - 1] for s in range(warm, steps - warm)]
+    lags = [s - run.start_version[s] for s in range(steps)]
+    return dict(
+        step_s=step_s,
+        rollout_s=rollout_s,
+        train_s=train_s,
+        tail_s=tail_s,
+        weights_s=weights_s,
+        staleness=staleness,
+        partial=partial,
+        trainer_wait_s=sum(waits) / len(waits),
+        engine_bulk_share=min(1.0, rollout_s / step_s),
+        lag_mean=sum(lags) / len(lags),
+        lag_max=max(lags),
+    )
+
+
+def _tail_draws(mean: float, sigma: float, n: int, seed: int) -> list[float]:
+    """n lognormal draws of the given mean (sigma 0: the mean every time), seeded."""
+    rng = random.Random(seed)
+    return [mean * math.exp(sigma * rng.gauss(0.0, 1.0) - sigma * sigma / 2) for _ in range(n)]
+
+
+class _PipelineRun:
+    """The trainer's side, common to both engines: step s waits for round s, trains train_s, waits
+    until the engine has loaded the previous push (one staged copy), pushes weights_s. Subclasses
+    move the engine; `simulate` advances time from event to event."""
+
+    def __init__(self, rollout_s, train_s, tails, weights_s, staleness, steps):
+        self.rollout_s, self.train_s, self.tails = rollout_s, train_s, tails
+        self.w, self.k, self.n = weights_s, staleness, steps
+        self.t = 0.0
+        self.complete = [math.inf] * steps  # when round r's last completion ended
+        self.start_version = [0] * steps  # the weights round r's first tokens were sampled with
+        self.loaded, self.next_round = 0, 0  # the engine's weights version; the next round to start
+        self.push = None  # (version, start, end) of the push in progress or staged, not yet loaded
+        self.step, self.phase, self.phase_end = 0, "wait", math.inf  # trainer: wait | train | slot | push
+        self.step_start, self.step_done = [0.0] * steps, [0.0] * steps
+
+    def simulate(self) -> None:
+        while self.step < self.n:
+            while self._advance_trainer() | self._advance_engine():
+                pass
+            if self.step >= self.n:
+                break
+            nxt = min(self.phase_end, self._engine_next_event())
+            if nxt == math.inf:
+                raise RuntimeError(f"pipeline stalled at step {self.step} (t={self.t})")  # a modelling bug
+            self.t = nxt
+
+    def _admissible(self) -> bool:
+        return self.next_round < self.n and self.loaded >= self.next_round - self.k
+
+    def _advance_trainer(self) -> bool:
+        s, t = self.step, self.t
+        if s >= self.n:
+            return False
+        if self.phase == "wait" and self.complete[s] <= t:
+            self.step_start[s], self.phase, self.phase_end = t, "train", t + self.train_s
+        elif self.phase == "train" and self.phase_end <= t:
+            self.phase, self.phase_end = "slot", math.inf
+        elif self.phase == "slot" and self.push is None:  # the previous push is loaded
+            self.push = (s + 1, t, t + self.w)
+            self.phase, self.phase_end = "push", t + self.w
+            self._on_push()
+        elif self.phase == "push" and self.phase_end <= t:
+            self.step_done[s] = t
+            self.step, self.phase, self.phase_end = s + 1, "wait", math.inf
+        else:
+            return False
+        return True
+
+    def _on_push(self) -> None:
+        """A push has just begun (the partial engine pauses for it)."""
+
+    def _advance_engine(self) -> bool:
+        raise NotImplementedError
+
+    def _engine_next_event(self) -> float:
+        raise NotImplementedError
+
+
+class _RoundEngineRun(_PipelineRun):
+    """Without partial rollouts: one round at a time (bulk, then its tail), weights between rounds."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.busy_until, self.doing = 0.0, None  # ("round", r) | ("load", version) | None
+
+    def _advance_engine(self) -> bool:
+        t = self.t
+        if self.doing is not None:
+            if self.busy_until > t:
+                return False
+            kind, x = self.doing
+            if kind == "round":
+                self.complete[x] = t
+            else:
+                self.loaded, self.push = x, None
+            self.doing = None
+            return True
+        if self.push is not None and self.push[1] <= t:  # a push has begun: load it first (freshest weights)
+            version, _, end = self.push
+            self.doing, self.busy_until = ("load", version), max(end, t + self.w)  # streamed when waiting
+            return True
+        if self._admissible():
+            r = self.next_round
+            self.start_version[r], self.next_round = self.loaded, r + 1
+            self.doing, self.busy_until = ("round", r), t + self.rollout_s + self.tails[r]
+            return True
+        return False
+
+    def _engine_next_event(self) -> float:
+        return self.busy_until if self.doing is not None else math.inf
+
+
+class _PartialEngineRun(_PipelineRun):
+    """Partial rollouts: the bulk of admitted rounds runs back to back; each round's tail runs beside
+    whatever follows; every push pauses the engine (it loads as the weights stream in), which moves
+    every running end time later by the pause."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.bulk = None  # (round, end time of its bulk)
+        self.tail_end: dict[int, float] = {}  # round -> end time of its tail (its last completion)
+
+    def _start_at(self) -> float:
+        """When work begun now starts running: at once, or after the push that pauses the engine."""
+        return self.push[2] if self.push is not None and self.push[1] <= self.t else self.t
+
+    def _on_push(self) -> None:
+        pause = self.push[2] - self.push[1]
+        if self.bulk is not None and self.bulk[1] > self.t:
+            self.bulk = (self.bulk[0], self.bulk[1] + pause)
+        for r, end in self.tail_end.items():
+            if end > self.t:
+                self.tail_end[r] = end + pause
+
+    def _advance_engine(self) -> bool:
+        t = self.t
+        if self.push is not None and self.push[2] <= t:  # the push has ended: those weights are loaded
+            self.loaded, self.push = self.push[0], None
+            return True
+        if self.bulk is not None and self.bulk[1] <= t:
+            self.tail_end[self.bulk[0]] = self._start_at() + self.tails[self.bulk[0]]
+            self.bulk = None
+            return True
+        for r, end in self.tail_end.items():
+            if end <= t:
+                del self.tail_end[r]
+                self.complete[r] = t
+                return True
+        if self.bulk is None and self._admissible():
+            r = self.next_round
+            self.start_version[r], self.next_round = self.loaded, r + 1
+            self.bulk = (r, self._start_at() + self.rollout_s)
+            return True
+        return False
+
+    def _engine_next_event(self) -> float:
+        ends = list(self.tail_end.values()) + ([self.bulk[1]] if self.bulk is not None else [])
+        if self.push is not None:
+            ends.append(self.push[2])
+        return min(ends, default=math.inf)
