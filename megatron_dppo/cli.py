@@ -20,7 +20,7 @@ def _verify_unbiased(args) -> int:
         print(f"verify-unbiased: --strategy must be one of {sorted(STRATEGIES)}, got {unknown[0]!r}", file=sys.stderr)
         return 2
     aggs = args.loss_agg or (list(get_args(LossAgg)) if args.all_aggs else ["seq-mean-token-mean"])
-    corrected = args.rollout_correction != "none" or args.staleness or args.negative_control != "none"
+    corrected = args.rollout_correction != "none" or args.staleness or args.negative_control != "none" or args.partial
     bad = _correction_arguments_error(args) if corrected else ""
     if bad:
         print(f"verify-unbiased: {bad}", file=sys.stderr)
@@ -51,6 +51,8 @@ def _verify_unbiased(args) -> int:
                 rollout_correction=args.rollout_correction,
                 staleness=args.staleness,
                 negative_control=args.negative_control,
+                partial=args.partial,
+                rollout_correction_cap=args.rollout_correction_cap,
             )
             try:
                 result = run_dynamic_check(cfg) if args.dynamic_sampling else run_check(cfg)
@@ -69,6 +71,10 @@ def _verify_unbiased(args) -> int:
 
 def _correction_arguments_error(args) -> str:
     """What --rollout-correction / --staleness / --negative-control cannot be combined with ("" if fine)."""
+    if args.partial and not args.staleness:
+        return "--partial needs --staleness >= 1: a completion continued under new weights is one update behind or more"
+    if args.negative_control == "partial-one-policy" and not args.partial:
+        return "--negative-control partial-one-policy needs --partial (it mislabels the tokens of a partial rollout)"
     if args.dynamic_sampling:
         return "--dynamic-sampling checks the refill rule without a rollout correction: drop it, or drop " + (
             "--rollout-correction/--staleness/--negative-control"
@@ -90,13 +96,18 @@ def _verify_rollout_correction(args):
     checked kind more biased than no correction; the checked kind's row)."""
     from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, describe_setting, run_rollout_checks
 
-    cfg = RolloutCheckConfig(length=3, seed=args.seed, staleness=args.staleness, control=args.negative_control)
+    cfg = RolloutCheckConfig(
+        length=3, seed=args.seed, staleness=args.staleness, control=args.negative_control, partial=args.partial
+    )
+    if args.rollout_correction_cap is not None:
+        cfg.cap = args.rollout_correction_cap
     print(f"rollout correction: {describe_setting(cfg)}", flush=True)
     rows = run_rollout_checks(cfg, checked=args.rollout_correction)
     for row in rows:
         print(f"rollout correction: {row.line()}", flush=True)
     checked = next(row for row in rows if "checked" in row.role)
-    return [row.failure for row in rows if row.failure], checked
+    failures = dict.fromkeys(row.failure for row in rows if row.failure)  # at cap inf a kind is also a reference row
+    return list(failures), checked
 
 
 def _correction_verdict(args, failures: list[str], checked) -> int:
@@ -105,6 +116,7 @@ def _correction_verdict(args, failures: list[str], checked) -> int:
     from megatron_dppo.jobs.verify_rollout import recommended_correction
 
     setting = f"staleness {args.staleness}" if args.staleness else "a bf16/MoE rollout (staleness 0)"
+    setting += " with partial rollouts" if args.partial else ""
     rec = f"recommended for {setting}: {recommended_correction(args.staleness)} (docs/algorithm.md section 8)"
     if failures:
         print(f"bias detected: {'; '.join(failures)}; {rec}")
@@ -342,20 +354,34 @@ def build_parser() -> argparse.ArgumentParser:
         "with the correction on every token, against the on-policy gradient",
     )
     v.add_argument(
+        "--rollout-correction-cap",
+        type=_at_least(1.0, float),
+        default=None,
+        help="algorithm.rollout_correction_cap C of the checked kinds (default: the config's, 2; inf: untruncated, "
+        "where the product seq_tis is exact at any staleness and the Monte Carlo check is a z-test)",
+    )
+    v.add_argument(
         "--staleness",
-        type=int,
-        choices=[0, 1],
+        type=_at_least(0),
         default=0,
-        help="trainer.max_staleness: 1 = the rollout sampled with the weights before the last update (the exact "
-        "table with that rollout policy, then pruning's Monte Carlo check sampling from it)",
+        help="trainer.max_staleness K: the rollout sampled with the weights K updates before pi_old (1 = before "
+        "the last update; the exact table with that rollout policy, then pruning's Monte Carlo check sampling "
+        "from it)",
+    )
+    v.add_argument(
+        "--partial",
+        action="store_true",
+        help="partial rollouts (needs --staleness >= 1): each completion sampled by the weights K updates old up "
+        "to a switch point and by the next version after it, each token's rollout log-prob its own sampler's",
     )
     v.add_argument(
         "--negative-control",
-        choices=["none", "inverted", "one", "stale"],
+        choices=["none", "inverted", "one", "stale", "partial-one-policy"],
         default="none",
         help="a self-test of the rollout-correction check (must report BIASED and exit 1): feed it wrong "
-        "inputs, rho inverted (mu / pi_old), rho = 1 (no reweighting while claiming one), or stale (sampled by "
-        "the weights one version older than the ones rho is computed against)",
+        "inputs, rho inverted (mu / pi_old), rho = 1 (no reweighting while claiming one), stale (sampled by "
+        "the weights one version older than the ones rho is computed against), or partial-one-policy (with "
+        "--partial: every token's rollout log-prob recorded as the newer version's)",
     )
     v.set_defaults(func=_verify_unbiased)
     return parser

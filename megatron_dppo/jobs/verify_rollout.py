@@ -11,9 +11,22 @@ are sums over all vocab^length completions: no Monte Carlo noise.
 The trainer's staleness path: the policy has versions v0, v1, ..., each an exact gradient-ascent
 step of the expected advantage from the one before; the trained weights (pi_old) are the current
 version c = staleness + 1, and the group was sampled by the weights of version c - staleness
-(trainer.max_staleness with dedicated rollout ranks; at staleness 0 the same weights, their
-rollout log-probs carrying the engine's numerics: logit noise of std `mismatch`). The check
-records which version sampled and which one the ratio rho = pi_old / mu is computed against.
+(trainer.max_staleness = K with dedicated rollout ranks, any K >= 0: a group trained at step t was
+sampled by version >= t - 1 - K, the trained weights being version t - 1; at staleness 0 the same
+weights, their rollout log-probs carrying the engine's numerics: logit noise of std `mismatch`).
+The check records which version sampled and which one the ratio rho = pi_old / mu is computed
+against.
+
+Partial rollouts (`partial`, staleness K >= 1): a weight update arrives while a completion is being
+generated and the completion goes on under the new weights. Each completion has a switch point s,
+drawn uniformly from 1..length and independently of its tokens: its tokens 1..s were sampled by
+version c - K (the oldest the trainer's rule allows) and its tokens after s by version c - K + 1
+(s = length: the completion finished before the update, every token by version c - K). Every
+token's rollout log-prob is that of the version that sampled it, so rho_t = pi_old(o_t) /
+mu_{v(t)}(o_t) and the product over the completion is its whole ratio given s: the untruncated
+product stays exact. The group records its oldest token's version (its lag K by the trainer's
+rule). The exact sums average over s. The negative control `partial-one-policy` records every
+token's log-prob as the newer version's (the tokens before s were sampled by the older one).
 
 Verdict of each kind: its relative bias X = ||estimate - target|| / ||target|| and its BOUND
 Y = E_sampler[sum_t coef_t |w_t - rho(o)| ||grad l_t||] / ||target||, rho(o) = prod_t rho_t the
@@ -23,8 +36,9 @@ a token weight misses of the completion's ratio. UNBIASED: X within float64 roun
 BIASED (bounded): X <= Y; BIASED beyond the bound: X > Y, possible only when the weights are
 not the ratio of the policies that sampled and are trained, an error. The negative controls
 (`control`) make exactly that happen: rho inverted (mu / pi_old), rho = 1 (no reweighting while
-claiming one), and `stale` (sampled by version c - staleness - 1 while rho is computed against
-c - staleness, the trainer's record of it).
+claiming one), `stale` (sampled by version c - staleness - 1 while rho is computed against
+c - staleness, the trainer's record of it; with partial rollouts both versions one older) and
+`partial-one-policy` (above).
 
 A recommended kind (RECOMMENDED_CORRECTION, measured by tools/rollout_correction_table.py) must
 also be less biased than no correction: a correction that leaves more bias than training as
@@ -46,7 +60,8 @@ from megatron_dppo.config import AlgorithmConfig
 # tools/rollout_correction_table.py): this toy's completions are short, so at staleness >= 1 it is
 # the short completions' kind.
 RECOMMENDED_CORRECTION = losses.RECOMMENDED_CORRECTION
-NEGATIVE_CONTROLS = ("none", "inverted", "one", "stale")  # none: the check as it should run
+NEGATIVE_CONTROLS = ("none", "inverted", "one", "stale", "partial-one-policy")  # none: the check as it should run
+PARTIAL_CONTROLS = ("partial-one-policy",)  # the controls that need partial rollouts
 _DEFAULTS = AlgorithmConfig()
 
 
@@ -71,6 +86,7 @@ class RolloutCheckConfig:
     staleness: int = 0  # updates between the sampling weights and pi_old (module docstring)
     lr: float = 2.0  # each version's step size on the expected advantage
     control: str = "none"  # a negative control of NEGATIVE_CONTROLS (module docstring)
+    partial: bool = False  # partial rollouts: two versions sample each completion (module docstring)
 
     def bounds(self) -> dict:
         return dict(cap=self.cap, low=self.low, high=self.high, seq_low=self.seq_low, seq_high=self.seq_high)
@@ -87,13 +103,54 @@ class ToyPolicies:
     old_logp: torch.Tensor  # [V] log pi_old
     sample_logp: torch.Tensor  # [V] the sampler's log-probs (what really drew the tokens)
     rollout_logp: torch.Tensor  # [V] the log-probs the correction divides by
+    # Partial rollouts: the version sampling after each completion's switch point (None: none), its
+    # log-probs and the ones the correction divides by for those tokens
+    newer: int | None = None
+    sample_logp_after: torch.Tensor | None = None
+    rollout_logp_after: torch.Tensor | None = None
+    newer_only: bool = False  # the partial-one-policy control: rho divides by the newer version everywhere
+
+    @property
+    def partial(self) -> bool:
+        return self.newer is not None
+
+    def token_logps(self, tokens: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sampler's log-prob, the one rho divides by) of each token; before [same shape]: the
+        token precedes its completion's switch point (every token, without partial rollouts)."""
+        if not self.partial:
+            return self.sample_logp[tokens], self.rollout_logp[tokens]
+        sample = torch.where(before, self.sample_logp[tokens], self.sample_logp_after[tokens])
+        return sample, torch.where(before, self.rollout_logp[tokens], self.rollout_logp_after[tokens])
+
+    @property
+    def rho_against(self) -> str:
+        """The versions rho's denominators come from, in words."""
+        if not self.partial:
+            return f"v{self.claimed}"
+        if self.newer_only:
+            return f"v{self.claimed + 1} for every token"
+        return f"v{self.claimed} then v{self.claimed + 1}"
 
     def describe(self, staleness: int) -> str:
         noise = "" if staleness else " with the engine's numerics (logit noise)"
+        if self.partial:
+            return (
+                f"policy versions v0..v{self.current}: pi_old = v{self.current}, partial rollouts: each completion "
+                f"sampled by v{self.sampled} up to its switch point and by v{self.newer} after it, rho computed "
+                f"against {self.rho_against}"
+            )
         return (
             f"policy versions v0..v{self.current}: pi_old = v{self.current}, sampled by v{self.sampled}{noise}, "
             f"rho computed against v{self.claimed}"
         )
+
+
+def switch_points(length: int, partial: bool) -> list[tuple[int, float]]:
+    """(s, its probability): each completion's tokens 1..s come from the older version, the rest
+    from the newer one; without partial rollouts every token is before the switch."""
+    if not partial:
+        return [(length, 1.0)]
+    return [(s, 1.0 / length) for s in range(1, length + 1)]
 
 
 def policy_versions(theta: torch.Tensor, steps: int, lr: float, objective_gradient) -> list[torch.Tensor]:
@@ -107,7 +164,8 @@ def policy_versions(theta: torch.Tensor, steps: int, lr: float, objective_gradie
 def version_policies(cfg, versions: list[torch.Tensor], noise: torch.Tensor, mismatch: float) -> ToyPolicies:
     """Which version samples and which one rho is computed against, at cfg.staleness and under
     cfg.control (versions: v0 .. v_current, current = staleness + 1 so that the stale control
-    has a version one older than the one the run sampled with)."""
+    has a version one older than the one the run sampled with). With cfg.partial the version one
+    newer samples each completion after its switch point."""
     current = len(versions) - 1
     claimed = current - cfg.staleness
     sampled = claimed - 1 if cfg.control == "stale" else claimed
@@ -116,7 +174,7 @@ def version_policies(cfg, versions: list[torch.Tensor], noise: torch.Tensor, mis
     def logp(v):
         return torch.log_softmax(versions[v] + engine, -1)
 
-    return ToyPolicies(
+    policies = ToyPolicies(
         versions=versions,
         current=current,
         sampled=sampled,
@@ -125,16 +183,30 @@ def version_policies(cfg, versions: list[torch.Tensor], noise: torch.Tensor, mis
         sample_logp=logp(sampled),
         rollout_logp=logp(claimed),
     )
+    if cfg.partial:
+        policies.newer = sampled + 1
+        policies.sample_logp_after = logp(sampled + 1)
+        policies.rollout_logp_after = logp(claimed + 1)
+        if cfg.control == "partial-one-policy":  # the trainer records every token as the newer version's
+            policies.rollout_logp, policies.newer_only = policies.rollout_logp_after, True
+    return policies
 
 
-def check_control(control: str, staleness: int) -> None:
+def check_control(control: str, staleness: int, partial: bool = False) -> None:
+    """A one-line ValueError for a setting the check cannot build."""
     if control not in NEGATIVE_CONTROLS:
         raise ValueError(f"negative control must be one of {NEGATIVE_CONTROLS}, got {control!r}")
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"staleness must be an integer >= 0, got {staleness!r}")
+    if partial and staleness < 1:
+        raise ValueError("partial rollouts need staleness >= 1: a weight update mid-generation is one update behind")
+    if control in PARTIAL_CONTROLS and not partial:
+        raise ValueError(f"negative control {control!r} needs partial rollouts (partial=True, --partial)")
 
 
 def _toy(cfg: RolloutCheckConfig):
     """(policies, completions [C, L], advantages [C]) of the check's toy."""
-    check_control(cfg.control, cfg.staleness)
+    check_control(cfg.control, cfg.staleness, cfg.partial)
     gen = torch.Generator().manual_seed(cfg.seed)
     theta = torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
     noise = torch.randn(cfg.vocab, generator=gen, dtype=torch.float64)
@@ -148,19 +220,24 @@ def _toy(cfg: RolloutCheckConfig):
     return version_policies(cfg, versions, noise, cfg.mismatch), completions, advantages
 
 
-def stale_kl(cfg: RolloutCheckConfig) -> float:
-    """KL(sampler || pi_old) per token of the check's policies: how far apart they are."""
+def stale_kl(cfg: RolloutCheckConfig, newer: bool = False) -> float:
+    """KL(sampler || pi_old) per token of the check's policies: how far apart they are (with
+    partial rollouts, of the older sampler, or with `newer` of the one after the switch points)."""
     p, _, _ = _toy(cfg)
-    return float((p.sample_logp.exp() * (p.sample_logp - p.old_logp)).sum())
+    logp = p.sample_logp_after if newer else p.sample_logp
+    return float((logp.exp() * (logp - p.old_logp)).sum())
 
 
 def describe_setting(cfg: RolloutCheckConfig) -> str:
     """The report's header: which versions sampled, trained and entered rho, and how far apart."""
     p, _, _ = _toy(cfg)
     control = "" if cfg.control == "none" else f"NEGATIVE CONTROL {cfg.control} (a self-test: must fail): "
+    kl = f"KL(sampler || pi_old) = {stale_kl(cfg):.3g} a token"
+    if p.partial:
+        older, newer = stale_kl(cfg), stale_kl(cfg, newer=True)
+        kl = f"KL(v{p.sampled} || pi_old) = {older:.3g} and KL(v{p.newer} || pi_old) = {newer:.3g} a token"
     return (
-        f"{control}{p.describe(cfg.staleness)}; KL(sampler || pi_old) = {stale_kl(cfg):.3g} a token; "
-        "target: the on-policy gradient at pi_old (no correction weight)"
+        f"{control}{p.describe(cfg.staleness)}; {kl}; target: the on-policy gradient at pi_old (no correction weight)"
     )
 
 
@@ -259,18 +336,22 @@ def _exact_sums(cfg: RolloutCheckConfig, kind: str):
     theta = p.versions[p.current]
     J = token_jacobian(theta, tokens, seq_index, advantages[seq_index], num)
     coef = losses.token_coefficients(seq_index, torch.ones(num), torch.full((num,), length), "seq-mean-token-mean", 1.0)
-    weight, rho = correction_weights(
-        p.old_logp[tokens], p.rollout_logp[tokens], seq_index, num, kind, cfg.bounds(), cfg.control
-    )
-    p_sample = p.sample_logp[completions].sum(-1).exp()
     p_old = p.old_logp[completions].sum(-1).exp()
 
     def per_completion(values):  # [T, ...] -> [C, ...] summed over each completion's tokens
         return torch.zeros((num, *values.shape[1:]), dtype=torch.float64).index_add(0, seq_index, values)
 
-    estimate = p_sample @ per_completion((coef * weight)[:, None] * J)
+    estimate, deviation = 0.0, 0.0
+    for switch, share in switch_points(length, cfg.partial):  # the sampler: a mixture over switch points
+        before = (torch.arange(length) < switch).repeat(num)
+        sample_logp, rollout_logp = p.token_logps(tokens, before)
+        weight, rho = correction_weights(
+            p.old_logp[tokens], rollout_logp, seq_index, num, kind, cfg.bounds(), cfg.control
+        )
+        p_sample = share * sample_logp.view(num, length).sum(-1).exp()
+        estimate = estimate + p_sample @ per_completion((coef * weight)[:, None] * J)
+        deviation = deviation + p_sample @ per_completion(coef * (weight - rho).abs() * J.norm(dim=1))
     target = p_old @ per_completion(coef[:, None] * J)  # no correction weight: the on-policy gradient
-    deviation = p_sample @ per_completion(coef * (weight - rho).abs() * J.norm(dim=1))
     return estimate, target, float(deviation), p
 
 

@@ -22,10 +22,14 @@ compared with that batch's gradient, and its total weight with B.
 
 Rollout-correction mode (`run_correction_check`, docs/algorithm.md sections 8 and 10): the
 completions are SAMPLED each draw, by the rollout policy of a small toy (verify_rollout.py's policy
-versions: at staleness k the weights of version current - k), pruned and weighted by the trainer's
+versions: at staleness k >= 0 the weights of version current - k), pruned and weighted by the trainer's
 planning, and each token's loss weighted by algorithm.rollout_correction; the target is the
 on-policy gradient, the mean over batches sampled by pi_old itself of the full batch's gradient
-without pruning and without a correction weight. So a wrong weight cannot cancel out.
+without pruning and without a correction weight. So a wrong weight cannot cancel out. With
+partial rollouts (`partial`, k >= 1; verify_rollout.py's docstring) each completion draws its
+switch point s uniformly from 1..3 independently of its tokens: its tokens up to s come from
+version current - k, the rest from version current - k + 1, and each token's rollout log-prob is
+its own sampler's; the group records the oldest version (lag k by the trainer's rule).
 """
 
 from __future__ import annotations
@@ -68,11 +72,13 @@ class CheckConfig:
     # the on-policy one. rollout_noise: at staleness 0, the std of the rollout engine's logit noise
     rollout_correction: str = "none"
     rollout_noise: float = 0.3
+    rollout_correction_cap: float | None = None  # None: the config's default; math.inf: untruncated
     # > 0: the completions were sampled by the weights of version current - staleness (dedicated
     # rollout ranks at trainer.max_staleness=1), each version an exact update of size rollout_lr
     staleness: int = 0
     rollout_lr: float = 4.5
-    negative_control: str = "none"  # verify_rollout.NEGATIVE_CONTROLS: inverted / one / stale (a self-test)
+    negative_control: str = "none"  # verify_rollout.NEGATIVE_CONTROLS: inverted / one / stale / ... (a self-test)
+    partial: bool = False  # partial rollouts: two versions sample each completion (verify_rollout.py)
     without_prompt_weight: bool = False  # negative control: the strategy's kept prompts get w_q = 1
     dim: int = 16
     draws: int = 4000
@@ -352,7 +358,7 @@ def without_prompt_weight(strategy):
 
 def run_check(cfg: CheckConfig):
     """The static check; with a rollout correction or staleness, run_correction_check's."""
-    if cfg.rollout_correction != "none" or cfg.staleness or cfg.negative_control != "none":
+    if cfg.rollout_correction != "none" or cfg.staleness or cfg.negative_control != "none" or cfg.partial:
         return run_correction_check(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     rewards, stats, lengths = _synthetic_step(cfg, gen)
@@ -622,7 +628,7 @@ def _correction_toy(cfg: CheckConfig) -> _CorrectionToy:
         return vr.expected_reward_gradient(th, completions, rewards.mean(0))
 
     versions = vr.policy_versions(theta, cfg.staleness + 1, cfg.rollout_lr, gradient)
-    control = vr.RolloutCheckConfig(staleness=cfg.staleness, control=cfg.negative_control)
+    control = vr.RolloutCheckConfig(staleness=cfg.staleness, control=cfg.negative_control, partial=cfg.partial)
     return _CorrectionToy(vr.version_policies(control, versions, noise, cfg.rollout_noise), rewards, stats)
 
 
@@ -630,8 +636,29 @@ def _sample_batch(toy: _CorrectionToy, cfg: CheckConfig, logp: torch.Tensor, gen
     """B x G completions drawn from the categorical exp(logp): (tokens [B*G*L], rewards [B, G])."""
     B, G, L = cfg.num_prompts, cfg.group_size, CORRECTION_LENGTH
     tokens = torch.multinomial(logp.exp(), B * G * L, replacement=True, generator=gen).view(B, G, L)
+    return _with_rewards(toy, tokens)
+
+
+def _with_rewards(toy: _CorrectionToy, tokens: torch.Tensor):
+    """(tokens [B*G*L], rewards [B, G]) of completions tokens [B, G, L]."""
+    L = tokens.shape[-1]
     index = (tokens * CORRECTION_VOCAB ** torch.arange(L - 1, -1, -1)).sum(-1)
     return tokens.flatten(), toy.rewards.gather(1, index)
+
+
+def _sample_rollout(toy: _CorrectionToy, cfg: CheckConfig, gen: torch.Generator):
+    """A batch as the rollout sampled it: (tokens [T], rewards [B, G], before [T] or None). With
+    partial rollouts each completion's switch point s is uniform over 1..L, independent of its
+    tokens; `before` marks its tokens 1..s (sampled by the older version, the rest by the newer)."""
+    p = toy.policies
+    if not p.partial:
+        return (*_sample_batch(toy, cfg, p.sample_logp, gen), None)
+    B, G, L = cfg.num_prompts, cfg.group_size, CORRECTION_LENGTH
+    switch = torch.randint(1, L + 1, (B, G, 1), generator=gen)
+    before = torch.arange(L) < switch  # [B, G, L]
+    older = torch.multinomial(p.sample_logp.exp(), B * G * L, replacement=True, generator=gen).view(B, G, L)
+    newer = torch.multinomial(p.sample_logp_after.exp(), B * G * L, replacement=True, generator=gen).view(B, G, L)
+    return (*_with_rewards(toy, torch.where(before, older, newer)), before.flatten())
 
 
 def _toy_jacobian(toy, cfg, tokens, rewards):
@@ -667,6 +694,8 @@ class CorrectionCheckResult:
     error: str  # why the line counts against the run ("" if it does not)
     allowed: float = 0.0  # the bound, + the tolerance where pruning is only consistent
     bias_along: float = math.nan
+    newer_version: int | None = None  # partial rollouts: the version sampling after the switch points
+    rho_against: str = ""  # partial rollouts: the versions rho divides by (ToyPolicies.rho_against)
 
     def summary(self, cfg: CheckConfig) -> str:
         kind = cfg.rollout_correction
@@ -692,10 +721,14 @@ class CorrectionCheckResult:
             else:
                 verdict = f"{head} > bound {self.bound:.3g}{tol} by more than {self.z_threshold:.2f} s.e.: "
                 verdict += "BIASED beyond its bound"
+        sampled, against = f"v{self.sampled_version}{numerics}", f"v{self.claimed_version}"
+        if self.newer_version is not None:
+            sampled = f"v{self.sampled_version} up to each completion's switch point and v{self.newer_version} after it"
+            against = self.rho_against
         return (
             f"{cfg.strategy:8s} {cfg.loss_agg:24s} r_q={cfg.r_q:.2f} r_o={cfg.r_o:.2f} +{control} {kind} "
-            f"(advantage {cfg.advantage}), sampled by v{self.sampled_version}{numerics}, rho against "
-            f"v{self.claimed_version}, "
+            f"(advantage {cfg.advantage}), sampled by {sampled}, rho against "
+            f"{against}, "
             f"pi_old v{self.current_version} (policy lag {self.max_lag} by the trainer's rule) | kept prompts "
             f"{self.kept_prompt_frac:5.1%} completions {self.kept_completion_frac:5.1%} | against the on-policy "
             f"gradient: rel.err {self.rel_error:.4f} +- {self.rel_std_error:.4f} (MC s.e.) | {verdict}"
@@ -722,12 +755,15 @@ def _correction_draw(cfg, toy, method, strategy, prompts, stats_of, gen):
     from megatron_dppo.jobs.verify_rollout import RolloutCheckConfig, correction_weights
 
     p = toy.policies
-    tokens, rewards = _sample_batch(toy, cfg, p.sample_logp, gen)
+    tokens, rewards, before = _sample_rollout(toy, cfg, gen)
     J, seq_index, seq_len = _toy_jacobian(toy, cfg, tokens, rewards)
     S = rewards.numel()
     bounds = RolloutCheckConfig().bounds()  # the config's defaults
+    if cfg.rollout_correction_cap is not None:
+        bounds["cap"] = cfg.rollout_correction_cap
+    _, rollout_logp = p.token_logps(tokens, before)  # each token's own sampler's (the trainer's record)
     weight, rho = correction_weights(
-        p.old_logp[tokens], p.rollout_logp[tokens], seq_index, S, cfg.rollout_correction, bounds, cfg.negative_control
+        p.old_logp[tokens], rollout_logp, seq_index, S, cfg.rollout_correction, bounds, cfg.negative_control
     )
     lengths = torch.full(rewards.shape, CORRECTION_LENGTH)  # never the budget: nothing truncated
     rollout = _synthetic_rollout(rewards, lengths, CORRECTION_LENGTH + 1, version=p.claimed)
@@ -764,7 +800,7 @@ def _on_policy_draw(cfg, toy, gen) -> torch.Tensor:
 def _check_correction_config(cfg: CheckConfig) -> None:
     from megatron_dppo.jobs.verify_rollout import check_control
 
-    check_control(cfg.negative_control, cfg.staleness)
+    check_control(cfg.negative_control, cfg.staleness, cfg.partial)
     if cfg.kl_coef != 0:
         raise ValueError(
             "the rollout-correction check needs kl_coef 0: the correction weighs the policy-gradient term "
@@ -842,4 +878,6 @@ def _correction_result(cfg, toy, strategy, grads, refs, deviations, lags, kept_q
         error=error,
         allowed=allowed,
         bias_along=bias_along(grads, target),
+        newer_version=p.newer,
+        rho_against=p.rho_against,
     )
