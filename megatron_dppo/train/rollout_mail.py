@@ -128,6 +128,20 @@ class Inbox:
             raise payload
         return kind, payload
 
+    def take_waves_at_head(self) -> list:
+        """The waves at the head of the queue, in order, passing over staged syncs (partial rollouts
+        take those out of turn), up to the first request of another kind; none if there are none."""
+        waves = []
+        with self.arrived:
+            i = 0
+            while i < len(self.items) and self.items[i][0] in ("wave", *self.SYNCS):
+                if self.items[i][0] == "wave":
+                    waves.append(self.items[i][1])
+                    del self.items[i]
+                else:
+                    i += 1
+        return waves
+
     def wait_for_sync(self) -> None:
         """Until a staged sync (or an error) is in the queue."""
         with self.arrived:

@@ -45,6 +45,7 @@ from megatron_dppo.run.bridge import BridgeBroken, Roles, StreamCount, WeightStr
 from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
+from megatron_dppo.train.partial_rollout import ChunkedRounds
 from megatron_dppo.train.rollout_mail import (
     GONE,
     Inbox,
@@ -113,21 +114,30 @@ def serve(cfg: Config, roles: Roles) -> int:
             inbox.loaded()
             worker.weights_version = version
 
-        def newer_weights(wanted_by: int) -> bool:
-            """rollout.partial: between chunks of a round for step `wanted_by`, load the weights that
-            arrived meanwhile. Under SWITCH_WAIT (tests: a switch where timing would decide) it first
-            waits for them when the trainer will send newer weights before it needs this round."""
-            if os.environ.get(SWITCH_WAIT) and worker.weights_version < wanted_by - 1:
+        def newer_weights(wanted_by: int, started: bool) -> bool:
+            """rollout.partial: between chunks of the rounds in flight (the earliest for step
+            `wanted_by`), load the weights that arrived meanwhile. Under SWITCH_WAIT (tests: a switch
+            where timing would decide) it first waits for them once a round has tokens, when the
+            trainer will send newer weights before it needs that round."""
+            if os.environ.get(SWITCH_WAIT) and started and worker.weights_version < wanted_by - 1:
                 inbox.wait_for_sync()
             sync = inbox.take_sync()
             if sync is not None:
                 load_sync(*sync)
             return sync is not None
 
-        if cfg.rollout.partial:
-            worker.between_chunks = newer_weights
+        rounds = ChunkedRounds(worker, newer_weights) if cfg.rollout.partial else None
         idle = 0.0  # seconds spent waiting for a request since the last reply to a wave
         while True:
+            if rounds is not None and not rounds.empty:  # partial rollouts: a chunk of every round in flight
+                for req in inbox.take_waves_at_head():
+                    rounds.admit(req)
+                watchdog.phase("rollout", rounds.rounds[0].req.step)
+                rounds.step()
+                for part in rounds.finished():
+                    part.seconds["idle"], idle = idle, 0.0
+                    outbox.put(part)
+                continue
             watchdog.phase("wait for the trainer")
             t0 = time.perf_counter()
             kind, payload = inbox.take()
@@ -139,6 +149,8 @@ def serve(cfg: Config, roles: Roles) -> int:
             if kind in Inbox.SYNCS:
                 load_sync(kind, payload)
                 del payload
+            elif kind == "wave" and rounds is not None:
+                rounds.admit(payload)
             elif kind == "wave":
                 watchdog.phase("rollout", payload.step)
                 part = worker.part(payload)

@@ -102,33 +102,33 @@ class EngineWorker:
     def __init__(self, cfg, *, engine, place: EnginePlace, tokenizer, scorer):
         self.cfg, self.engine, self.place, self.tokenizer, self.scorer = cfg, engine, place, tokenizer, scorer
         self.weights_version = 0
-        # rollout.partial on a rollout rank: called between chunks of a round for a step; loads the
-        # weights that arrived meanwhile (bumping weights_version) -> whether it did
-        self.between_chunks = None
 
     def part(self, req: WaveRequest, timer=None) -> EnginePart:
+        sub, prompt_ids, prefix_lens = self.slice_of(req)
+        version = self.weights_version
+        t0 = time.perf_counter()
+        with _phase(timer, "rollout"):
+            outs = self._generate(req, sub, prompt_ids)
+        return self.scored_part(req, sub, prompt_ids, prefix_lens, outs, version, None, t0, timer)
+
+    def slice_of(self, req: WaveRequest) -> tuple[list, list, list]:
+        """This engine's contiguous slice of a request's prompts that want completions: (items,
+        prompt ids, prefix lengths)."""
         per = math.ceil(len(req.items) / self.place.count)
         first = self.place.index * per
         todo = [i for i in range(first, min(first + per, len(req.items))) if req.want[req.items[i][1]] > 0]
-        sub = [req.items[i] for i in todo]
-        version = self.weights_version  # what samples the first tokens (partial rollouts: of every completion)
-        t0 = time.perf_counter()
-        with _phase(timer, "rollout"):
-            outs, switches = self._generate(req, sub, [req.prompt_ids[i] for i in todo])
+        return [req.items[i] for i in todo], [req.prompt_ids[i] for i in todo], [req.prefix_lens[i] for i in todo]
+
+    def scored_part(self, req, sub, prompt_ids, prefix_lens, outs, version, switches, t0, timer=None) -> EnginePart:
+        """The leader's scored EnginePart of generated completions (an empty part elsewhere);
+        seconds: the rollout since t0, then the reward. version: the weights of the first tokens;
+        switches: rollout.partial's [prompt][completion] weight switches (None: none)."""
         seconds = {"rollout": time.perf_counter() - t0}
         part = EnginePart()
         if self.place.leader and sub:
             t0 = time.perf_counter()
             with _phase(timer, "reward"):
-                part = self._score(
-                    req.rnd,
-                    sub,
-                    [req.prompt_ids[i] for i in todo],
-                    outs,
-                    [req.prefix_lens[i] for i in todo],
-                    version,
-                    switches,
-                )
+                part = self._score(req.rnd, sub, prompt_ids, outs, prefix_lens, version, switches)
             seconds["reward"] = time.perf_counter() - t0
         part.seconds = seconds if self.place.leader else {}
         return part
@@ -152,22 +152,25 @@ class EngineWorker:
             is_main=is_main,
         )
 
-    def _generate(self, req: WaveRequest, mine, prompt_ids) -> tuple[list, list]:
+    def _generate(self, req: WaveRequest, mine, prompt_ids) -> list:
         """want[slot] completions (rollout.vllm_engine.Completion) for each of this engine's
-        prompts, and each one's weight switches (partial rollouts; else none). vLLM gives completion
-        k of a request seed s the seed s + k, so starting a prompt's later wave at s + drawn[slot]
-        continues the stream: its completions are the ones a single call for all of them would have drawn."""
-        rc, seed = self.cfg.rollout, self.cfg.trainer.seed
+        prompts (rollout.partial on a rollout rank: train/partial_rollout.py instead)."""
         if not mine:
-            return [], []
-        seeds = [rollout_seed(seed, req.step, req.rnd, slot) + req.drawn[slot] for _, slot, _ in mine]
-        n = [req.want[slot] for _, slot, _ in mine]
-        if self.between_chunks is not None:
-            return self._generate_in_chunks(prompt_ids, n, seeds, req.step)
-        outs = self._call_engine(prompt_ids, n, rc.max_new_tokens, seeds)
-        return outs, [[[] for _ in group] for group in outs]
+            return []
+        return self.call_engine(
+            prompt_ids,
+            [req.want[slot] for _, slot, _ in mine],
+            self.cfg.rollout.max_new_tokens,
+            self.round_seeds(req, mine),
+        )
 
-    def _call_engine(self, prompt_ids, n, max_new_tokens: int, seeds) -> list:
+    def round_seeds(self, req: WaveRequest, mine) -> list[int]:
+        """Each prompt's request seed. vLLM gives completion k of a request seed s the seed s + k, so
+        starting a prompt's later wave at s + drawn[slot] continues the stream: its completions are
+        the ones a single call for all of them would have drawn."""
+        return [rollout_seed(self.cfg.trainer.seed, req.step, req.rnd, slot) + req.drawn[slot] for _, slot, _ in mine]
+
+    def call_engine(self, prompt_ids, n, max_new_tokens: int, seeds) -> list:
         rc = self.cfg.rollout
         return self.engine.generate(
             prompt_ids,
@@ -179,51 +182,6 @@ class EngineWorker:
             stop=rc.stop or None,
             seeds=seeds,
         )
-
-    def _generate_in_chunks(self, prompt_ids, n, seeds, step: int) -> tuple[list, list]:
-        """Partial rollouts: rollout.partial_chunk tokens at a time. Between chunks the weights
-        that arrived meanwhile load (between_chunks), and every unfinished completion goes on from
-        where it stopped as a request of its own (prompt + its tokens so far, a seed of its own per
-        chunk), under whichever weights are loaded: switches[i][k] lists [token index, version] where
-        completion k of prompt i changed weights. The first chunk samples what the whole call would
-        (same seeds); later chunks draw other random numbers than one call would, weights changed or not."""
-        from megatron_dppo.rollout.vllm_engine import Completion, request_seed
-
-        rc = self.cfg.rollout
-        outs = self._call_engine(prompt_ids, n, min(rc.partial_chunk, rc.max_new_tokens), seeds)
-        outs = [[Completion(list(c.token_ids), list(c.logprobs), c.finish_reason) for c in group] for group in outs]
-        switches = [[[] for _ in group] for group in outs]
-        for chunk in itertools.count(1):
-            going = [
-                (i, k)
-                for i, group in enumerate(outs)
-                for k, c in enumerate(group)
-                if c.finish_reason == "length"
-                and len(c.token_ids) < rc.max_new_tokens
-                and len(prompt_ids[i]) + len(c.token_ids) < rc.max_model_len - 1
-            ]
-            if not going:
-                return outs, switches
-            if self.between_chunks(step):
-                for i, k in going:
-                    switches[i][k].append([len(outs[i][k].token_ids), self.weights_version])
-            budgets: dict[int, list] = {}  # one engine call per chunk length (a call takes one max_new_tokens)
-            for i, k in going:
-                budgets.setdefault(min(rc.partial_chunk, rc.max_new_tokens - len(outs[i][k].token_ids)), []).append(
-                    (i, k)
-                )
-            for budget, these in budgets.items():
-                more = self._call_engine(
-                    [list(prompt_ids[i]) + outs[i][k].token_ids for i, k in these],
-                    1,
-                    budget,
-                    [request_seed("partial", seeds[i] + k, chunk) for i, k in these],
-                )
-                for (i, k), (c,) in zip(these, more):
-                    done = outs[i][k]
-                    done.token_ids += c.token_ids
-                    done.logprobs += c.logprobs
-                    done.finish_reason = c.finish_reason
 
     def _score(self, rnd, mine, prompt_ids, outs, prefix_lens, version, switches) -> EnginePart:
         """The engine leader's groups for its slice, scored (and shaped: DAPO's soft overlong
@@ -262,7 +220,7 @@ class EngineWorker:
                 reward_extras=extras[starts[q] : starts[q + 1]],
                 prefix_len=prefix_lens[q],
                 policy_version=version,
-                version_switches=switches[q] if any(switches[q]) else [],
+                version_switches=switches[q] if switches and any(switches[q]) else [],
             )
             for q, ((rec, slot, w_q), p, group) in enumerate(zip(mine, prompt_ids, outs))
         ]

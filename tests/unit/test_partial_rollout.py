@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from megatron_dppo.algorithms.records import Group, policy_lags
 from megatron_dppo.config import Config
 from megatron_dppo.rollout.vllm_engine import Completion
+from megatron_dppo.train.partial_rollout import ChunkedRounds
 from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker
 
 EOS = 99
@@ -41,50 +42,93 @@ class Engine:
         return out
 
 
-def _worker(chunk=2, max_new=7, switch_at=(1,)):
+class Scorer:
+    def score(self, texts, answers, recs):
+        return [1.0 if "103" in t else 0.0 for t in texts], {}
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _rounds(chunk=2, max_new=7, switch_at=(2,)):
     cfg = Config()
     cfg.rollout.partial, cfg.rollout.partial_chunk, cfg.rollout.max_new_tokens = True, chunk, max_new
     engine = Engine()
-    worker = EngineWorker(cfg, engine=engine, place=EnginePlace(0, 1, True), tokenizer=None, scorer=None)
+    worker = EngineWorker(cfg, engine=engine, place=EnginePlace(0, 1, True), tokenizer=Tokenizer(), scorer=Scorer())
     calls = []
 
-    def between_chunks(step):
+    def between_chunks(step, started):
         calls.append(step)
         if len(calls) in switch_at:
             engine.version = worker.weights_version = worker.weights_version + 1
             return True
         return False
 
-    worker.between_chunks = between_chunks
-    return worker, engine, calls
+    return ChunkedRounds(worker, between_chunks), engine, calls
 
 
-def _req(step=3):
-    rec = SimpleNamespace(id="p0")
-    return SimpleNamespace(step=step, rnd=0, want={0: 2, 1: 1}, drawn={0: 0, 1: 0}), [(rec, 0, 1.0), (rec, 1, 1.0)]
+def _req(step=3, prompts=([0, 1], [10, 11]), want=(2, 1)):
+    rec = SimpleNamespace(id="p0", answer="")
+    items = [(rec, slot, 1.0) for slot in range(len(prompts))]
+    return SimpleNamespace(
+        step=step,
+        rnd=0,
+        items=items,
+        prompt_ids=[list(p) for p in prompts],
+        prefix_lens=[0] * len(prompts),
+        want=dict(enumerate(want)),
+        drawn={slot: 0 for slot in range(len(prompts))},
+    )
+
+
+def _run(rounds, steps=20):
+    parts = []
+    for _ in range(steps):
+        if rounds.empty:
+            break
+        rounds.step()
+        parts += rounds.finished()
+    return parts
 
 
 def test_unfinished_completions_go_on_under_the_new_weights_and_say_where():
-    worker, engine, calls = _worker()
-    req, mine = _req()
-    outs, switches = worker._generate(req, mine, [[0, 1], [10, 11]])
-    # prompt 1: 7 tokens in chunks 2, 2, 2, 1, the weights changed after the first chunk
-    (c,) = outs[1]
-    assert c.token_ids == list(range(12, 19)) and c.finish_reason == "length"
-    assert c.logprobs == [-0.0] * 2 + [-1.0] * 5 and switches[1] == [[[2, 1]]]
+    rounds, engine, calls = _rounds(switch_at=(2,))  # weights arrive during the first chunk
+    rounds.admit(_req())
+    (part,) = _run(rounds)
+    g0, g1 = part.groups
+    # prompt 1: 7 tokens in chunks 2, 2, 2, 1; the weights changed after the first chunk
+    assert g1.completions == [list(range(12, 19))] and g1.truncated == [True]
+    assert g1.sampling_logprobs == [[-0.0] * 2 + [-1.0] * 5] and g1.version_switches == [[[2, 1]]]
     # prompt 0, completion 1 stopped (eos) in the second chunk, under the new weights
-    stopped = outs[0][1]
-    assert stopped.token_ids[-1] == EOS and stopped.finish_reason == "stop"
-    assert switches[0][1] == [[2, 1]] and len(stopped.logprobs) == len(stopped.token_ids)
-    assert calls and set(calls) == {3}  # between_chunks is told the round's step
+    assert g0.completions[1] == [102, 103, EOS] and g0.truncated[1] is False
+    assert g0.version_switches[1] == [[2, 1]] and g0.policy_version == 0  # its lag counts from its first tokens
+    assert set(calls) == {3}  # between_chunks is told the round's step
     assert max(m for _, _, m in engine.calls) <= 2  # no call asks for more than a chunk
 
 
 def test_a_completion_done_in_its_first_chunk_never_changes_weights():
-    worker, _, _ = _worker(chunk=8, max_new=8)
-    req, mine = _req()
-    outs, switches = worker._generate(req, mine, [[0, 1], [10, 11]])
-    assert outs[0][1].token_ids == [102, 103, EOS] and switches[0][1] == []
+    rounds, _, _ = _rounds(chunk=8, max_new=8)
+    rounds.admit(_req())
+    (part,) = _run(rounds)
+    assert part.groups[0].completions[1] == [102, 103, EOS] and part.groups[0].switches()[1] == []
+
+
+def test_a_later_round_fills_the_engine_while_the_first_finishes_and_replies_wait_their_turn():
+    """Round B (short completions) joins after round A's first chunk: its first chunk is generated in
+    the same chunk as A's continuation, it finishes first, and its reply still comes after A's."""
+    rounds, engine, _ = _rounds(switch_at=())
+    rounds.admit(_req(step=3, prompts=([10, 11],), want=(1,)))  # A: 7 tokens, 4 chunks
+    rounds.step()
+    assert rounds.finished() == []
+    rounds.admit(_req(step=4, prompts=([0, 102],), want=(1,)))  # B: [103, EOS] in its first chunk
+    engine.calls.clear()
+    rounds.step()
+    assert len(engine.calls) == 1 and engine.calls[0][0] == 2  # A's continuation and B's first chunk together
+    assert rounds.finished() == [] and rounds.rounds[1].done(rounds.worker.cfg.rollout)  # B done, waits for A
+    parts = _run(rounds)
+    assert [p.groups[0].completions[0][:1] for p in parts] == [[12], [103]]  # A's reply, then B's
 
 
 def test_the_group_records_the_switches_and_its_lag_counts_from_its_first_tokens():
