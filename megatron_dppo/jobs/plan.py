@@ -824,6 +824,13 @@ def plan_main(argv=None) -> int:
     step.add_argument("--trained-tokens", type=int, help="trained tokens per step (default: the cap)")
     step.add_argument("--transfer-gb-per-s", type=float, help="GB/s of the weight transfer to the rollout ranks")
     step.add_argument("--sync-gb-per-s", type=float, help="GB/s of the colocated weight sync (default: the transfer's)")
+    step.add_argument(
+        "--tail-share",
+        type=float,
+        help="with parallel.rollout_ranks: the share of a colocated rollout spent on its longest completions "
+        "(0 <= f < 1); adds the step at the config's trainer.max_staleness and rollout.partial, and the "
+        "balanced split for it, from the pipeline model (jobs/plan_step.balanced_split, docs/scaling.md 2d)",
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)  # the trainer's config checks, then its layout check
@@ -832,6 +839,8 @@ def plan_main(argv=None) -> int:
         plan = memory_plan(cfg)
         if args.gen_tokens_per_s is not None or args.train_tokens_per_s is not None:
             plan["step_time"] = plan_step_time(cfg, plan, args)
+        if args.tail_share is not None:
+            plan["async_step_time"] = plan_async_step_time(cfg, plan, args)
     except (ValueError, OSError) as e:
         print(f"plan: {e}")
         return 2
@@ -841,6 +850,8 @@ def plan_main(argv=None) -> int:
         print(format_plan(plan))
         if "step_time" in plan:
             print("\n".join(format_step_times(plan["step_time"])))
+        if "async_step_time" in plan:
+            print(format_async_step_time(plan["async_step_time"]))
     return 0 if plan["fits"] else 1
 
 
@@ -892,6 +903,42 @@ def plan_step_time(cfg, plan: dict, args) -> dict:
     check_inputs(inp, lay["disaggregated"])
     weight_bytes = plan["sync_bytes"]  # what the sync sends: the weights, or the adapters only
     return step_times(inp, gpus=lay["gpus"], rollout_gpus=lay["rollout_gpus"], weight_bytes=weight_bytes)
+
+
+def plan_async_step_time(cfg, plan: dict, args) -> dict:
+    """--tail-share: plan_step.balanced_split at the config's trainer.max_staleness and
+    rollout.partial, with plan_step_time's inputs, and this layout's own step."""
+    from megatron_dppo.jobs.plan_step import AsyncInputs, async_step_times, balanced_split
+
+    lay = plan["layout"]
+    if not lay["disaggregated"]:
+        raise ValueError("--tail-share: the pipeline model is for parallel.rollout_ranks > 0")
+    base = plan.get("step_time") or plan_step_time(cfg, plan, args)
+    inp = base["inputs"]
+    k, partial = cfg.trainer.max_staleness, cfg.rollout.partial
+    model = AsyncInputs(  # the colocated rollout's rate, its tail included: the model splits it
+        generated_tokens=inp["generated_tokens"],
+        trained_tokens=inp["trained_tokens"],
+        gen_tokens_per_s=inp["gen_tokens_per_s"],
+        train_tokens_per_s=inp["dedicated_train_tokens_per_s"] or inp["train_tokens_per_s"],
+        tail_share=args.tail_share,
+        weights_s=plan["sync_bytes"] / (inp["transfer_gb_per_s"] * 1e9),
+        colocated_train_tokens_per_s=inp["train_tokens_per_s"],
+    )
+    here = async_step_times(model, gpus=lay["gpus"], rollout_gpus=lay["rollout_gpus"], staleness=k, partial=partial)
+    best = balanced_split(model, gpus=lay["gpus"], staleness=k, partial=partial, multiple=cfg.parallel.rollout_tp)
+    return {"staleness": k, "partial": partial, "tail_share": args.tail_share, "layout": here, "balanced": best}
+
+
+def format_async_step_time(a: dict) -> str:
+    here, best = a["layout"], a["balanced"]
+    setting = f"trainer.max_staleness={a['staleness']}, rollout.partial={str(a['partial']).lower()}"
+    return (
+        f"pipeline model ({setting}, tail share {a['tail_share']}): {here['step_s']:.1f} s a step with "
+        f"{here['rollout_gpus']} rollout GPUs of {here['gpus']} ({here['speedup']:.2f}x over colocated "
+        f"{here['colocated_s']:.1f} s); balanced split {best['rollout_gpus']} rollout GPUs, {best['step_s']:.1f} s "
+        f"({best['speedup']:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -172,3 +172,25 @@ def test_inputs_that_cannot_be_used_are_named(tail_share, gpus, rollout_gpus, st
     assert str(e.value) == message
     with pytest.raises(ValueError, match=r"^multiple: expected an integer >= 1 \(parallel.rollout_tp\), got 0$"):
         balanced_split(inp, gpus=8, staleness=1, partial=True, multiple=0)
+
+
+def test_plan_prints_the_pipeline_models_step_at_the_configs_staleness(capsys):
+    """`plan --tail-share F` on a dedicated layout: the model's step at the config's k and
+    rollout.partial, this layout's and the balanced split's, the numbers balanced_split gives; on a
+    colocated config the flag is one line naming it."""
+    import json
+    from pathlib import Path
+
+    from megatron_dppo.jobs.plan import plan_main
+
+    presets = Path(__file__).resolve().parents[2] / "examples" / "presets"
+    flags = ["--gen-tokens-per-s=922", "--train-tokens-per-s=1500", "--transfer-gb-per-s=25", "--tail-share=0.5"]
+    k2 = ["trainer.max_staleness=2", "rollout.partial=true", "parallel.rollout_tp=1"]
+    assert plan_main(["--config", str(presets / "qwen3_32b_disagg.yaml"), "--json", *flags, *k2]) in (0, 1)
+    a = json.loads(capsys.readouterr().out)["async_step_time"]
+    assert (a["staleness"], a["partial"], a["layout"]["rollout_gpus"]) == (2, True, 16)
+    assert a["balanced"]["step_s"] <= a["layout"]["step_s"] < a["layout"]["colocated_s"]
+    assert plan_main(["--config", str(presets / "qwen3_32b_disagg.yaml"), *flags]) in (0, 1)
+    assert "pipeline model (trainer.max_staleness=1, rollout.partial=false, tail share 0.5)" in capsys.readouterr().out
+    assert plan_main(["--config", str(presets / "qwen3_32b.yaml"), *flags[:2], "--sync-gb-per-s=25", flags[3]]) == 2
+    assert "plan: --tail-share: the pipeline model is for parallel.rollout_ranks > 0" in capsys.readouterr().out
