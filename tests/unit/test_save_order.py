@@ -48,7 +48,7 @@ def _trainer(cfg, run_dir, first_step: int) -> Trainer:
     t.cfg, t.is_main, t.world, t.rank, t.engine_init_s, t.config_warnings = cfg, True, 1, 0, 0.0, []
     t.run_dir, t.ckpt_dir, t.first_step = str(run_dir), str(run_dir / "checkpoints"), first_step
     t.data = t.strategy = SimpleNamespace(skipped_long=0, state_dict=dict)
-    t.curriculum, t.history, t.roles, t.pending = None, None, None, None
+    t.curriculum, t.history, t.roles, t.pending = None, None, None, []
     t.policy = SimpleNamespace(attention=SimpleNamespace(describe=str), hf_weight_buckets=lambda: iter([]))
     t.weight_sync = SimpleNamespace(describe=str)  # the start-up line's LoRA part: "" without LoRA
     t.watchdog = SimpleNamespace(phase=lambda *a: None, margin_warning=lambda: None, timing_line=str)
