@@ -48,13 +48,16 @@ class StagedWeights:
         self.buckets, self.count = buckets, count
 
 
-def receive_weights(weights, version: int) -> StagedWeights:
-    """Every bucket of one weight sync from the weights bridge, to its end marker."""
+def receive_weights(weights) -> StagedWeights:
+    """Every bucket of one weight sync from the weights bridge: receive_buckets, read through, ends
+    only at the stream's end marker (or raises WeightStreamError)."""
     count = StreamCount()
-    buckets = list(weights.receive_buckets(count))
-    if not count.ended:  # receive_buckets ends only at the marker; a generator closed early would not
-        raise WeightStreamError(f"rollout rank: step {version}'s weights ended before the weights bridge's end marker")
-    return StagedWeights(buckets, count)
+    return StagedWeights(list(weights.receive_buckets(count)), count)
+
+
+def receive_adapters(weights) -> dict:
+    """One LoRA adapter sync from the weights bridge (one bucket) -> {HF name: tensor}."""
+    return {name: t.clone() for bucket in receive_weights(weights).buckets for name, t in bucket}
 
 
 def load_staged_weights(engine, staged: StagedWeights, version: int) -> StreamCount:
@@ -90,8 +93,8 @@ class Inbox:
 
     SYNCS = ("weights", "adapters")
 
-    def __init__(self, control, weights, receive_adapters):
-        self.control, self.weights, self.receive_adapters = control, weights, receive_adapters
+    def __init__(self, control, weights):
+        self.control, self.weights = control, weights
         self.items: deque = deque()
         self.arrived = threading.Condition()
         self.slot = threading.Semaphore(1)  # one staged copy of the weights at a time
@@ -104,10 +107,10 @@ class Inbox:
                 kind, payload = self.control.broadcast_object()
                 if kind == "weights":
                     self.slot.acquire()
-                    payload = (payload, receive_weights(self.weights, payload))
+                    payload = (payload, receive_weights(self.weights))
                 elif kind == "adapters":
                     self.slot.acquire()
-                    payload = (payload, self.receive_adapters(self.weights, payload))
+                    payload = (payload, receive_adapters(self.weights))
                 self._put((kind, payload))
                 if kind == "stop":
                     return

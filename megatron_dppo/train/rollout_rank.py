@@ -41,7 +41,7 @@ import torch
 
 from megatron_dppo.config import Config
 from megatron_dppo.rewards import RewardScorer
-from megatron_dppo.run.bridge import BridgeBroken, Roles, StreamCount, WeightStreamError
+from megatron_dppo.run.bridge import BridgeBroken, Roles
 from megatron_dppo.run.process import rank_prefix, set_rank_name
 from megatron_dppo.run.watchdog import StallWatchdog, default_store
 from megatron_dppo.train import startup
@@ -52,7 +52,6 @@ from megatron_dppo.train.rollout_mail import (
     Outbox,
     TrainingRanksGone,
     load_staged_weights,
-    receive_weights,
 )
 from megatron_dppo.train.step_rollout import EnginePlace, EngineWorker
 from megatron_dppo.train.weight_sync import AdapterSync
@@ -99,7 +98,7 @@ def serve(cfg: Config, roles: Roles) -> int:
         reward = scorer.describe() if scorer is not None else None
         _call(control.gather_objects, {"init_s": init_s, "logprobs_mode": engine.logprobs_mode, "reward": reward})
         # From here requests come in and replies go out on threads of their own (train/rollout_mail.py)
-        inbox, outbox = Inbox(control, weights, receive_adapters), Outbox(roles.replies)
+        inbox, outbox = Inbox(control, weights), Outbox(roles.replies)
 
         def load_sync(kind, payload) -> None:
             """A staged sync into the engine: the weights, or LoRA's adapters (train/weight_sync.py)."""
@@ -181,21 +180,6 @@ def serve(cfg: Config, roles: Roles) -> int:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 128 + signalled[0] if signalled else 0
-
-
-def load_synced_weights(engine, weights, version: int) -> StreamCount:
-    """Load one weight sync (step `version`'s update) from the weights bridge into the engine,
-    checking that the engine read it to its end marker (rollout_mail.load_staged_weights). -> what was read."""
-    return load_staged_weights(engine, receive_weights(weights, version), version)
-
-
-def receive_adapters(weights, version: int) -> dict:
-    """One adapter sync from the weights bridge, read to its end marker -> {HF name: tensor}."""
-    count = StreamCount()
-    tensors = {name: t.clone() for bucket in weights.receive_buckets(count) for name, t in bucket}
-    if not count.ended:
-        raise WeightStreamError(f"rollout rank: step {version}'s adapters ended before the weights bridge's end marker")
-    return tensors
 
 
 def _call(fn, *args):

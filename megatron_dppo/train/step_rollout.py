@@ -285,11 +285,6 @@ class RemoteEngines:
         self.read = 0  # replies read, in ticket order
         self.kept: dict[int, list] = {}  # ticket -> the reply read before it was asked for
 
-    @property
-    def in_flight(self) -> int:
-        """Requests whose reply has not been read yet."""
-        return self.sent - self.read
-
     def request(self, kind: str, payload) -> int:
         """Send one request (any kind that is answered) -> its ticket."""
         if self.control is not None:

@@ -1,7 +1,8 @@
 """The weights bridge's stream (megatron_dppo/run/bridge.py) through a loopback in one process:
 an empty bucket is skipped, not taken for the end; the end marker counts what was sent and the
 receiver checks it; the rollout rank checks that its engine read each sync to the end marker
-(train/rollout_rank.load_synced_weights); the bridge's groups run under parallel.timeout_minutes.
+(train/rollout_mail.receive_weights, then load_staged_weights); the bridge's groups run under
+parallel.timeout_minutes.
 The real groups, in 4 processes: tests/dist/test_bridge.py."""
 
 from datetime import timedelta
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dppo.run.bridge import Bridge, StreamCount, WeightStreamError
-from megatron_dppo.train.rollout_rank import load_synced_weights
+from megatron_dppo.train.rollout_mail import load_staged_weights, receive_weights
 
 
 class Loopback(Bridge):
@@ -84,7 +85,7 @@ class Engine:
 
 def test_the_rollout_rank_loads_a_sync_read_to_its_end_marker():
     engine = Engine()
-    count = load_synced_weights(engine, Loopback(1, _sent(BUCKETS)), 3)
+    count = load_staged_weights(engine, receive_weights(Loopback(1, _sent(BUCKETS))), 3)
     assert engine.loaded == ["a", "b", "c"] and (count.buckets, count.tensors, count.ended) == (2, 3, True)
 
 
@@ -93,7 +94,7 @@ def test_an_engine_that_stopped_reading_before_the_end_marker_is_named(reads):
     """Before: the rollout rank went on with the rest of the sync left in the bridge, and its
     weights two versions mixed."""
     with pytest.raises(WeightStreamError) as e:
-        load_synced_weights(Engine(reads), Loopback(1, _sent(BUCKETS)), 3)
+        load_staged_weights(Engine(reads), receive_weights(Loopback(1, _sent(BUCKETS))), 3)
     after = "before its first bucket" if reads == 0 else "after 1 bucket(s), 1 tensor(s), the last 'a'"
     assert str(e.value) == (
         f"rollout rank: the engine's load of step 3's weights returned {after}, before the weights bridge's "

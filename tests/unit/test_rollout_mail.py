@@ -48,7 +48,7 @@ def _wait_until(cond, seconds=5.0):
 def test_requests_come_in_order_and_a_second_sync_waits_for_the_first_to_be_loaded():
     weights = Weights()
     requests = [("weights", 1), ("wave", "a"), ("weights", 2), ("wave", "b"), ("stop", None)]
-    inbox = Inbox(Control(requests), weights, receive_adapters=None)
+    inbox = Inbox(Control(requests), weights)
     kind, (version, staged) = inbox.take()
     assert (kind, version, staged.count.ended) == ("weights", 1, True)
     assert inbox.take() == ("wave", "a")
@@ -62,7 +62,7 @@ def test_requests_come_in_order_and_a_second_sync_waits_for_the_first_to_be_load
 
 
 def test_a_broken_control_bridge_is_training_ranks_gone_at_the_next_take():
-    inbox = Inbox(Control([("wave", "a")], then_broken=True), Weights(), receive_adapters=None)
+    inbox = Inbox(Control([("wave", "a")], then_broken=True), Weights())
     assert inbox.take() == ("wave", "a")
     with pytest.raises(TrainingRanksGone, match="the training ranks went away without saying stop"):
         inbox.take()
