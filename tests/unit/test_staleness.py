@@ -4,6 +4,7 @@ the round in flight survives a checkpoint (PendingRound's JSON state) exactly.""
 
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -201,3 +202,29 @@ def test_a_later_wave_from_newer_weights_counts_at_its_own_lag():
     assert same.completion_versions == [] and policy_lags([same], 5) == [1, 1]  # one version: nothing stored
     back = Group.from_state(json.loads(json.dumps(first.to_state())), rec)
     assert back.versions() == [3, 3, 4, 4]
+
+
+def test_the_lag_histogram_and_a_lag_past_the_bound_is_an_error():
+    """Trainer._check_staleness at step 5 (trained weights: version 4): completions sampled by
+    versions 2, 2 and 3 lag 2, 2 and 1: at trainer.max_staleness=2 the histogram is
+    rollout/policy_lag_frac_0..2 = 0, 1/3, 2/3; at trainer.max_staleness=1 the same groups are an
+    error naming the key (a rollout rank more than k behind never trains silently)."""
+    import pytest
+
+    from megatron_dppo.train.trainer import Trainer
+
+    rec = _Prompt(0)
+    groups = [Group(rec, 0, 0, [5], [[1], [2]], [1.0, 0.0], policy_version=2)]
+    groups.append(Group(rec, 0, 1, [5], [[3]], [1.0], policy_version=3))
+
+    def trainer(k):
+        cfg = Config()
+        cfg.trainer.max_staleness = k
+        return SimpleNamespace(roles=object(), cfg=cfg)
+
+    m = Trainer._check_staleness(trainer(2), groups, 5)
+    assert m["rollout/policy_lag_max"] == 2 and math.isclose(m["rollout/policy_lag_mean"], 5 / 3)
+    fracs = [m[f"rollout/policy_lag_frac_{j}"] for j in range(3)]
+    assert fracs == [0.0, 1 / 3, 2 / 3] and "rollout/policy_lag_frac_3" not in m
+    with pytest.raises(RuntimeError, match=r"sampled 2 updates behind, more than trainer.max_staleness=1"):
+        Trainer._check_staleness(trainer(1), groups, 5)
