@@ -16,6 +16,10 @@ from megatron_dppo.run.process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [*TRAINER_SMALL, "data.train_size=8"]  # test_trainer's small runs, one batch of prompts
+# trainer.stall_timeout_s of the stall test (start-up has its own start_timeout_s): its run's longest
+# phase after start-up took 0.6 s with both cores busy (step 1's checkpoint save), 2.2 s in a 50-step
+# run beside three busy processes (a save): 7 s is 3x that
+STALL_S = 7
 
 
 def train_cmd(out, name, *overrides, nproc=1, resume=False):
@@ -37,7 +41,7 @@ def test_a_sigstopped_trainer_rank_ends_the_job_naming_it_and_keeps_the_checkpoi
     1 and its phase within trainer.stall_timeout_s, the job exits non-zero, `latest` names a step."""
     run_dir = tmp_path / "stall"
     cmd = train_cmd(tmp_path, "stall", "trainer.max_steps=50", "trainer.save_every=1",
-                    "trainer.stall_timeout_s=10", nproc=2)  # fmt: skip
+                    f"trainer.stall_timeout_s={STALL_S}", nproc=2)  # fmt: skip
     with open(tmp_path / "out.txt", "w+") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -76,7 +80,7 @@ def test_a_sigstopped_trainer_rank_ends_the_job_naming_it_and_keeps_the_checkpoi
     assert "exitcode  : 124" in text, text[-3000:]
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest.startswith("step_") and (run_dir / "checkpoints" / latest / "manifest.json").exists()
-    assert took < 10 + 30 + 30, took  # the timeout, torchrun's 30 s grace for the stopped rank, slack
+    assert took < STALL_S + 30 + 30, took  # the timeout, torchrun's 30 s grace for the stopped rank, slack
 
 
 def test_resume_refuses_another_group_size_and_logs_the_save_cost(tmp_path):
