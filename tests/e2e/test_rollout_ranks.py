@@ -128,7 +128,20 @@ def _job(proc) -> list:
     return [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
 
 
-def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    """The uninterrupted LONG-step run at trainer.max_staleness=1, an HF export and a checkpoint after
+    every step, all kept: test_staleness_1's reference, and its step 1 checkpoint, whose
+    pending_rollout.json holds step 2's rollout, the one the damaged-file tests resume from (one
+    2-process run for what were two)."""
+    out = tmp_path_factory.mktemp("stale-run")
+    every_step = ["trainer.save_hf_every=1", "trainer.save_every=1", f"trainer.keep_checkpoints={LONG}"]
+    run(train_cmd(out, "stale", MODEL, 2, *STALE, f"trainer.max_steps={LONG}", *every_step))
+    assert (out / "stale" / "checkpoints" / "step_000001" / "pending_rollout.json").exists()
+    return out / "stale"
+
+
+def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exactly(stale_run, tmp_path):
     """Uninterrupted run: step 1 trains on fresh completions, steps 2-5 on completions one update
     behind (rollout/policy_lag_max); step 1's completions have the starting weights' log-probs
     (transformers on examples/tiny/model), and each later step s's those of step s-2's update (its
@@ -137,12 +150,11 @@ def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exac
     stops the rollout rank; nothing is left running. --resume then repeats the uninterrupted run's
     later steps exactly."""
     steps = [f"trainer.max_steps={LONG}", "trainer.save_hf_every=1"]
-    run(train_cmd(tmp_path, "stale", MODEL, 2, *STALE, *steps))
-    ref = metrics(tmp_path / "stale")
+    ref = metrics(stale_run)
     assert [ref[s]["rollout/policy_lag_max"] for s in range(1, LONG + 1)] == [0] + [1] * (LONG - 1)
     assert ref[2]["train/rollout_kl_k3"] > 1e3 * ref[1]["train/rollout_kl_k3"]  # off-policy from step 2 on
-    assert _logprob_gap(tmp_path / "stale", 0, rollouts(tmp_path / "stale", 1)) < SAME  # the check's reference
-    _assert_each_step_sampled_by_the_weights_it_says(tmp_path / "stale", ref)
+    assert _logprob_gap(stale_run, 0, rollouts(stale_run, 1)) < SAME  # the check's reference
+    _assert_each_step_sampled_by_the_weights_it_says(stale_run, ref)
 
     log = tmp_path / "killed.log"
     proc = start_logged(train_cmd(tmp_path, "killed", MODEL, 2, *STALE, *steps, "trainer.save_every=0"), log)
@@ -159,7 +171,7 @@ def test_staleness_1_trains_one_update_behind_and_a_killed_launcher_resumes_exac
     got = metrics(tmp_path / "killed")
     assert sorted(got) == list(range(1, LONG + 1))
     for step in range(1, LONG + 1):
-        assert_same_rollouts(rollouts(tmp_path / "killed", step), rollouts(tmp_path / "stale", step))
+        assert_same_rollouts(rollouts(tmp_path / "killed", step), rollouts(stale_run, step))
         assert got[step]["rollout/policy_lag_max"] == ref[step]["rollout/policy_lag_max"]
     _compare(ref, got, range(1, LONG + 1))
 
@@ -255,7 +267,9 @@ def test_a_rollout_rank_that_stalls_or_dies_ends_the_job(tmp_path, fault):
     within a minute or two and no process of it is left."""
     over = ["trainer.max_steps=200", "trainer.save_every_minutes=0"]
     if fault == "stalled":
-        over += ["trainer.save_every=0", "trainer.stall_timeout_s=10"]  # start-up has its own start_timeout_s
+        # start-up has its own start_timeout_s; this config's longest phase after it took 1.5 s with both
+        # cores busy (measured: a step's train phase, the rollout rank's wait for the next weights): 6 s is 4x
+        over += ["trainer.save_every=0", "trainer.stall_timeout_s=6"]
     else:
         over.append("trainer.save_every=1")  # the trainer's line names the last checkpoint
     log = tmp_path / "run.log"
@@ -296,18 +310,6 @@ def _launcher_rank(p: psutil.Process):
     return int(env["RANK"]) if "RANK" in env and "megatron_dppo.cli" in " ".join(p.cmdline()) else None
 
 
-@pytest.fixture(scope="module")
-def stale_checkpoint(tmp_path_factory):
-    """A 2-step run at trainer.max_staleness=1 whose step 1 checkpoint holds step 2's rollout
-    (pending_rollout.json): the run dir, its `latest` naming step 1."""
-    out = tmp_path_factory.mktemp("stale-checkpoint")
-    run(train_cmd(out, "saved", MODEL, 2, *STALE, "trainer.save_every=1"))
-    ckpt = out / "saved" / "checkpoints"
-    assert (ckpt / "step_000001" / "pending_rollout.json").exists()
-    (ckpt / "latest").write_text("step_000001\n")
-    return out / "saved"
-
-
 def _damage(pending, how: str) -> str:
     """-> what the error must say about the file."""
     if how == "missing":
@@ -322,14 +324,15 @@ def _damage(pending, how: str) -> str:
 
 
 @pytest.mark.parametrize("how", ["truncated", "missing", "garbled"])
-def test_a_damaged_pending_rollout_ends_the_resumed_job_in_seconds(stale_checkpoint, tmp_path, how):
+def test_a_damaged_pending_rollout_ends_the_resumed_job_in_seconds(stale_run, tmp_path, how):
     """--resume from a checkpoint whose pending_rollout.json is damaged: the training rank's start-up
     check fails while the rollout rank starts its engine. The default timeouts (start_timeout_s 600 s
     on CPU): truncated or missing, the job waited for the rollout rank's start-up watchdog, the
     training rank blocked saying stop to a rollout rank still sending its start-up report; garbled,
     it failed after the model loaded with json's words and no file named."""
-    run_dir = tmp_path / "saved"
-    shutil.copytree(stale_checkpoint, run_dir)
+    run_dir = tmp_path / "saved"  # stale_run as if killed after step 1's save
+    shutil.copytree(stale_run, run_dir, ignore=shutil.ignore_patterns("hf"))
+    (run_dir / "checkpoints" / "latest").write_text("step_000001\n")
     pending = run_dir / "checkpoints" / "step_000001" / "pending_rollout.json"
     said = _damage(pending, how)
     t0 = time.monotonic()
