@@ -182,6 +182,9 @@ def test_dppo_reaching_grpos_final_accuracy_per_seed_and_on_the_mean():
     assert c["speedup_at_equal_steps_cpu"] == pytest.approx(2.0)
     assert c["dppo"]["prompts_pruned_frac"] == pytest.approx(0.25 * 3 / 4)  # step 1 has no history
     assert c["verdict"] == "met: 3.00x"
+    settings = {"train_size": 208, "visits": 3, "code_versions": ["abc1234"], "seeds": [0, 1, 2], "command": "x"}
+    row = claim_tool.claim_row(c, settings, "claim.png")
+    assert "DPPO: 8 s (step 2.0) of train CPU against GRPO's 24 s (step 3.0), 3.00x" in row
 
 
 def test_dppo_that_never_reaches_it_reports_not_reached_with_the_gap():
@@ -192,7 +195,7 @@ def test_dppo_that_never_reaches_it_reports_not_reached_with_the_gap():
     assert c["verdict"] == "not met: DPPO does not reach GRPO's final accuracy (10.0 points short)"
     settings = {"train_size": 208, "visits": 3, "code_versions": ["abc1234"], "seeds": [0, 1, 2], "command": "x"}
     row = claim_tool.claim_row(c, settings, "claim.png")
-    assert "DPPO: not reached (gap 10.0 points) of train CPU" in row
+    assert "DPPO: not reached (gap 10.0 points); GRPO reached it in " in row and "of train CPU" in row
     assert len(row.strip("|").split(" | ")) == 5  # claim | measured | runs | met | picture
 
 
