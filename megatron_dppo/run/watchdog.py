@@ -16,8 +16,12 @@ would give up after its timeout without naming the rank that stopped). Here:
     stopped, i.e. stopped, dead or hung with the GIL held, first; then those stuck in a phase;
     then those still moving), the main thread's innermost frames, and exits the process with
     STALL_EXIT_CODE through os._exit (the main thread is stuck: nothing else would run). torchrun
-    then ends the other ranks. A checkpoint being written stays a .tmp- dir: `latest` keeps
-    naming the last complete one, which --resume continues from.
+    then ends the other ranks. A rank on this host whose process is stopped (SIGSTOP, ctrl-Z) is
+    killed first (end_stopped_ranks): a stopped process does not act on torchrun's SIGTERM, and
+    torch 2.13's torchrun waits a fixed 30 s before its SIGKILL (--shutdown-timeout does not
+    shorten that wait), so the job would outlive the report by half a minute. A checkpoint being
+    written stays a .tmp- dir: `latest` keeps naming the last complete one, which --resume
+    continues from.
 
 A rank whose main thread is stuck inside C code that holds the GIL cannot run its checker; its
 heartbeats stop too, so the other ranks' checkers name it when their own waits reach the timeout.
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -41,6 +46,36 @@ import traceback
 
 STALL_EXIT_CODE = 124  # what `timeout(1)` returns: "ran out of time"
 _PREFIX = "megatron_dppo/watchdog/"
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks since boot) of a process from /proc/<pid>/stat
+    (fields 3 and 22), or None where there is no such process or no /proc. The start time tells a
+    process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": the command may hold spaces
+    return fields[0], int(fields[19])
+
+
+def end_stopped_ranks(beats: dict, host: str, now: float, stale_s: float, kill=os.kill) -> list[int]:
+    """SIGKILL the ranks whose heartbeats stopped because their process, on this host, is stopped
+    (state T), and return them. Only the very process that sent the beat (its pid and start time), and
+    only a stopped one: a running or hung rank answers torchrun's SIGTERM itself."""
+    killed = []
+    for rank, beat in sorted(beats.items()):
+        if beat.get("host") != host or now - beat["beat"] <= stale_s or beat.get("started") is None:
+            continue
+        if process_state(beat["pid"]) == ("T", beat["started"]):
+            try:
+                kill(beat["pid"], signal.SIGKILL)
+                killed.append(rank)
+            except OSError:  # gone meanwhile: nothing to end
+                pass
+    return killed
 
 
 def default_store():
@@ -157,6 +192,8 @@ class StallWatchdog:
         self.beat_s = max(0.2, min(5.0, self.timeout_s / 4))
         self.stale_s = 3 * self.beat_s  # three missed beats: that rank's process is not running
         self._exit = exit
+        own = process_state(os.getpid())
+        self._started = own[1] if own else None  # None off Linux: end_stopped_ranks leaves this rank be
         self._phase, self._step = "start", None
         self._progress_mono = time.monotonic()  # when the current phase began: the last progress
         self._progress_wall = time.time()
@@ -229,6 +266,7 @@ class StallWatchdog:
             "timeout": self._timeout()[1],
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "started": self._started,
         }
 
     def _beat_loop(self) -> None:
@@ -276,8 +314,8 @@ class StallWatchdog:
     def _name(self) -> str:
         return _ranks([self.rank], self.role, self.first_rank)
 
-    def report_lines(self, idle: float) -> list[str]:
-        beats = self._read_beats()
+    def report_lines(self, idle: float, beats: dict | None = None) -> list[str]:
+        beats = self._read_beats() if beats is None else dict(beats)
         beats[self.rank] = self._heartbeat()  # this rank's own state, fresh
         where = _main_thread_frames()
         option, seconds = self._timeout()
@@ -299,7 +337,16 @@ class StallWatchdog:
         from megatron_dppo.run.process import rank_prefix
 
         try:
-            text = "".join(f"{rank_prefix()}{line}\n" for line in self.report_lines(idle))
+            beats = self._read_beats()
+            lines = self.report_lines(idle, beats)
+            others = {r: b for r, b in beats.items() if r != self.rank}
+            killed = end_stopped_ranks(others, socket.gethostname(), time.time(), self.stale_s)
+            if killed:
+                lines.append(
+                    f"stall watchdog: {_ranks(killed, self.role, self.first_rank)} stopped (SIGSTOP) on this "
+                    "host: killed (SIGKILL), since a stopped process does not act on the launcher's SIGTERM"
+                )
+            text = "".join(f"{rank_prefix()}{line}\n" for line in lines)
             os.write(2, text.encode())  # not print: the main thread may hold sys.stderr's lock
         finally:
             self._exit(STALL_EXIT_CODE)

@@ -150,3 +150,46 @@ def test_a_rollout_ranks_report_names_its_launcher_rank_and_role():
     assert "  rank 2 (rollout rank 1) never sent a heartbeat (did not start, or died before its first beat)" in lines
     assert lines[-1].startswith("stall watchdog: rank 1 (rollout rank 0) exits with status 124"), lines
     assert _ranks([0, 1, 3], "rollout", 4) == "ranks 4-5, 7 (rollout ranks 0-1, 3)"
+
+
+def test_end_stopped_ranks_kills_only_the_stopped_process_that_sent_the_beat():
+    """A stopped process on this host whose beats stopped is SIGKILLed (torchrun's SIGTERM would wait
+    on it 30 s); not a running process, not a later process reusing the pid (another start time),
+    not a rank on another host, not a rank still beating."""
+    import signal
+    import socket
+    import subprocess
+
+    from megatron_dppo.run.watchdog import end_stopped_ranks, process_state
+
+    stopped = subprocess.Popen(["sleep", "60"])
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        for _ in range(100):  # the stop lands asynchronously
+            if process_state(stopped.pid)[0] == "T":
+                break
+            time.sleep(0.01)
+        now, host = time.time(), socket.gethostname()
+
+        def beat(proc, **over):
+            return {"beat": now - 60, "host": host, "pid": proc.pid, "started": process_state(proc.pid)[1], **over}
+
+        beats = {
+            1: beat(running),
+            2: beat(stopped, started=process_state(stopped.pid)[1] + 1),  # the pid reused by a later process
+            3: beat(stopped, host="another-host"),
+            4: beat(stopped, beat=now - 1),  # still beating
+            5: beat(stopped, started=None),  # a rank off Linux: no start time to tell it by
+        }
+        sent = []
+        assert end_stopped_ranks(beats, host, now, stale_s=15, kill=lambda *a: sent.append(a)) == []
+        assert sent == []
+        beats[6] = beat(stopped)
+        assert end_stopped_ranks(beats, host, now, stale_s=15) == [6]
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert running.poll() is None
+    finally:
+        for proc in (stopped, running):
+            proc.kill()
+            proc.wait()
