@@ -61,15 +61,21 @@ def process_state(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+def _silent(beat: dict, now: float, stale_s: float) -> bool:
+    """No heartbeat for over stale_s: the rank's process is not running (stopped, dead, or holding the GIL)."""
+    return now - beat["beat"] > stale_s
+
+
 def end_stopped_ranks(beats: dict, host: str, now: float, stale_s: float, kill=os.kill) -> list[int]:
     """SIGKILL the ranks whose heartbeats stopped because their process, on this host, is stopped
     (state T), and return them. Only the very process that sent the beat (its pid and start time), and
     only a stopped one: a running or hung rank answers torchrun's SIGTERM itself."""
     killed = []
     for rank, beat in sorted(beats.items()):
-        if beat.get("host") != host or now - beat["beat"] <= stale_s or beat.get("started") is None:
+        if beat.get("host") != host or not _silent(beat, now, stale_s):
             continue
-        if process_state(beat["pid"]) == ("T", beat["started"]):
+        # a beat with no start time (sent off Linux) matches no process: left be
+        if process_state(beat["pid"]) == ("T", beat.get("started")):
             try:
                 kill(beat["pid"], signal.SIGKILL)
                 killed.append(rank)
@@ -125,7 +131,7 @@ def describe_ranks(
         b = beats.get(r)
         if b is None:
             key = (0, "never sent a heartbeat", None, None)
-        elif now - b["beat"] > stale_s:
+        elif _silent(b, now, stale_s):
             key = (1, "stale", b["phase"], b["step"])
         elif now - b["progress"] >= b.get("timeout", timeout_s):  # a rank in start-up: its start timeout
             key = (3, "waits", b["phase"], b["step"])

@@ -272,13 +272,14 @@ def test_megatron_logits_equal_transformers_on_real_text_and_the_round_trip_is_b
 @pytest.mark.slow
 def test_the_example_recipe_trains_the_real_model_and_tp3_equals_one_process(built, tmp_path):
     """examples/smollm2/dppo.yaml on the built dir, shrunk to 2 steps of 6 prompts x 4 completions
-    of at most 12 tokens, both of which train (3 of 6 groups with reward variance; step 2 samples
-    from step 1's update), and an evaluation of 1 test problem before and after: the run ends cleanly, no
-    reward check failed, every logged reward equals examples/smollm2/reward.py recomputed here on
-    the logged completion against the test's own a + b; and the same run at TP=3 (3 processes,
-    an engine per rank; SmolLM2's 9 heads do not split in 2) has the same rollouts token for token
-    at both steps (so step 1's update gave the same weights), equal rewards and trained tokens,
-    and losses and gradient norms within 1e-4 relative (measured: loss equal, grad norm 2.7e-5)."""
+    of at most 12 tokens, both of which train (3 of 6 groups with reward variance; step 2's rows
+    name step 1's update as their policy_version), and an evaluation of 1 test problem before and
+    after: the run ends cleanly, no reward check failed, every logged reward equals
+    examples/smollm2/reward.py recomputed here on the logged completion against the test's own a +
+    b; and the same run at TP=3 (3 processes, an engine per rank; SmolLM2's 9 heads do not split in
+    2) has the same rollouts token for token at both steps (so step 1's update gave the same
+    weights), equal rewards and trained tokens, and losses and gradient norms within 1e-4 relative
+    (measured: loss equal, grad norm 2.7e-5)."""
     from conftest import run_cli
     from trainer_runs import assert_same_rollouts, metrics, rel_close, rollouts
 
